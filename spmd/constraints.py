@@ -1,0 +1,57 @@
+"""Activation constraints usable inside model code.
+
+Model code calls ``constrain(x_BLD, ("batch", "length", "embed"))`` at the few places where the
+layout of an activation matters (block inputs and outputs, attention heads, MLP hidden, logits).
+Outside a :func:`use_rules` context this returns ``x`` unchanged, so the same model runs as plain
+single-device code. Inside one, the dims are mapped through the rule set's *activation* table and
+the constraint is applied in the way the mesh's axis types require:
+
+- Auto axes: ``jax.lax.with_sharding_constraint`` (a hint GSPMD propagates from);
+- Explicit axes: ``jax.sharding.reshard`` (sharding is part of the type there).
+
+The context is read at trace time, so enter it inside the function being jitted (the trainer's
+step does), or around the call that traces it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding
+
+from meshes import axis_sizes
+from spmd.rules import Rules, get_rules
+
+_CURRENT: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar("spmd_rules", default=None)
+
+
+@contextlib.contextmanager
+def use_rules(rules: Rules | str, mesh: Mesh) -> Iterator[Rules]:
+    """Make ``rules`` on ``mesh`` the layout that :func:`constrain` applies."""
+    token = _CURRENT.set((mesh, get_rules(rules)))
+    try:
+        yield get_rules(rules)
+    finally:
+        _CURRENT.reset(token)
+
+
+def current() -> tuple[Mesh, Rules] | None:
+    """The active (mesh, rules), or None for plain single-device code."""
+    return _CURRENT.get()
+
+
+def constrain(x: jax.Array, dims: Sequence[str | None]) -> jax.Array:
+    """Constrain activation ``x`` (logical ``dims``) to the active rule set; no-op without one."""
+    active = _CURRENT.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    if len(dims) != x.ndim:
+        raise ValueError(f"constrain: array of shape {x.shape} given {len(dims)} dims {tuple(dims)}")
+    sharding = NamedSharding(mesh, rules.spec(dims, kind="activations", mesh_sizes=axis_sizes(mesh), what="activation"))
+    if all(t == AxisType.Explicit for t in mesh.axis_types):
+        return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)

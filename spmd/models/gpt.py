@@ -1,0 +1,119 @@
+"""GPT-style decoder-only transformer, written as single-device code with logical dims.
+
+token embedding ``E[V, D]`` -> n_layers x (RMSNorm -> causal attention with RoPE (optionally
+grouped KV heads) -> residual -> RMSNorm -> gated MLP -> residual), run as a :class:`Stack` scan
+-> final RMSNorm -> output head ``W[D, V]`` (or ``E`` transposed when tied) -> logits in f32.
+
+Which dims shard over which mesh axes is decided by the rule set, not here; this module only
+names dims. Parameters are f32 (``param_dtype``); matmuls run in ``dtype`` (bf16 or f32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from spmd.constraints import constrain
+from spmd.models.layers import Attention, GatedMLP, RMSNorm, param, weight
+from spmd.stack import Stack
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int | None = None  # None: = n_heads (multi-head); fewer: grouped-query attention
+    head_dim: int | None = None  # None: d_model // n_heads
+    d_ff: int | None = None  # None: 4 * d_model
+    rope_theta: float = 10_000.0
+    tie_embeddings: bool = False
+    dtype: str = "float32"  # compute dtype: "float32" | "bfloat16"
+    remat: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"GPTConfig.dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ValueError(f"d_model {self.d_model} does not divide by n_heads {self.n_heads}; set head_dim")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.kv_heads}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def k(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def ff(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return DTYPES[self.dtype]
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: x + attn(norm(x)); x + mlp(norm(x))."""
+
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, rngs=rngs)
+        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.k, rngs=rngs,
+                              rope_theta=cfg.rope_theta, dtype=cfg.compute_dtype)
+        self.mlp_norm = RMSNorm(cfg.d_model, rngs=rngs)
+        self.mlp = GatedMLP(cfg.d_model, cfg.ff, rngs=rngs, dtype=cfg.compute_dtype)
+
+    def __call__(self, x_BLD: jax.Array, positions_L: jax.Array) -> jax.Array:
+        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_L)
+        x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
+        return constrain(x_BLD, ("batch", "length", "embed"))
+
+
+class GPT(nnx.Module):
+    """``GPT(cfg, rngs=nnx.Rngs(0))(tokens_BL) -> logits_BLV`` (f32)."""
+
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = param(rngs, nnx.initializers.normal(stddev=1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
+        self.blocks = Stack(lambda r: Block(cfg, rngs=r), cfg.n_layers, rngs=rngs, remat=cfg.remat)
+        self.final_norm = RMSNorm(cfg.d_model, rngs=rngs)
+        if not cfg.tie_embeddings:
+            self.head = param(rngs, nnx.initializers.truncated_normal(stddev=cfg.d_model**-0.5),
+                              (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+
+    def __call__(self, tokens_BL: jax.Array) -> jax.Array:
+        cfg, dt = self.cfg, self.cfg.compute_dtype
+        x_BLD = constrain(jnp.take(weight(self.embed, dt), tokens_BL, axis=0), ("batch", "length", "embed"))
+        positions_L = jnp.arange(tokens_BL.shape[1])
+        x_BLD = self.final_norm(self.blocks(x_BLD, positions_L))
+        if cfg.tie_embeddings:
+            logits_BLV = jnp.einsum("bld,vd->blv", x_BLD, weight(self.embed, dt)) * cfg.d_model**-0.5
+        else:
+            logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, weight(self.head, dt))
+        return constrain(logits_BLV.astype(jnp.float32), ("batch", "length", "vocab"))
+
+
+def lm_loss(logits_BLV: jax.Array, targets_BL: jax.Array, *, z_loss: float = 0.0) -> tuple[jax.Array, dict]:
+    """Mean next-token cross-entropy (+ ``z_loss * mean(logsumexp^2)``, PaLM's z-loss), in f32."""
+    logits_BLV = logits_BLV.astype(jnp.float32)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
+    aux = {"ce": ce}
+    loss = ce
+    if z_loss:
+        lse_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
+        aux["z_loss"] = z_loss * jnp.mean(lse_BL**2)
+        loss = loss + aux["z_loss"]
+    return loss, aux

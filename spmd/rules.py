@@ -1,0 +1,161 @@
+"""Rules: logical dims -> mesh axes, as data.
+
+Model code names the dims of every parameter and activation with logical names (``embed``,
+``mlp``, ``heads`` ...). A rule set maps those names to mesh axes; nothing else in the toolkit
+spells a PartitionSpec. A rule set holds two tables, because parameters and activations of the
+same logical dim are sharded differently: under FSDP the parameters' ``embed`` dim is split over
+``fsdp`` while activations are split along ``batch`` over ``fsdp`` and keep ``embed`` whole.
+
+Presets, in the scaling book's notation (``W[D_fsdp, F_tensor]``: dim D sharded over axis fsdp):
+
+======== ======================================== ============================================
+preset   parameters                               activations
+======== ======================================== ============================================
+dp       replicated: ``W[D, F]``                  ``x[B_data, L, D]``
+fsdp     ``W[D_fsdp, F]`` (all-gathered for use)  ``x[B_(data,fsdp), L, D]``
+tp       ``W_in[D, F_tensor]``, ``W_out[F_tensor, D]``  ``x[B, L, D]``, ``h[B, L, F_tensor]``
+dp_tp    as tp                                    ``x[B_data, L, D]``, ``h[B_data, L, F_tensor]``
+fsdp_tp  ``W_in[D_fsdp, F_tensor]``               ``x[B_(data,fsdp), L, D]``, ``h[.., F_tensor]``
+======== ======================================== ============================================
+
+What communicates: DP all-reduces gradients over ``data``; FSDP all-gathers each weight over
+``fsdp`` before use (forward and backward) and reduce-scatters its gradient; TP (Megatron)
+all-reduces the partial sums of each row-parallel matmul (attention output, MLP down) over
+``tensor``, once per block in the forward pass and once in the backward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from jax.sharding import PartitionSpec as P
+
+from meshes import AXES
+
+# Logical dims models annotate (DESIGN.md vocabulary).
+LOGICAL_DIMS: tuple[str, ...] = (
+    "batch", "length", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "layers", "stage",
+)
+
+Axes = str | tuple[str, ...] | None
+Table = tuple[tuple[str, Axes], ...]
+
+
+class RulesError(ValueError):
+    """A rule set, or a use of one, that cannot give a valid sharding."""
+
+
+def _axes_tuple(axes: Axes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def _check_table(table: Table, what: str) -> Table:
+    table = tuple((str(k), v if v is None or isinstance(v, str) else tuple(v)) for k, v in table)
+    keys = [k for k, _ in table]
+    for key in keys:
+        if keys.count(key) > 1:
+            raise RulesError(f"{what} rules give logical dim {key!r} more than once: {table}")
+    for key, axes in table:
+        for axis in _axes_tuple(axes):
+            if axis not in AXES:
+                raise RulesError(
+                    f"{what} rule {key!r} -> {axes!r} names unknown mesh axis {axis!r}; valid axes: {', '.join(AXES)}"
+                )
+        if len(set(_axes_tuple(axes))) != len(_axes_tuple(axes)):
+            raise RulesError(f"{what} rule {key!r} -> {axes!r} repeats a mesh axis")
+    return table
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """A named rule set: one table for parameters, one for activations (tuples of (dim, axes))."""
+
+    name: str
+    params: Table = ()
+    activations: Table = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "params", _check_table(self.params, f"{self.name!r} params"))
+        object.__setattr__(self, "activations", _check_table(self.activations, f"{self.name!r} activations"))
+
+    def known_dims(self) -> set[str]:
+        return set(LOGICAL_DIMS) | {k for k, _ in self.params} | {k for k, _ in self.activations}
+
+    def spec(
+        self,
+        dims: Sequence[str | None],
+        *,
+        kind: str = "params",
+        mesh_sizes: Mapping[str, int] | None = None,
+        what: str = "array",
+    ) -> P:
+        """PartitionSpec for an array whose dims have these logical names (None = never sharded).
+
+        ``kind`` picks the table ("params" or "activations"). With ``mesh_sizes``, axes the mesh
+        lacks or has at size 1 are dropped (they cost nothing). A rule set that would use one
+        mesh axis for two dims of the same array raises, naming both dims.
+        """
+        if kind not in ("params", "activations"):
+            raise RulesError(f"kind must be 'params' or 'activations', got {kind!r}")
+        table = dict(self.params if kind == "params" else self.activations)
+        known = self.known_dims()
+        used: dict[str, str] = {}
+        entries: list[Axes] = []
+        for dim in dims:
+            if dim is not None and dim not in known:
+                raise RulesError(
+                    f"{what} has unknown logical dim {dim!r}; known dims: {', '.join(sorted(known))} "
+                    f"(add a rule for it to use a new name)"
+                )
+            axes = _axes_tuple(table.get(dim)) if dim is not None else ()
+            for axis in axes:
+                if axis in used:
+                    raise RulesError(
+                        f"rule set {self.name!r} shards {what} dims {used[axis]!r} and {dim!r} both over mesh "
+                        f"axis {axis!r}; an axis can shard only one dim of an array (dims {tuple(dims)})"
+                    )
+                used[axis] = dim
+            if mesh_sizes is not None:
+                axes = tuple(a for a in axes if mesh_sizes.get(a, 1) > 1)
+            entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        while entries and entries[-1] is None:
+            entries.pop()
+        return P(*entries)
+
+    def replace(self, *, name: str | None = None, params: Mapping[str, Axes] | None = None,
+                activations: Mapping[str, Axes] | None = None) -> Rules:
+        """A copy with some dims re-mapped, e.g. ``FSDP.replace(params={"vocab": "tensor"})``."""
+        def merge(table: Table, new: Mapping[str, Axes] | None) -> Table:
+            out = dict(table)
+            out.update(new or {})
+            return tuple(out.items())
+
+        return Rules(name or self.name, merge(self.params, params), merge(self.activations, activations))
+
+
+_TP_PARAMS: Table = (("mlp", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor"), ("vocab", "tensor"))
+_TP_ACTS: Table = (("mlp", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor"), ("vocab", "tensor"))
+
+NONE = Rules("none")
+DP = Rules("dp", params=(), activations=(("batch", "data"),))
+FSDP = Rules("fsdp", params=(("embed", "fsdp"),), activations=(("batch", ("data", "fsdp")),))
+TP = Rules("tp", params=_TP_PARAMS, activations=_TP_ACTS)
+DP_TP = Rules("dp_tp", params=_TP_PARAMS, activations=(("batch", "data"),) + _TP_ACTS)
+FSDP_TP = Rules(
+    "fsdp_tp", params=(("embed", "fsdp"),) + _TP_PARAMS, activations=(("batch", ("data", "fsdp")),) + _TP_ACTS
+)
+
+PRESETS: dict[str, Rules] = {r.name: r for r in (NONE, DP, FSDP, TP, DP_TP, FSDP_TP)}
+
+
+def get_rules(name: str | Rules) -> Rules:
+    """A preset by name (``"dp"``, ``"fsdp"``, ``"tp"``, ``"dp_tp"``, ``"fsdp_tp"``, ``"none"``)."""
+    if isinstance(name, Rules):
+        return name
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise RulesError(f"unknown rule set {name!r}; valid presets: {', '.join(PRESETS)}") from None

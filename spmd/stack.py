@@ -1,0 +1,47 @@
+"""A stack of identical blocks, stored with a leading ``layers`` dim and run as a scan.
+
+``Stack(lambda rngs: Block(..., rngs=rngs), n_layers, rngs=rngs)`` creates the n blocks with
+``nnx.vmap`` (each with its own init RNG), so every parameter gets a leading ``layers`` dim
+(``W[layers, D, F]``) and the logical-dims metadata gains ``"layers"`` in front. The forward pass
+is ``jax.lax.scan`` over that dim: one block's code is traced and compiled once, whatever the
+depth. ``remat=True`` rematerialises each block in the backward pass (activation memory of one
+block boundary per layer instead of all intermediates).
+
+Keeping the stack as one array per parameter is also what lets a later layout cut it into
+pipeline stages along ``layers``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+
+
+class Stack(nnx.Module):
+    """n identical blocks; ``stack(x, *args)`` applies them in order: ``x = block_i(x, *args)``."""
+
+    def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], n: int, *, rngs: nnx.Rngs, remat: bool = False):
+        if n < 1:
+            raise ValueError(f"a stack needs at least one block, got n={n}")
+        keys = jax.random.split(rngs.params(), n)
+
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def create(key):
+            return make_block(nnx.Rngs(params=key))
+
+        self.block = create(keys)
+        self.n, self.remat = n, remat
+
+    def __call__(self, x: jax.Array, *args: Any) -> jax.Array:
+        graphdef, state = nnx.split(self.block)
+
+        def body(carry, layer_state):
+            return nnx.merge(graphdef, layer_state)(carry, *args), None
+
+        if self.remat:
+            body = jax.checkpoint(body, prevent_cse=False)
+        x, _ = jax.lax.scan(body, x, state)
+        return x

@@ -1,0 +1,16 @@
+"""Test setup: 8 simulated CPU devices, set before jax is imported anywhere."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+# Compilation dominates test time; a persistent cache makes re-runs cheap.
+_cache = os.environ.get("SPMD_TEST_COMPILE_CACHE", os.path.join(os.path.dirname(__file__), "..", ".jax_cache"))
+jax.config.update("jax_compilation_cache_dir", os.path.abspath(_cache))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -1,0 +1,262 @@
+"""Data loading: a 1-D token array -> per-process shards of each global batch.
+
+The pipeline is a grain `MapDataset`, random access all the way down, so the
+position in the stream is one integer and resuming is exact and O(1):
+
+    windows   TokenWindows(tokens, L)   window i = tokens[i*L : i*L + L + 1]
+    stream    .shuffle(seed).repeat()   a new permutation of the windows each epoch
+    local     row j of global batch k = stream[k*B + p*b + j],  b = B / P
+              .batch(b)                 {"inputs": int32[b, L], "targets": int32[b, L]}
+
+`targets` is `inputs` shifted by one token (the window has L + 1 tokens).
+Global batch k holds stream elements [k*B, (k+1)*B); process p of P reads only
+its rows [p*b, (p+1)*b), so the processes' shards are disjoint, their union is
+exactly the global batch, and no process reads another's windows. Epochs are
+counted in windows, so a global batch may straddle an epoch boundary.
+
+The user's seed is mixed (`np.random.SeedSequence`) before it reaches grain,
+whose shuffle seeds epoch e with `seed + e`: unmixed, seed 1 would replay
+seed 0 shifted by one epoch.
+
+`Loader.get_state()` is `{"step": k, ...}` in *global* batches: it does not name
+the process, so a run saved on P processes resumes on any P' that divides B.
+
+`to_global` stitches the process-local batches into one `jax.Array` with
+`jax.make_array_from_process_local_data`; with a sharding `Batch[B_data]` each
+device then holds B / n_data rows. This assumes the batch dim is split over
+every process (the usual case: hosts lie along the outer `data`/`fsdp` axes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+
+from trainers import corpus as corpus_lib
+
+CORPORA = ("stdlib", "text", "npy", "synthetic")
+Batch = dict[str, np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from and how they are cut into global batches.
+
+    corpus: "stdlib" (default, no download) | "text" (file or folder at `path`)
+        | "npy" (1-D token ids at `path`) | "synthetic" (random, benchmarks only).
+    max_tokens: truncate each split (tiny runs); None keeps everything.
+    synthetic_tokens: size of the synthetic train split.
+    """
+
+    corpus: str = "stdlib"
+    path: str | None = None
+    seq_len: int = 128
+    global_batch: int = 16
+    seed: int = 0
+    validation_fraction: float = 0.05
+    vocab_size: int = corpus_lib.BYTE_VOCAB_SIZE
+    max_tokens: int | None = None
+    synthetic_tokens: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if self.corpus not in CORPORA:
+            raise ValueError(f"corpus must be one of {CORPORA}, got {self.corpus!r}")
+        if self.corpus in ("text", "npy") and not self.path:
+            raise ValueError(f"corpus {self.corpus!r} needs a path to a file or folder, got path={self.path!r}")
+        if self.corpus in ("stdlib", "synthetic") and self.path is not None:
+            raise ValueError(f"path is only read by corpus 'text' or 'npy', got path={self.path!r} with corpus {self.corpus!r}")
+        for name in ("seq_len", "global_batch", "vocab_size", "synthetic_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
+        if not 0.0 <= self.validation_fraction < 1.0:
+            raise ValueError(f"validation_fraction must be in [0, 1), got {self.validation_fraction!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be a positive int or None, got {self.max_tokens!r}")
+        if self.corpus in ("stdlib", "text") and self.vocab_size < corpus_lib.BYTE_VOCAB_SIZE:
+            raise ValueError(
+                f"corpus {self.corpus!r} is byte-level and needs vocab_size >= "
+                f"{corpus_lib.BYTE_VOCAB_SIZE}, got {self.vocab_size}"
+            )
+
+
+def load_corpus(cfg: DataConfig, split: str) -> np.ndarray:
+    """The 1-D token array of one split of cfg's corpus."""
+    kw = dict(validation_fraction=cfg.validation_fraction)
+    if cfg.corpus == "stdlib":
+        return corpus_lib.stdlib_corpus(split, max_bytes=cfg.max_tokens, **kw)
+    if cfg.corpus == "text":
+        return corpus_lib.text_corpus(cfg.path, split, max_tokens=cfg.max_tokens, **kw)
+    if cfg.corpus == "npy":
+        return corpus_lib.npy_corpus(cfg.path, split, max_tokens=cfg.max_tokens, **kw)
+    if split not in corpus_lib.SPLITS:
+        raise ValueError(f"split must be one of {corpus_lib.SPLITS}, got {split!r}")
+    # Synthetic validation: a separate stream (seed + 1), sized by validation_fraction.
+    n = cfg.synthetic_tokens
+    if split == "validation":
+        n = max(int(n * cfg.validation_fraction), cfg.seq_len + 1)
+    tokens = corpus_lib.synthetic_corpus(n, cfg.vocab_size, cfg.seed + (split == "validation"))
+    return tokens[: cfg.max_tokens]
+
+
+class TokenWindows:
+    """grain random-access source: window i = tokens[i*L : i*L + L + 1] as inputs/targets."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        if tokens.ndim != 1:
+            raise ValueError(f"tokens must be a 1-D array, got shape {tokens.shape}")
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+        if tokens.shape[0] < seq_len + 1:
+            raise ValueError(
+                f"corpus of {tokens.shape[0]} tokens is shorter than one window of seq_len + 1 = "
+                f"{seq_len + 1} tokens (seq_len={seq_len}); use a larger corpus or a smaller seq_len"
+            )
+        self.tokens = tokens
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return (self.tokens.shape[0] - 1) // self.seq_len
+
+    def __getitem__(self, i: int) -> Batch:
+        if not 0 <= i < len(self):
+            raise IndexError(f"window {i} out of range [0, {len(self)})")
+        w = np.asarray(self.tokens[i * self.seq_len : (i + 1) * self.seq_len + 1], dtype=np.int32)
+        return {"inputs": w[:-1], "targets": w[1:]}
+
+
+def _grain_seed(seed: int) -> int:
+    """Spread user seeds apart: grain seeds epoch e with seed + e."""
+    return int(np.random.SeedSequence(seed).generate_state(1, dtype=np.uint32)[0])
+
+
+class Loader(Iterator[Batch]):
+    """Iterator over this process's rows of each global batch, with checkpointable position."""
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        global_batch: int,
+        seed: int,
+        process_index: int | None = None,
+        process_count: int | None = None,
+        shuffle: bool = True,
+    ):
+        process_index = jax.process_index() if process_index is None else process_index
+        process_count = jax.process_count() if process_count is None else process_count
+        if global_batch < 1:
+            raise ValueError(f"global_batch must be a positive int, got {global_batch!r}")
+        if seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        if process_count < 1 or not 0 <= process_index < process_count:
+            raise ValueError(f"process_index must be in [0, process_count={process_count}), got {process_index}")
+        if global_batch % process_count:
+            raise ValueError(
+                f"global_batch={global_batch} is not divisible by process_count={process_count}; "
+                f"use a multiple of {process_count}"
+            )
+        self.windows = TokenWindows(tokens, seq_len)
+        self.seq_len, self.global_batch, self.seed, self.shuffle = seq_len, global_batch, seed, shuffle
+        self.process_index, self.process_count = process_index, process_count
+        self.local_batch = global_batch // process_count
+
+        stream = grain.MapDataset.source(self.windows)
+        if shuffle:
+            stream = stream.shuffle(seed=_grain_seed(seed))
+        stream = stream.repeat()  # infinite; upstream shuffle reseeds each epoch
+        first_row, b, B = process_index * self.local_batch, self.local_batch, global_batch
+        self._batches = (
+            grain.MapDataset.range(sys.maxsize)
+            .map(lambda i: stream[(i // b) * B + first_row + i % b])
+            .batch(b)
+        )
+        self.step = 0
+
+    @property
+    def windows_per_epoch(self) -> int:
+        return len(self.windows)
+
+    @property
+    def epoch(self) -> float:
+        """Epochs completed by the global batches consumed so far."""
+        return self.step * self.global_batch / len(self.windows)
+
+    def __iter__(self) -> Loader:
+        return self
+
+    def __next__(self) -> Batch:
+        batch = self._batches[self.step]
+        self.step += 1
+        return batch
+
+    def get_state(self) -> dict[str, Any]:
+        """JSON-serialisable position: the next global batch and what the stream depends on."""
+        return {
+            "step": self.step,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "global_batch": self.global_batch,
+            "num_windows": len(self.windows),
+            "shuffle": self.shuffle,
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Continue at state["step"]; the rest of state must match this loader's stream."""
+        mine = self.get_state()
+        if set(state) != set(mine):
+            raise ValueError(f"loader state must have keys {sorted(mine)}, got {sorted(state)}")
+        for key in mine:
+            if key != "step" and state[key] != mine[key]:
+                raise ValueError(
+                    f"loader state has {key}={state[key]!r} but this loader has {key}={mine[key]!r}; "
+                    "resume with the same data config"
+                )
+        step = state["step"]
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"loader state step must be a non-negative int, got {step!r}")
+        self.step = step
+
+
+def make_loader(
+    cfg: DataConfig,
+    split: str,
+    *,
+    process_index: int | None = None,
+    process_count: int | None = None,
+    shuffle: bool = True,
+) -> Loader:
+    """A Loader over one split of cfg's corpus; process index/count default to jax's."""
+    return Loader(
+        load_corpus(cfg, split),
+        cfg.seq_len,
+        cfg.global_batch,
+        cfg.seed,
+        process_index=process_index,
+        process_count=process_count,
+        shuffle=shuffle,
+    )
+
+
+def to_global(local_batch: Batch, sharding: jax.sharding.Sharding, global_batch: int) -> dict[str, jax.Array]:
+    """Assemble process-local rows into global arrays [global_batch, ...] laid out by sharding."""
+    process_count = jax.process_count()
+    if global_batch % process_count:
+        raise ValueError(f"global_batch={global_batch} is not divisible by process_count={process_count}")
+    out = {}
+    for name, local in local_batch.items():
+        if local.ndim < 1 or local.shape[0] * process_count != global_batch:
+            raise ValueError(
+                f"local batch {name!r} has shape {local.shape}; expected {global_batch // process_count} rows "
+                f"(global_batch={global_batch} / process_count={process_count})"
+            )
+        out[name] = jax.make_array_from_process_local_data(sharding, local, (global_batch, *local.shape[1:]))
+    return out

@@ -1,0 +1,306 @@
+"""Throughput metrics: peak FLOP/s per device, model FLOPs utilisation (MFU), step timing.
+
+MFU answers "what fraction of the hardware's dense matmul peak did the model's own arithmetic
+use?":
+
+    mfu = model_flops_per_step / (step_time_s * n_devices * peak_flops_per_device)
+
+`model_flops_per_step` counts the model's FLOPs for one global step (forward + backward, all
+devices together; recomputation from rematerialisation is not counted), so MFU is comparable
+across sharding layouts and remat policies.
+
+Where the peak comes from:
+- Accelerators: `PEAK_FLOPS`, a table of vendor datasheet figures for *dense* matmuls (never the
+  2:4-sparsity figures), matched against `jax.Device.device_kind`. Two columns: `bfloat16`, and
+  `float32` as XLA runs an f32 matmul at its default precision: TF32 tensor cores on NVIDIA
+  Ampere and later, one bf16 MXU pass on TPU (so the TPU f32 figure equals its bf16 figure).
+  Figures are per chip; `devices_per_chip` divides them where JAX shows each TensorCore of a
+  chip as its own device (TPU v2, v3, 7x), because `n_devices` in the MFU formula counts JAX
+  devices.
+- CPU: measured, not looked up: the best time of a jitted square matmul through XLA on this
+  machine (`measure_cpu_matmul_peak`). Simulated CPU devices share the host's cores, so the
+  per-device peak is the measured figure divided by the number of local CPU devices; an MFU
+  over a mesh of all of them then compares against the whole machine.
+- Anything else: a warning and NaN. MFU is then NaN, never a made-up number.
+
+Matching is by substring with word boundaries (so "A100" does not match "A1000" and "H200" does
+not match "GH200"); the first entry in table order wins, so longer, more specific kinds come
+before the kinds they contain ("TPU v5 lite" before "TPU v5", "H100 PCIe" before "H100").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SUPPORTED_DTYPES = ("bfloat16", "float32")
+
+
+class UnknownAcceleratorWarning(UserWarning):
+    """No peak FLOP/s figure is known for the device; MFU will be NaN."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PeakSpec:
+    """Dense peak FLOP/s of one accelerator model, per chip, from a public datasheet."""
+
+    kind: str  # matched as a word-bounded substring of jax.Device.device_kind
+    bfloat16: float  # dense bf16 matmul FLOP/s per chip
+    float32: float  # f32 matmul FLOP/s per chip at XLA's default precision (TF32 / bf16 pass)
+    source: str
+    devices_per_chip: int = 1  # JAX devices per chip (TensorCores shown separately)
+
+    def __post_init__(self) -> None:
+        if not self.kind.strip():
+            raise ValueError(f"PeakSpec.kind must be a non-empty device-kind substring, got {self.kind!r}")
+        for name in SUPPORTED_DTYPES:
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"PeakSpec {self.kind!r}: {name} peak must be a positive finite FLOP/s, got {value!r}")
+        if self.devices_per_chip < 1:
+            raise ValueError(f"PeakSpec {self.kind!r}: devices_per_chip must be >= 1, got {self.devices_per_chip}")
+
+    def per_device(self, dtype: str) -> float:
+        return getattr(self, dtype) / self.devices_per_chip
+
+
+_NV_H100 = "NVIDIA H100 Tensor Core GPU datasheet"
+_NV_H200 = "NVIDIA H200 Tensor Core GPU datasheet"
+_GCP = "Google Cloud TPU docs, system architecture page of"
+
+# Ordered: an entry must come before every entry whose kind it contains.
+PEAK_FLOPS: tuple[PeakSpec, ...] = (
+    # --- NVIDIA (datasheets list dense and 2:4-sparse figures; these are the dense ones) ---
+    # Blackwell. GB200 NVL72 datasheet: 360 PF bf16 / 180 PF tf32 sparse per 72 GPUs.
+    PeakSpec("GB200", 2.5e15, 1.25e15, "NVIDIA GB200 NVL72 datasheet (dense = sparse / 2, per GPU)"),
+    # HGX B200 datasheet: 36 PF bf16 / 18 PF tf32 sparse per 8 GPUs.
+    PeakSpec("B200", 2.25e15, 1.125e15, "NVIDIA HGX B200 datasheet (dense = sparse / 2, per GPU)"),
+    # Hopper. GH200 is the H100 SXM die with Grace; H200 SXM has the H100 SXM compute.
+    PeakSpec("GH200", 989.4e12, 494.7e12, "NVIDIA GH200 Grace Hopper Superchip datasheet"),
+    PeakSpec("H200 NVL", 835.5e12, 417.5e12, f"{_NV_H200}, H200 NVL (1671 / 835 TF sparse)"),
+    PeakSpec("H200", 989.4e12, 494.7e12, f"{_NV_H200}, H200 SXM (1979 / 989 TF sparse)"),
+    PeakSpec("H100 NVL", 835.5e12, 417.5e12, f"{_NV_H100}, H100 NVL (1671 / 835 TF sparse)"),
+    PeakSpec("H100 PCIe", 756.5e12, 378e12, f"{_NV_H100}, H100 PCIe (1513 / 756 TF sparse)"),
+    PeakSpec("H100", 989.4e12, 494.7e12, f"{_NV_H100}, H100 SXM (1979 / 989 TF sparse)"),
+    # Ampere: same tensor throughput for the SXM4 and PCIe, 40 and 80 GB parts.
+    PeakSpec("A100", 312e12, 156e12, "NVIDIA A100 Tensor Core GPU datasheet"),
+    # Ada Lovelace data-centre parts; "L40S" and "L40" both contain "L4".
+    PeakSpec("L40S", 362.05e12, 183e12, "NVIDIA L40S datasheet (733 / 366 TF sparse)"),
+    PeakSpec("L40", 181.05e12, 90.5e12, "NVIDIA L40 datasheet (362.1 / 181 TF sparse)"),
+    PeakSpec("L4", 121e12, 60e12, "NVIDIA L4 datasheet (242 / 120 TF sparse)"),
+    # --- Google TPU (device_kind strings as JAX reports them; v5e/v6e/v5p aliases accepted) ---
+    # 7x (Ironwood): 2307 TF bf16 per chip; two TensorCores per chip, each its own JAX device.
+    PeakSpec("TPU7x", 2307e12, 2307e12, f"{_GCP} TPU7x (Ironwood)", devices_per_chip=2),
+    PeakSpec("TPU v6 lite", 918e12, 918e12, f"{_GCP} v6e (Trillium)"),
+    PeakSpec("TPU v6e", 918e12, 918e12, f"{_GCP} v6e (Trillium)"),
+    PeakSpec("TPU v5 lite", 197e12, 197e12, f"{_GCP} v5e"),
+    PeakSpec("TPU v5e", 197e12, 197e12, f"{_GCP} v5e"),
+    PeakSpec("TPU v5p", 459e12, 459e12, f"{_GCP} v5p"),
+    PeakSpec("TPU v5", 459e12, 459e12, f"{_GCP} v5p (JAX reports v5p as 'TPU v5')"),
+    # v4i: one TensorCore, 4 MXUs of 128x128 at 1.05 GHz (Jouppi et al., ISCA 2021).
+    PeakSpec("TPU v4 lite", 138e12, 138e12, "Jouppi et al., 'Ten Lessons From Three Generations', ISCA 2021 (TPUv4i)"),
+    PeakSpec("TPU v4", 275e12, 275e12, f"{_GCP} v4 (megacore: one JAX device per chip)"),
+    PeakSpec("TPU v3", 123e12, 123e12, f"{_GCP} v3", devices_per_chip=2),
+    PeakSpec("TPU v2", 45e12, 45e12, f"{_GCP} v2", devices_per_chip=2),
+)
+
+
+def _kind_pattern(kind: str) -> re.Pattern[str]:
+    return re.compile(rf"(?<![0-9a-z]){re.escape(kind.lower())}(?![0-9a-z])")
+
+
+_PATTERNS = tuple((_kind_pattern(spec.kind), spec) for spec in PEAK_FLOPS)
+
+
+def lookup_peak(device_kind: str) -> PeakSpec | None:
+    """The first `PEAK_FLOPS` entry whose kind occurs, word-bounded and case-insensitive, in `device_kind`."""
+    kind = device_kind.lower()
+    for pattern, spec in _PATTERNS:
+        if pattern.search(kind):
+            return spec
+    return None
+
+
+def _dtype_name(dtype: Any) -> str:
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError as err:
+        raise ValueError(f"dtype {dtype!r} is not a dtype; valid: {SUPPORTED_DTYPES}") from err
+    if name not in SUPPORTED_DTYPES:
+        raise ValueError(f"no peak FLOP/s figures for dtype {name!r}; valid: {SUPPORTED_DTYPES}")
+    return name
+
+
+_CPU_PEAK_CACHE: dict[tuple[str, int], float] = {}
+
+
+def measure_cpu_matmul_peak(dtype: Any = jnp.float32, n: int = 1024, repeats: int = 5) -> float:
+    """Measured FLOP/s of an (n, n) @ (n, n) matmul jitted on the first CPU device.
+
+    Compiled and run once untimed, then the best of `repeats` timed runs: 2 n^3 / seconds.
+    Cached per (dtype, n) for the life of the process.
+    """
+    name = _dtype_name(dtype)
+    if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 1:
+        raise ValueError(f"n must be a positive int (the matmul side), got {n!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int | np.integer) or repeats < 1:
+        raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+    key = (name, int(n))
+    if key in _CPU_PEAK_CACHE:
+        return _CPU_PEAK_CACHE[key]
+    cpu = jax.devices("cpu")[0]
+    rng = np.random.default_rng(0)
+    a_NN, b_NN = (jax.device_put(jnp.asarray(rng.standard_normal((n, n)), name), cpu) for _ in range(2))
+    matmul = jax.jit(jnp.matmul)
+    matmul(a_NN, b_NN).block_until_ready()  # compile and warm up
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        matmul(a_NN, b_NN).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    flops = 2.0 * n**3 / max(best, 1e-9)
+    _CPU_PEAK_CACHE[key] = flops
+    return flops
+
+
+def peak_flops_per_device(device: jax.Device | None = None, dtype: Any = "bfloat16") -> tuple[float, str]:
+    """(peak dense matmul FLOP/s of one device, where that figure comes from).
+
+    Table lookup for accelerators, a measurement on CPU, and NaN with an
+    `UnknownAcceleratorWarning` for an accelerator the table does not know.
+    """
+    name = _dtype_name(dtype)
+    if device is None:
+        device = jax.devices()[0]
+    platform = str(getattr(device, "platform", "")).lower()
+    kind = str(getattr(device, "device_kind", ""))
+    if platform == "cpu":
+        n_cpu = len(jax.local_devices(backend="cpu"))
+        measured = measure_cpu_matmul_peak(name)
+        return measured / n_cpu, (
+            f"measured {name} XLA matmul on this host: {measured:.3g} FLOP/s shared by {n_cpu} local CPU device(s)"
+        )
+    spec = lookup_peak(kind)
+    if spec is None:
+        warnings.warn(
+            f"no peak FLOP/s figure for device kind {kind!r} (platform {platform!r}); MFU will be NaN. "
+            f"Known kinds: {', '.join(s.kind for s in PEAK_FLOPS)}. "
+            "Pass your own figure to mfu()/StepMeter(peak_per_device=...) to get an MFU.",
+            UnknownAcceleratorWarning,
+            stacklevel=2,
+        )
+        return math.nan, f"unknown device kind {kind!r}"
+    per_chip = getattr(spec, name)
+    detail = f"{per_chip:.4g} FLOP/s per chip"
+    if spec.devices_per_chip > 1:
+        detail += f" / {spec.devices_per_chip} devices per chip"
+    return spec.per_device(name), f"{spec.source}: {name} dense, {detail} (matched {spec.kind!r})"
+
+
+def mfu(model_flops_per_step: float, step_time_s: float, n_devices: int, peak_per_device: float) -> float:
+    """Model FLOPs utilisation: model_flops_per_step / (step_time_s * n_devices * peak_per_device).
+
+    NaN when the FLOPs or the peak are NaN (unknown), never a guess.
+    """
+    if model_flops_per_step < 0:
+        raise ValueError(f"model_flops_per_step must be >= 0 (or NaN if unknown), got {model_flops_per_step!r}")
+    if not step_time_s > 0:
+        raise ValueError(f"step_time_s must be > 0 seconds, got {step_time_s!r}")
+    if isinstance(n_devices, bool) or not isinstance(n_devices, int | np.integer) or n_devices < 1:
+        raise ValueError(f"n_devices must be a positive int, got {n_devices!r}")
+    if peak_per_device <= 0:
+        raise ValueError(f"peak_per_device must be > 0 FLOP/s (or NaN if unknown), got {peak_per_device!r}")
+    return float(model_flops_per_step) / (float(step_time_s) * int(n_devices) * float(peak_per_device))
+
+
+class StepMeter:
+    """Wall time, tokens/s and MFU of training steps.
+
+    `tokens_per_step` and `model_flops_per_step` are global (all devices). The first
+    `warmup_steps` steps (compilation) are reported per step but left out of `summary()`.
+
+        meter = StepMeter(tokens_per_step=B * L, model_flops_per_step=6 * n_params * B * L,
+                          n_devices=mesh.size, peak_per_device=peak)
+        for step in range(n):
+            meter.start()
+            state, out = train_step(state, batch)
+            step_metrics = meter.stop(block_on=out)  # waits for the step before reading the clock
+
+    `record(elapsed_s, steps=k)` takes an interval measured elsewhere, covering k steps.
+    """
+
+    def __init__(
+        self,
+        *,
+        tokens_per_step: int,
+        model_flops_per_step: float = math.nan,
+        n_devices: int = 1,
+        peak_per_device: float = math.nan,
+        warmup_steps: int = 1,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if tokens_per_step < 0:
+            raise ValueError(f"tokens_per_step must be >= 0, got {tokens_per_step!r}")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps!r}")
+        # Validates n_devices, the FLOPs and the peak once, up front.
+        mfu(model_flops_per_step, 1.0, n_devices, peak_per_device)
+        self.tokens_per_step = tokens_per_step
+        self.model_flops_per_step = model_flops_per_step
+        self.n_devices = n_devices
+        self.peak_per_device = peak_per_device
+        self.warmup_steps = warmup_steps
+        self._clock = clock
+        self._t0: float | None = None
+        self.steps_seen = 0
+        self._timed_steps = 0
+        self._timed_s = 0.0
+
+    def start(self) -> None:
+        """Mark the start of a step (or of a run of steps)."""
+        self._t0 = self._clock()
+
+    def stop(self, block_on: Any = None, steps: int = 1) -> dict[str, float]:
+        """End the interval opened by `start()`; blocks on `block_on` (a pytree of arrays) first."""
+        if self._t0 is None:
+            raise RuntimeError("StepMeter.stop() called without a matching start()")
+        if block_on is not None:
+            jax.block_until_ready(block_on)
+        elapsed = self._clock() - self._t0
+        self._t0 = None
+        return self.record(elapsed, steps=steps)
+
+    def record(self, elapsed_s: float, steps: int = 1) -> dict[str, float]:
+        """Account `steps` steps that took `elapsed_s` seconds in all; returns their per-step metrics."""
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps!r}")
+        if not elapsed_s > 0:
+            raise ValueError(f"elapsed_s must be > 0 seconds, got {elapsed_s!r}")
+        first = self.steps_seen
+        self.steps_seen += steps
+        if first >= self.warmup_steps:  # an interval touching a warm-up step is excluded whole
+            self._timed_steps += steps
+            self._timed_s += elapsed_s
+        return self._metrics(elapsed_s / steps)
+
+    def _metrics(self, step_time_s: float) -> dict[str, float]:
+        return {
+            "step_time_s": step_time_s,
+            "tokens_per_s": self.tokens_per_step / step_time_s,
+            "mfu": mfu(self.model_flops_per_step, step_time_s, self.n_devices, self.peak_per_device),
+        }
+
+    def summary(self) -> dict[str, float]:
+        """Means over the steps after warm-up; NaN values (and steps=0) when there are none yet."""
+        if self._timed_steps == 0:
+            return {"steps": 0, "step_time_s": math.nan, "tokens_per_s": math.nan, "mfu": math.nan}
+        return {"steps": self._timed_steps, **self._metrics(self._timed_s / self._timed_steps)}
