@@ -24,7 +24,10 @@ def _cluster_detected() -> bool:
     try:
         from jax._src.clusters import ClusterEnv
 
-        return any(env.is_env_present() for env in ClusterEnv._cluster_types if env.__name__ != "MpiCluster")
+        # Opt-in-only detectors (mpi4py: merely installed, not a cluster) are skipped, as jax does.
+        return any(
+            env.is_env_present() for env in ClusterEnv._cluster_types if not getattr(env, "opt_in_only_method", False)
+        )
     except Exception:  # pragma: no cover - private API moved; fall back to single host
         return False
 

@@ -49,18 +49,18 @@ def _check_axes(sizes: Mapping[str, int], what: str) -> tuple[tuple[str, int], .
     return items
 
 
-def _infer(items: tuple[tuple[str, int], ...], total: int, what: str) -> dict[str, int]:
+def _infer(items: tuple[tuple[str, int], ...], total: int, what: str, unit: str = "devices") -> dict[str, int]:
     known = math.prod(s for _, s in items if s != -1)
     if any(s == -1 for _, s in items):
         if total % known:
             raise MeshError(
-                f"cannot infer the -1 {what} axis: {total} devices do not divide by the product "
+                f"cannot infer the -1 {what} axis: {total} {unit} do not divide by the product "
                 f"{known} of the other sizes {dict(items)}"
             )
         return {n: (total // known if s == -1 else s) for n, s in items}
     if known != total:
         raise MeshError(
-            f"{what} axis sizes {dict(items)} multiply to {known}, but there are {total} devices; "
+            f"{what} axis sizes {dict(items)} multiply to {known}, but there are {total} {unit}; "
             f"make the product {total} or use -1 for one axis"
         )
     return dict(items)
@@ -122,7 +122,7 @@ class MeshSpec:
         """
         if num_devices % num_slices:
             raise MeshError(f"{num_devices} devices do not split evenly into {num_slices} slices")
-        dcn = _infer(self.dcn, num_slices, "DCN") if self.dcn else {}
+        dcn = _infer(self.dcn, num_slices, "DCN", "slices (processes or granules)") if self.dcn else {}
         if math.prod(dcn.values()) != num_slices:
             raise MeshError(
                 f"DCN sizes {dict(self.dcn) or '{}'} multiply to {math.prod(dcn.values())}, but there are "

@@ -73,6 +73,25 @@ def _array_bytes(text: str) -> list[int]:
     return out
 
 
+def _tuple_elements(shape: str) -> list[str]:
+    """Top-level elements of a tuple shape ``(a, (b, c), d)``; a non-tuple shape is one element."""
+    shape = shape.strip()
+    if not shape.startswith("("):
+        return [shape]
+    parts, depth, start = [], 0, 1
+    for i, ch in enumerate(shape):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if (ch == "," and depth == 1) or depth == 0:
+            parts.append(shape[start:i].strip())
+            start = i + 1
+        if depth == 0:
+            break
+    return [p for p in parts if p]
+
+
 def _iota(spec: str) -> np.ndarray:
     """``[2,4]<=[8]``, ``[4,2]<=[2,4]T(1,0)`` or ``[2,4]T(1,0)`` -> an id array."""
     m = re.match(r"\[([\d,]+)\](?:<=\[([\d,]+)\])?(?:T\(([\d,]+)\))?", spec.strip())
@@ -179,8 +198,9 @@ def collectives(compiled: Any, mesh: Mesh) -> list[Collective]:
             op = m.group("op")
             kind = op.removesuffix("-start")
             sizes = _array_bytes(m.group("shape"))
-            if op.endswith("-start") and kind in ("all-gather", "collective-permute", "all-to-all") and len(sizes) > 1:
-                sizes = [sizes[len(sizes) // 2]]  # (operand, result[, contexts]) -> result
+            elements = _tuple_elements(m.group("shape"))
+            if op.endswith("-start") and kind in ("all-gather", "collective-permute", "all-to-all") and len(elements) > 1:
+                sizes = _array_bytes(elements[1])  # (operands, results[, contexts]) -> results
             groups = _groups(line, n)
             group_size = len(groups[0]) if groups else n
             nbytes = sum(sizes)

@@ -1,0 +1,27 @@
+"""trainers: sharded model + data -> a training run (optimizer, schedule, checkpoints, metrics, CLI).
+
+    from trainers import recipe, override, train
+    result = train(override(recipe("gpt-small", tiny=True), ["run.run_dir=/tmp/run"]))
+"""
+
+from trainers.checkpoint import CheckpointConfig, Checkpointer, NoUsableCheckpointError
+from trainers.config import Config, MeshConfig, RunConfig, override, valid_keys
+from trainers.corpus import npy_corpus, stdlib_corpus, synthetic_corpus, text_corpus
+from trainers.data import DataConfig, Loader, load_corpus, make_loader, to_global
+from trainers.logger import RunLogger, read_metrics, write_config
+from trainers.loop import DivergenceError, Result, evaluate, train
+from trainers.metrics import StepMeter, measure_cpu_matmul_peak, mfu, peak_flops_per_device
+from trainers.optim import OptimizerConfig, decay_mask, global_norm, make_optimizer
+from trainers.recipes import RECIPES, recipe
+from trainers.schedules import ScheduleConfig, make_schedule, scale_lr
+from trainers.state import Sharded, create_state
+from trainers.step import lm_loss_fn, make_eval_step, make_train_step
+
+__all__ = [
+    "CheckpointConfig", "Checkpointer", "Config", "DataConfig", "DivergenceError", "Loader", "MeshConfig",
+    "NoUsableCheckpointError", "OptimizerConfig", "RECIPES", "Result", "RunConfig", "RunLogger", "ScheduleConfig",
+    "Sharded", "StepMeter", "create_state", "decay_mask", "evaluate", "global_norm", "lm_loss_fn", "load_corpus",
+    "make_eval_step", "make_loader", "make_optimizer", "make_schedule", "make_train_step", "measure_cpu_matmul_peak",
+    "mfu", "npy_corpus", "override", "peak_flops_per_device", "read_metrics", "recipe", "scale_lr", "stdlib_corpus",
+    "synthetic_corpus", "text_corpus", "to_global", "train", "valid_keys", "write_config",
+]

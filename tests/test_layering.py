@@ -1,0 +1,119 @@
+"""Imports flow one way: meshes <- spmd <- trainers. Checked on the source with ``ast``.
+
+Every ``import x``, ``from x import y``, relative ``from ..x import y`` (resolved against the
+importing module's package) and literal ``importlib.import_module("x")`` / ``__import__("x")``
+counts, wherever it appears (module level, inside functions, under ``TYPE_CHECKING``).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = ("meshes", "spmd", "trainers")
+# package -> packages it must never import
+FORBIDDEN = {"meshes": {"spmd", "trainers"}, "spmd": {"trainers"}, "trainers": set()}
+
+
+def module_name(path: pathlib.Path) -> str:
+    """'spmd.models.gpt' for ROOT/spmd/models/gpt.py; 'spmd.models' for its __init__.py."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported_modules(source: str, module: str, is_package: bool = False) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in ``source``, relative ones resolved."""
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                out.append((node.lineno, node.module or ""))
+                continue
+            if node.level - 1 > len(package) - 1:
+                out.append((node.lineno, "<relative import beyond the top-level package>"))
+                continue
+            base = package[: len(package) - (node.level - 1)]
+            if node.module:
+                out.append((node.lineno, ".".join(base + node.module.split("."))))
+            else:  # from .. import x: x may be a module of that package
+                out += [(node.lineno, ".".join(base + [alias.name])) for alias in node.names]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                out.append((node.lineno, node.args[0].value))
+    return out
+
+
+def violations(source: str, module: str, is_package: bool = False) -> list[str]:
+    """Imports in ``source`` (module ``module``) that break the layering."""
+    top = module.split(".")[0]
+    bad = []
+    for line, name in imported_modules(source, module, is_package):
+        target = name.split(".")[0]
+        if target in FORBIDDEN.get(top, ()) or name.startswith("<"):
+            bad.append(f"{module}:{line} imports {name}")
+    return bad
+
+
+def sources(package: str) -> list[pathlib.Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_layering(package):
+    files = sources(package)
+    assert files, f"no sources under {ROOT / package}"
+    bad = []
+    for path in files:
+        bad += violations(path.read_text(), module_name(path), path.name == "__init__.py")
+    assert bad == [], "imports against the layering (meshes <- spmd <- trainers):\n" + "\n".join(bad)
+
+
+def test_the_walk_sees_the_allowed_imports():
+    """The checker is not vacuous: it finds the imports that are allowed."""
+    found = {}
+    for package in PACKAGES:
+        names = set()
+        for path in sources(package):
+            names |= {n.split(".")[0] for _, n in imported_modules(path.read_text(), module_name(path),
+                                                                  path.name == "__init__.py")}
+        found[package] = names
+    assert "jax" in found["meshes"]
+    assert "meshes" in found["spmd"]
+    assert {"spmd", "meshes"} & found["trainers"]
+
+
+@pytest.mark.parametrize(
+    "module, is_package, source, expected",
+    [
+        ("meshes.build", False, "import spmd\n", ["meshes.build:1 imports spmd"]),
+        ("meshes.build", False, "import numpy\nfrom spmd.rules import Rules\n", ["meshes.build:2 imports spmd.rules"]),
+        ("meshes.build", False, "def f():\n    import trainers.optim\n", ["meshes.build:2 imports trainers.optim"]),
+        ("meshes.build", False, "from ..spmd import rules\n", ["meshes.build:1 imports <relative import beyond the top-level package>"]),
+        ("spmd.models.gpt", False, "from ...trainers import optim\n", ["spmd.models.gpt:1 imports <relative import beyond the top-level package>"]),
+        ("spmd.models.gpt", False, "import importlib\nimportlib.import_module('trainers.optim')\n",
+         ["spmd.models.gpt:2 imports trainers.optim"]),
+        ("spmd", True, "from . import rules\nfrom .models import gpt\n", []),
+        ("spmd.models.gpt", False, "from .. import rules\nfrom ..stack import Stack\nimport meshes\n", []),
+        ("trainers.optim", False, "import spmd\nfrom meshes import make_mesh\n", []),
+    ],
+)
+def test_checker_negative_controls(module, is_package, source, expected):
+    assert violations(source, module, is_package) == expected
+
+
+def test_relative_imports_resolve():
+    assert imported_modules("from .. import rules\nfrom ..stack import Stack\n", "spmd.models.gpt") == [
+        (1, "spmd.rules"), (2, "spmd.stack")]
+    assert imported_modules("from .layers import param\n", "spmd.models", is_package=True) == [
+        (1, "spmd.models.layers")]
+    assert imported_modules("from .build import make_mesh\n", "meshes.presets") == [(1, "meshes.build")]

@@ -1,0 +1,5 @@
+import sys
+
+from trainers.cli import main
+
+sys.exit(main())

@@ -1,0 +1,333 @@
+"""Checkpoints of a training run: async save, keep-N, validated resume, restore onto another mesh.
+
+A checkpoint step is one directory, ``<directory>/<step>/``, holding two items written by
+orbax's ``CheckpointManager``:
+
+- ``state``: the pytree of ``jax.Array`` (params, optimizer state, step, RNG key data), written
+  with ``StandardSave``. Every process writes the shards it owns (tensorstore/OCDBT); nothing
+  is gathered onto one device or one host.
+- ``data``: a small JSON dict (the data iterator position), written with ``JsonSave``.
+
+Restoring onto another mesh or rule set is a matter of the target: ``restore`` takes an
+abstract pytree of ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` and every process reads
+exactly the slices its devices need under the *new* sharding. A checkpoint saved as
+``W[D_fsdp, F]`` on an 8-device ``fsdp`` mesh restores as ``W[D, F_tensor]`` on a
+``(data, tensor)`` mesh without any collective.
+
+Orbax trusts any finalised step directory, even an empty one, and reports it as the latest
+step; restoring it then fails with a misleading error, and deleted or truncated data files
+surface as tensorstore NOT_FOUND / OUT_OF_RANGE only when read. So this module never trusts
+``latest_step()``:
+
+- ``valid_steps()`` keeps only steps that are finalised, hold both items with their metadata
+  files, and whose state metadata (tree, shapes, dtypes) can be read;
+- ``restore()`` walks the steps newest first, logs a warning naming each step it skips and why,
+  falls back to the next older one, and raises ``NoUsableCheckpointError`` listing every step
+  and its reason when none restores. It never silently starts from scratch: ``None`` means the
+  directory holds no step at all.
+- Before reading arrays, the stored shapes and dtypes are compared with the target; a mismatch
+  is a configuration error (``ValueError`` naming the paths), not corruption, so it is raised
+  instead of falling back.
+
+Saving a step that already exists: if the existing step is valid, the save is skipped with a
+log message and ``save`` returns ``False`` (the step's state is already on disk); if it is
+incomplete or unreadable, it is deleted and written again. The decision to save is made here
+(``step % every_steps == 0``, ``force=True``, or an orbax preemption sync point), so an
+unusable higher-numbered step left behind by a crash never blocks later saves.
+
+Many processes: call every method on every process with the same arguments, as with orbax
+itself. Decisions that depend on what a process reads (is a step valid, did its restore work)
+are agreed across processes, so all of them fall back together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from jax.experimental import multihost_utils
+
+logger = logging.getLogger(__name__)
+
+_ITEMS = ("state", "data")
+# Files each item writes last; their absence means the item never finished or was damaged.
+_ITEM_FILES = {"state": "_METADATA", "data": "metadata"}
+_MAX_MISMATCHES_SHOWN = 5
+_MAX_REASON_CHARS = 300
+
+
+class NoUsableCheckpointError(RuntimeError):
+    """Checkpoint steps exist, but none of them could be restored."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """How often to checkpoint and how many steps to keep.
+
+    directory: where steps go; ``None`` lets the caller choose (``<run_dir>/checkpoints``,
+      see ``resolve_directory``).
+    every_steps: save when ``step % every_steps == 0`` (``save(..., force=True)`` overrides).
+    keep: number of most recent steps kept on disk; older ones are deleted.
+    async_save: write in a background thread; ``Checkpointer.wait()`` blocks until committed.
+    """
+
+    directory: str | None = None
+    every_steps: int = 100
+    keep: int = 3
+    async_save: bool = True
+
+    def __post_init__(self) -> None:
+        if self.directory is not None and (not isinstance(self.directory, str) or not self.directory):
+            raise ValueError(f"directory must be a non-empty string or None, got {self.directory!r}")
+        for name in ("every_steps", "keep"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.async_save, bool):
+            raise ValueError(f"async_save must be True or False, got {self.async_save!r}")
+
+    def resolve_directory(self, run_dir: str | os.PathLike[str]) -> str:
+        """The checkpoint directory: ``directory`` if set, else ``<run_dir>/checkpoints``."""
+        if self.directory is not None:
+            return self.directory
+        return os.path.join(os.fspath(run_dir), "checkpoints")
+
+
+def _path_str(path: tuple[Any, ...]) -> str:
+    return "/".join(str(p) for p in path) or "<root>"
+
+
+def _flatten_with_paths(tree: Any) -> list[tuple[str, Any]]:
+    return [(jax.tree_util.keystr(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _short(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    return text if len(text) <= _MAX_REASON_CHARS else text[:_MAX_REASON_CHARS] + "..."
+
+
+def _agree(reason: str | None) -> str | None:
+    """A failure on any process is a failure on all (so every process takes the same branch)."""
+    if jax.process_count() == 1:
+        return reason
+    failed = multihost_utils.process_allgather(np.asarray(reason is not None, dtype=np.int32))
+    if reason is None and np.any(failed):
+        bad = [i for i, f in enumerate(np.ravel(failed)) if f]
+        return f"failed on process(es) {bad}"
+    return reason
+
+
+class Checkpointer:
+    """Saves and restores ``(step, state, data_state)`` under one directory with orbax."""
+
+    def __init__(self, directory: str | os.PathLike[str], config: CheckpointConfig = CheckpointConfig()) -> None:
+        if not isinstance(config, CheckpointConfig):
+            raise ValueError(f"config must be a CheckpointConfig, got {type(config).__name__}")
+        text = os.fspath(directory)
+        if not text:
+            raise ValueError("directory must be a non-empty path, got ''")
+        self.directory = epath.Path(text if "://" in text else os.path.abspath(text))
+        self.config = config
+        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        registry.add("state", ocp.args.StandardSave, ocp.StandardCheckpointHandler())
+        registry.add("state", ocp.args.StandardRestore, ocp.StandardCheckpointHandler())
+        registry.add("data", ocp.args.JsonSave, ocp.JsonCheckpointHandler())
+        registry.add("data", ocp.args.JsonRestore, ocp.JsonCheckpointHandler())
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=config.keep,
+            enable_async_checkpointing=config.async_save,
+            cleanup_tmp_directories=True,  # leftovers of a save interrupted by a crash
+            create=True,
+        )
+        self._manager = ocp.CheckpointManager(self.directory, handler_registry=registry, options=options)
+
+    # ----------------------------------------------------------------------------- saving
+    def save(self, step: int, state: Any, data_state: dict[str, Any], *, force: bool = False) -> bool:
+        """Start saving ``step`` if it is due; returns whether a save was started.
+
+        Due means ``step % every_steps == 0``, ``force``, or an orbax preemption sync point. With
+        ``async_save`` this returns once device buffers are copied; ``wait()`` blocks until the
+        step is committed. An existing valid step is not overwritten (logged, returns False).
+        """
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        step = int(step)
+        _check_data_state(data_state)
+        _check_state(state)
+        due = force or step % self.config.every_steps == 0 or self._manager.reached_preemption(step)
+        if not due:
+            return False
+        if step in self._manager.all_steps() or step in self.all_steps():
+            self._manager.wait_until_finished()  # an in-flight save of this step must land first
+            self._manager.reload()  # the manager's view of the directory becomes what is on disk
+            if step in self._manager.all_steps():
+                reason = _agree(self._invalid_reason(step)[0])
+                if reason is None:
+                    logger.info("checkpoint step %d already exists in %s; not saving it again", step, self.directory)
+                    return False
+                logger.warning("checkpoint step %d in %s is unusable (%s); replacing it", step, self.directory, reason)
+                self._manager.delete(step)
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state))
+        return bool(self._manager.save(step, args=args, force=True))
+
+    def wait(self) -> None:
+        """Block until every pending save is committed to disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Wait for pending saves and release orbax's background resources."""
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------------------- inspecting
+    def all_steps(self) -> list[int]:
+        """Every finalised step directory on disk, ascending, valid or not (pending saves excluded)."""
+        return sorted(ocp.step.checkpoint_steps(self.directory))
+
+    def valid_steps(self) -> list[int]:
+        """Steps that are finalised, hold both items with metadata, and whose state metadata reads."""
+        return [s for s in self.all_steps() if self._invalid_reason(s)[0] is None]
+
+    def _invalid_reason(self, step: int) -> tuple[str | None, Any]:
+        """(None, state metadata tree) for a usable step, else (reason, None)."""
+        path = self.directory / str(step)
+        if not ocp.step.is_path_finalized(path):
+            return "not finalised (save still running or interrupted)", None
+        for item in _ITEMS:
+            if not (path / item).is_dir():
+                return f"item '{item}' is missing", None
+            if not (path / item / _ITEM_FILES[item]).exists():
+                return f"item '{item}' has no '{_ITEM_FILES[item]}' file", None
+        try:
+            metadata = self._manager.item_metadata(step)["state"]
+        except Exception as exc:  # tensorstore NOT_FOUND / OUT_OF_RANGE and friends
+            return f"state metadata unreadable: {_short(exc)}", None
+        if metadata is None or getattr(metadata, "tree", None) is None:
+            return "state metadata unreadable", None
+        return None, metadata.tree
+
+    # ----------------------------------------------------------------------------- restoring
+    def restore(self, abstract_state: Any, *, step: int | None = None) -> tuple[int, Any, dict[str, Any]] | None:
+        """Restore ``(step, state, data_state)`` onto the shardings in ``abstract_state``.
+
+        ``abstract_state`` is a pytree of ``jax.ShapeDtypeStruct`` with ``sharding=`` set; the
+        result has its structure and shardings. ``step=None`` tries the newest step and falls
+        back to older ones (with a warning per skipped step). Returns None if there are no steps.
+        Raises ValueError if stored shapes/dtypes differ from the target, and
+        NoUsableCheckpointError if steps exist but none restores.
+        """
+        _check_abstract(abstract_state)
+        self._manager.wait_until_finished()
+        self._manager.reload()
+        steps = self.all_steps()
+        if step is not None:
+            if step not in steps:
+                raise ValueError(f"step {step!r} is not a checkpoint in {self.directory}; steps on disk: {steps}")
+            candidates = [step]
+        else:
+            candidates = sorted(steps, reverse=True)
+        if not candidates:
+            return None
+        failures: list[tuple[int, str]] = []
+        for candidate in candidates:
+            reason, stored = self._invalid_reason(candidate)
+            reason = _agree(reason)
+            if reason is None:
+                _check_compatible(candidate, stored, abstract_state)
+                try:
+                    state, data_state = self._read(candidate, abstract_state)
+                except Exception as exc:  # corrupt data discovered only while reading
+                    reason = f"restore failed: {_short(exc)}"
+                reason = _agree(reason)
+            if reason is None:
+                logger.info("restored checkpoint step %d from %s", candidate, self.directory)
+                return candidate, state, data_state
+            failures.append((candidate, reason))
+            logger.warning("skipping checkpoint step %d in %s: %s", candidate, self.directory, reason)
+        listing = "\n".join(f"  step {s}: {r}" for s, r in failures)
+        raise NoUsableCheckpointError(
+            f"no checkpoint in {self.directory} could be restored; refusing to start from scratch.\n{listing}\n"
+            "Delete or repair these step directories, or point the run at another directory."
+        )
+
+    def _read(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
+        restored = self._manager.restore(step, args=args)
+        data_state = restored["data"]
+        if not isinstance(data_state, dict):
+            raise ValueError(f"data_state is {type(data_state).__name__}, expected a dict")
+        return restored["state"], data_state
+
+
+# --------------------------------------------------------------------------------- checks
+def _check_data_state(data_state: Any) -> None:
+    if not isinstance(data_state, dict):
+        raise ValueError(f"data_state must be a JSON-serialisable dict, got {type(data_state).__name__}")
+    try:
+        json.dumps(data_state)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"data_state must be JSON-serialisable: {exc}") from None
+
+
+def _check_state(state: Any) -> None:
+    for path, leaf in _flatten_with_paths(state):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            raise ValueError(
+                f"state{path} is a typed PRNG key array ({dtype}); save jax.random.key_data(key) "
+                "and rebuild it with jax.random.wrap_key_data after restore"
+            )
+
+
+def _check_abstract(abstract_state: Any) -> None:
+    leaves = _flatten_with_paths(abstract_state)
+    if not leaves:
+        raise ValueError("abstract_state has no leaves; pass a pytree of jax.ShapeDtypeStruct")
+    for path, leaf in leaves:
+        if not isinstance(leaf, jax.ShapeDtypeStruct) or leaf.sharding is None:
+            raise ValueError(
+                f"abstract_state{path} must be jax.ShapeDtypeStruct(shape, dtype, sharding=...) with a "
+                f"sharding, got {leaf!r}"
+            )
+
+
+def _check_compatible(step: int, stored_tree: Any, abstract_state: Any) -> None:
+    """Raise ValueError naming the first paths whose stored shape/dtype differ from the target."""
+    stored = ocp.tree.to_flat_dict(stored_tree)
+    expected = ocp.tree.to_flat_dict(ocp.tree.serialize_tree(abstract_state, keep_empty_nodes=True))
+    problems = []
+    for key in sorted(set(stored) | set(expected), key=_path_str):
+        if key not in stored:
+            problems.append(f"{_path_str(key)}: not in checkpoint, expected {_describe(expected[key])}")
+        elif key not in expected:
+            problems.append(f"{_path_str(key)}: in checkpoint as {_describe(stored[key])}, not in target")
+        else:
+            if _describe(stored[key]) != _describe(expected[key]):
+                problems.append(
+                    f"{_path_str(key)}: checkpoint {_describe(stored[key])} vs expected {_describe(expected[key])}"
+                )
+    if problems:
+        shown = "\n  ".join(problems[:_MAX_MISMATCHES_SHOWN])
+        more = len(problems) - _MAX_MISMATCHES_SHOWN
+        tail = f"\n  ... and {more} more" if more > 0 else ""
+        raise ValueError(
+            f"checkpoint step {step} does not match the restore target ({len(problems)} path(s)):\n  "
+            f"{shown}{tail}\nThe model or optimizer config differs from the one that wrote this checkpoint."
+        )
+
+
+def _describe(leaf: Any) -> str:
+    dtype = getattr(leaf, "dtype", None)
+    return f"{tuple(getattr(leaf, 'shape', ()))} {np.dtype(dtype).name if dtype is not None else type(leaf).__name__}"

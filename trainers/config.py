@@ -1,0 +1,171 @@
+"""Typed, frozen run configuration and ``key=value`` overrides.
+
+A :class:`Config` groups one frozen dataclass per concern (model, mesh, rules, optimizer,
+schedule, data, checkpoint, run). Recipes (``trainers.recipes``) are functions returning a Config;
+the CLI applies overrides such as ``model.d_model=256`` or ``schedule.peak_lr=1e-3`` with
+:func:`override`, which parses each value by the field's declared type and rejects unknown keys
+and bad values with an error listing what is valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from collections.abc import Iterable
+from typing import Any
+
+from spmd.models import GPTConfig
+from trainers.checkpoint import CheckpointConfig
+from trainers.data import DataConfig
+from trainers.optim import OptimizerConfig
+from trainers.schedules import ScheduleConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Mesh axis sizes in the CLI form (``"data=2,tensor=4"``; -1 infers one), DCN sizes across slices."""
+
+    axes: str = "data=-1"
+    dcn: str = ""
+    axis_type: str = "auto"
+
+    def __post_init__(self) -> None:
+        from meshes import AXIS_TYPES, MeshSpec
+
+        MeshSpec.of(self.axes, self.dcn or None)  # validates names and sizes now, not on the pod
+        if self.axis_type not in AXIS_TYPES:
+            raise ValueError(f"mesh.axis_type {self.axis_type!r} is not one of {sorted(AXIS_TYPES)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    name: str = "run"
+    run_dir: str = ""  # "" -> runs/<name>
+    steps: int = 1000
+    grad_accum: int = 1  # microbatches per step (the global batch is split k ways)
+    z_loss: float = 0.0
+    eval_every: int = 100
+    eval_batches: int = 4
+    log_every: int = 10
+    seed: int = 0
+    max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
+    resume: bool = True  # resume from the newest valid checkpoint in the run directory
+    tensorboard: bool = True
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "grad_accum", "eval_every", "log_every", "max_bad_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"run.{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_batches < 0 or self.z_loss < 0:
+            raise ValueError(f"run.eval_batches and run.z_loss must be >= 0, got {self.eval_batches}, {self.z_loss}")
+
+    @property
+    def directory(self) -> str:
+        return self.run_dir or f"runs/{self.name}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: GPTConfig = GPTConfig()
+    mesh: MeshConfig = MeshConfig()
+    rules: str = "fsdp_tp"
+    optimizer: OptimizerConfig = OptimizerConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    data: DataConfig = DataConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    run: RunConfig = RunConfig()
+
+    def __post_init__(self) -> None:
+        from spmd import get_rules
+
+        get_rules(self.rules)
+        if self.data.global_batch % self.run.grad_accum:
+            raise ValueError(
+                f"data.global_batch {self.data.global_batch} does not divide into run.grad_accum "
+                f"{self.run.grad_accum} microbatches"
+            )
+        if self.model.vocab_size < self.data.vocab_size:
+            raise ValueError(f"model.vocab_size {self.model.vocab_size} < data.vocab_size {self.data.vocab_size}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def valid_keys(cfg: Any, prefix: str = "") -> list[str]:
+    """Every overridable dotted key of a config."""
+    keys = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            keys += valid_keys(value, f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _parse(text: str, annotation: Any, key: str) -> Any:
+    """Parse ``text`` as a value of type ``annotation`` (int, float, bool, str, tuple, optional)."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if text.lower() in ("none", "null") and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _parse(text, arg, key)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(f"{key}={text!r}: " + "; ".join(errors))
+    if annotation is bool:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{key}={text!r} is not a boolean (true/false)")
+    if annotation is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"{key}={text!r} is not an integer") from None
+    if annotation is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"{key}={text!r} is not a number") from None
+    if origin is tuple:
+        items = json.loads(text) if text.startswith("[") else [t for t in text.split(",") if t]
+        return tuple(str(i) for i in items)
+    return text
+
+
+def override(cfg: Config, assignments: Iterable[str]) -> Config:
+    """Apply ``section.field=value`` overrides; unknown keys and bad values raise ValueError."""
+    keys = valid_keys(cfg)
+    for item in assignments:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep:
+            raise ValueError(f"override {item!r} is not of the form key=value (e.g. model.d_model=256)")
+        if key not in keys:
+            close = [k for k in keys if k.split(".")[-1] == key.split(".")[-1]]
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ValueError(f"unknown config key {key!r}{hint} Valid keys: {', '.join(keys)}")
+        cfg = _set(cfg, key.split("."), text.strip(), key)
+    return cfg
+
+
+def _set(node: Any, path: list[str], text: str, key: str) -> Any:
+    hints = typing.get_type_hints(type(node))
+    name = path[0]
+    if len(path) == 1:
+        value = _parse(text, hints[name], key)
+    else:
+        value = _set(getattr(node, name), path[1:], text, key)
+    try:
+        return dataclasses.replace(node, **{name: value})
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"bad value for {key}: {e}") from None

@@ -1,0 +1,141 @@
+"""The pure, jitted train and eval steps.
+
+``train_step(state, batch) -> (state, metrics)`` is one ``jax.jit`` with explicit in/out
+shardings and the state donated (updated in place, no second copy). Inside it:
+
+1. **Gradient accumulation** over ``k`` microbatches with ``lax.scan``. The global batch
+   ``x[B_batch, L]`` is regrouped as ``[k, B/k, L]`` so that every device keeps its own rows (row
+   ``i`` of microbatch ``j`` is global row ``i*k + j``: no data moves), and the accumulator is
+   constrained to the parameters' shardings (sharded like the params, not a replicated buffer as
+   ``optax.MultiSteps`` keeps). The mean of k microbatch gradients equals the full-batch gradient.
+2. **Mixed precision**: parameters and optimizer state stay f32; the model casts weights to its
+   compute dtype at use (bf16 on accelerators), so gradients arrive in f32.
+3. **Pre-clip global gradient norm** is computed for logging; clipping itself is the first link
+   of the optimizer chain.
+4. **NaN/Inf guard**: if the loss or the gradient norm is not finite, parameters and optimizer
+   state are left unchanged (``jnp.where`` on every leaf), ``skipped`` and ``bad_streak`` count
+   it; the loop stops the run after too many consecutive bad steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+import spmd
+from spmd.models import lm_loss
+from trainers.optim import global_norm
+from trainers.state import Sharded, State
+
+Batch = dict[str, jax.Array]
+LossFn = Callable[[nnx.Module, Batch], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+def lm_loss_fn(z_loss: float = 0.0) -> LossFn:
+    """Next-token loss of a language model: ``model(batch["inputs"])`` vs ``batch["targets"]``."""
+
+    def loss_fn(model: nnx.Module, batch: Batch):
+        return lm_loss(model(batch["inputs"]), batch["targets"], z_loss=z_loss)
+
+    return loss_fn
+
+
+def _microbatches(x: jax.Array, k: int) -> jax.Array:
+    """``[B, ...] -> [k, B/k, ...]`` with microbatch j = rows j, j+k, j+2k, ... (local to each device)."""
+    x = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
+    return spmd.constrain(x, (None, "batch") + (None,) * (x.ndim - 2))
+
+
+def make_train_step(
+    sharded: Sharded,
+    tx: optax.GradientTransformation,
+    rules: spmd.Rules | str,
+    mesh: Mesh,
+    batch_sharding: NamedSharding,
+    *,
+    schedule: optax.Schedule | None = None,
+    grad_accum: int = 1,
+    loss_fn: LossFn | None = None,
+    donate: bool = True,
+) -> Callable[[State, Batch], tuple[State, dict[str, jax.Array]]]:
+    """The jitted train step for this state, mesh and rule set."""
+    graphdef, param_shardings = sharded.graphdef, sharded.shardings["params"]
+    loss_fn = loss_fn or lm_loss_fn()
+    rules = spmd.get_rules(rules)
+
+    def loss_of(params, batch):
+        model = nnx.merge(graphdef, params)
+        loss, aux = loss_fn(model, batch)
+        return loss, aux
+
+    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+
+    def step(state: State, batch: Batch):
+        params = state["params"]
+        with spmd.use_rules(rules, mesh):
+            if grad_accum == 1:
+                (loss, aux), grads = grad_fn(params, batch)
+            else:
+                micro = jax.tree.map(lambda x: _microbatches(x, grad_accum), batch)
+
+                def body(acc, mb):
+                    (l, aux), g = grad_fn(params, mb)
+                    acc = jax.tree.map(jnp.add, acc, g)
+                    return jax.lax.with_sharding_constraint(acc, param_shardings), (l, aux)
+
+                zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), param_shardings)
+                grads, (losses, auxs) = jax.lax.scan(body, zeros, micro)
+                grads = jax.tree.map(lambda g: g / grad_accum, grads)
+                loss, aux = losses.mean(), jax.tree.map(jnp.mean, auxs)
+        grad_norm = global_norm(grads)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        new_params = optax.apply_updates(params, updates)
+        keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+        key = jax.random.wrap_key_data(state["rng"])
+        new_state = {
+            "params": jax.tree.map(keep, new_params, params),
+            "opt_state": jax.tree.map(keep, opt_state, state["opt_state"]),
+            "step": state["step"] + 1,
+            "rng": jax.random.key_data(jax.random.split(key)[0]),
+            "skipped": state["skipped"] + (~ok).astype(jnp.int32),
+            "bad_streak": jnp.where(ok, 0, state["bad_streak"] + 1),
+        }
+        metrics = {"loss": loss, "grad_norm": grad_norm, "finite": ok, **aux}
+        if schedule is not None:
+            metrics["lr"] = schedule(state["step"])
+        return new_state, metrics
+
+    batch_shardings = {"inputs": batch_sharding, "targets": batch_sharding}
+    return jax.jit(
+        step,
+        in_shardings=(sharded.shardings, batch_shardings),
+        out_shardings=(sharded.shardings, spmd.replicated(mesh)),
+        donate_argnums=(0,) if donate else (),
+    )
+
+
+def make_eval_step(
+    sharded: Sharded, rules: spmd.Rules | str, mesh: Mesh, batch_sharding: NamedSharding, *, loss_fn: LossFn | None = None
+) -> Callable[[dict[str, Any], Batch], jax.Array]:
+    """``eval_step(params, batch) -> mean loss`` (cross-entropy only, no z-loss)."""
+    graphdef = sharded.graphdef
+    loss_fn = loss_fn or lm_loss_fn()
+    rules = spmd.get_rules(rules)
+
+    def step(params, batch):
+        with spmd.use_rules(rules, mesh):
+            loss, aux = loss_fn(nnx.merge(graphdef, params), batch)
+        return aux.get("ce", loss)
+
+    return jax.jit(
+        step,
+        in_shardings=(sharded.shardings["params"], {"inputs": batch_sharding, "targets": batch_sharding}),
+        out_shardings=spmd.replicated(mesh),
+    )
