@@ -46,8 +46,9 @@ def all_gather(x: jax.Array, axis: AxisName, *, dim: int = 0, tiled: bool = True
     """All-gather: ``A[I_X, J] -> A[I, J]`` along tensor dim ``dim``.
 
     ``tiled=True`` concatenates the blocks (shape grows |X|-fold along ``dim``); ``tiled=False``
-    stacks them in a new dim of size |X| inserted at position ``dim``. ``invariant=True`` marks the result as identical on every
-    device of X, which ``out_specs=P()`` needs under shard_map's replication checking.
+    stacks them in a new dim of size |X| inserted at position ``dim``. ``invariant=True`` marks the
+    result as identical on every device of X, which ``out_specs=P()`` needs under shard_map's
+    replication checking.
     """
     return lax.all_gather(x, axis, axis=dim, tiled=tiled, to="invarying" if invariant else "varying")
 

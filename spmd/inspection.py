@@ -52,7 +52,12 @@ def memory(compiled: Any) -> Memory:
 
 
 def flops(compiled: Any) -> float:
-    """FLOPs of one device's program as XLA counts them (matmuls and elementwise work)."""
+    """FLOPs of one device's program as XLA counts them (matmuls and elementwise work).
+
+    XLA's cost analysis counts the body of a ``while`` loop once, not once per iteration, so for
+    a model whose layers run as a scan (``spmd.Stack``) this undercounts by about the number of
+    layers. Use the analytic ``spmd.models.flops_per_step`` for MFU; use this for unrolled code.
+    """
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
         cost = cost[0]

@@ -230,6 +230,19 @@ def test_initialize_detects_no_cluster_here(clean_env):
     assert clean_env == []
 
 
+def test_cluster_detection_skips_opt_in_only_detectors(monkeypatch):
+    from jax._src.clusters import ClusterEnv
+
+    def detector(opt_in: bool, present: bool) -> type:
+        return type("Fake", (), {"opt_in_only_method": opt_in, "is_env_present": classmethod(lambda cls: present)})
+
+    # An opt-in-only detector (mpi4py: true whenever the package is importable) is not a cluster.
+    monkeypatch.setattr(ClusterEnv, "_cluster_types", [detector(True, True), detector(False, False)])
+    assert distributed._cluster_detected() is False
+    monkeypatch.setattr(ClusterEnv, "_cluster_types", [detector(True, True), detector(False, True)])
+    assert distributed._cluster_detected() is True
+
+
 def test_initialize_rejects_bad_process_count(clean_env, monkeypatch):
     monkeypatch.setenv("SPMD_COORDINATOR", "10.0.0.1:1234")
     monkeypatch.setenv("SPMD_NUM_PROCESSES", "four")

@@ -3,6 +3,7 @@ FLOP formulas (and XLA's count), the MLP, and Stack's rematerialisation."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -21,19 +22,36 @@ B, L = 2, 8
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, size=(B, L)), dtype=jnp.int32)
 
 
+def abstract(cfg: GPTConfig) -> tuple[nnx.GraphDef, dict]:
+    """(graphdef, params as ShapeDtypeStructs) without running any initializer."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
+    return graphdef, nnx.to_pure_dict(state)
+
+
 @functools.cache
-def model_and_forward(cfg: GPTConfig):
-    """A model and a jitted forward over its (pure dict) params: one compile per config."""
-    graphdef, state = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)))
-    params = nnx.to_pure_dict(state)
-    forward = jax.jit(lambda p, tokens: nnx.merge(graphdef, p)(tokens))
-    return params, forward
+def params_for(cfg: GPTConfig) -> dict:
+    """Concrete parameters filled from numpy: norm scales 1, weights N(0, 1/D) (compiling the
+    model's own random init costs seconds on CPU, and these tests need only some weights)."""
+    rng = np.random.default_rng(0)
+    _, shapes = abstract(cfg)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    leaves = [
+        np.ones(x.shape, np.float32) if spmd.path_str(path).endswith("scale")
+        else rng.normal(0.0, cfg.d_model**-0.5, x.shape).astype(np.float32)
+        for path, x in flat
+    ]
+    return jax.tree.unflatten(treedef, leaves)
 
 
-def logits(cfg: GPTConfig, tokens) -> np.ndarray:
-    params, forward = model_and_forward(cfg)
-    out = forward(params, tokens)
-    return out
+@functools.cache
+def forward_for(cfg: GPTConfig):
+    graphdef, _ = abstract(cfg)
+    return jax.jit(lambda p, tokens: nnx.merge(graphdef, p)(tokens))
+
+
+def logits(cfg: GPTConfig, tokens) -> jax.Array:
+    # Parameters are f32 whatever the compute dtype, so every variant reuses CFG's.
+    return forward_for(cfg)(params_for(CFG), tokens)
 
 
 # --- forward --------------------------------------------------------------------------------------
@@ -47,7 +65,8 @@ def test_forward_shape_and_dtype():
 
 
 def test_bfloat16_compute_gives_f32_logits_close_to_f32():
-    bf16 = GPTConfig(**{**CFG.__dict__, "dtype": "bfloat16"})
+    bf16 = dataclasses.replace(CFG, dtype="bfloat16")
+    assert {x.dtype for x in jax.tree.leaves(abstract(bf16)[1])} == {jnp.dtype(jnp.float32)}  # params stay f32
     out16, out32 = np.asarray(logits(bf16, TOKENS)), np.asarray(logits(CFG, TOKENS))
     assert logits(bf16, TOKENS).dtype == jnp.float32
     err = np.linalg.norm(out16 - out32) / np.linalg.norm(out32)
@@ -85,7 +104,7 @@ def test_param_count_matches_the_model(cfg):
 
 
 def test_gqa_has_fewer_params_than_mha():
-    gqa = GPTConfig(**{**CFG.__dict__, "n_kv_heads": 2})
+    gqa = dataclasses.replace(CFG, n_kv_heads=2)
     assert param_count(CFG) - param_count(gqa) == CFG.n_layers * 2 * CFG.d_model * 2 * CFG.k
 
 
@@ -163,8 +182,7 @@ def test_flops_match_xla_for_one_training_step():
     # One block: XLA's cost analysis counts a while loop's body once, so a scanned stack of n
     # blocks would be counted as one.
     cfg = GPTConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64)
-    graphdef, state = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)))
-    params = nnx.to_pure_dict(state)
+    graphdef, params = abstract(cfg)
     seq = 16
 
     def loss(p, tokens_BL):
@@ -180,10 +198,14 @@ def test_flops_match_xla_for_one_training_step():
 
 
 def test_mlp_runs_and_matches_numpy():
-    model = MLP(8, 16, rngs=nnx.Rngs(1))
+    @jax.jit
+    def run(x):
+        model = MLP(8, 16, rngs=nnx.Rngs(1))
+        return model(x), [v[...] for v in (model.w_in, model.b_in, model.w_out, model.b_out)]
+
     x = np.random.default_rng(1).normal(size=(4, 8)).astype(np.float32)
-    y = model(jnp.asarray(x))
-    w_in, b_in, w_out, b_out = (np.asarray(v[...]) for v in (model.w_in, model.b_in, model.w_out, model.b_out))
+    y, weights = run(jnp.asarray(x))
+    w_in, b_in, w_out, b_out = (np.asarray(w) for w in weights)
     want = np.maximum(x @ w_in + b_in, 0) @ w_out + b_out
     assert y.shape == (4, 8)
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-6)
@@ -202,17 +224,25 @@ class Residual(nnx.Module):
         return x + jnp.tanh(x @ self.w[...]) * scale
 
 
-def stack_loss_and_grads(remat: bool, seed: int = 0):
-    stack = spmd.Stack(lambda r: Residual(4, rngs=r), 3, rngs=nnx.Rngs(seed), remat=remat)
-    graphdef, state = nnx.split(stack)
+@functools.cache
+def stack_step(remat: bool):
+    """jit(weights -> (loss, grads)) and the jaxprs of the loss and of its gradient."""
+    graphdef, state = nnx.split(
+        nnx.eval_shape(lambda: spmd.Stack(lambda r: Residual(4, rngs=r), 3, rngs=nnx.Rngs(0), remat=remat)))
     x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
 
-    def loss(state):
-        return jnp.sum(nnx.merge(graphdef, state)(x, 0.5) ** 2)
+    def loss(w):
+        return jnp.sum(nnx.merge(graphdef, {"block": {"w": w}})(x, 0.5) ** 2)
 
-    value, grads = jax.value_and_grad(loss)(state)
-    jaxprs = jax.make_jaxpr(loss)(state), jax.make_jaxpr(jax.grad(loss))(state)
-    return float(value), nnx.to_pure_dict(grads), jaxprs
+    w = jax.ShapeDtypeStruct(nnx.to_pure_dict(state)["block"]["w"].shape, jnp.float32)
+    return jax.jit(jax.value_and_grad(loss)), (jax.make_jaxpr(loss)(w), jax.make_jaxpr(jax.grad(loss))(w))
+
+
+def stack_loss_and_grads(remat: bool, seed: int = 0):
+    step, jaxprs = stack_step(remat)
+    w = np.random.default_rng(seed).normal(0.0, 0.5, (3, 4, 4)).astype(np.float32)
+    value, grad_w = step(w)
+    return float(value), {"block": {"w": np.asarray(grad_w)}}, jaxprs
 
 
 def test_stack_remat_gives_the_same_loss_and_grads():
@@ -231,7 +261,7 @@ def test_stack_remat_gives_the_same_loss_and_grads():
 
 
 def test_stack_stacks_logical_dims_and_rejects_empty():
-    stack = spmd.Stack(lambda r: Residual(4, rngs=r), 2, rngs=nnx.Rngs(0))
+    stack = nnx.eval_shape(lambda: spmd.Stack(lambda r: Residual(4, rngs=r), 2, rngs=nnx.Rngs(0)))
     assert spmd.logical_dims(stack) == {"block/w": ("layers", "embed", "mlp")}
     with pytest.raises(ValueError, match="at least one block, got n=0"):
         spmd.Stack(lambda r: Residual(4, rngs=r), 0, rngs=nnx.Rngs(0))

@@ -177,9 +177,13 @@ N_LAYERS = CFG.n_layers
 
 
 @functools.cache
+def compiled(name: str):
+    return layout(name).compiled()
+
+
+@functools.cache
 def step_ops(name: str) -> list:
-    lay = layout(name)
-    return collectives(lay.compiled(), lay.mesh)
+    return collectives(compiled(name), layout(name).mesh)
 
 
 def in_scan(op) -> bool:
@@ -221,7 +225,7 @@ def test_fsdp8_gathers_each_weight_once_and_all_reduces_gradients():
     # All-gathers: each weight once per step, in the forward pass, over fsdp, at its full size.
     # The backward pass does not gather again: the forward scan stores the gathered per-layer
     # weights as residuals (dynamic-update-slice into a stacked buffer) and the backward scan reads
-    # them (no remat), which trades temp memory for a second round of all-gathers.
+    # them (no remat): temp memory holds the gathered weights instead of a second round of gathers.
     gathers = [o for o in ops if o.kind == "all-gather"]
     assert all(o.axes == ("fsdp",) and o.group_size == 8 and not o.backward for o in gathers)
     per_layer = sorted(b // N_LAYERS for b in full_bytes(lay.params["blocks"]))
@@ -234,16 +238,16 @@ def test_fsdp8_gathers_each_weight_once_and_all_reduces_gradients():
     # all-reduce of the *full* gradients (8x the shard bytes) over fsdp, after which each device
     # dynamic-slices its own shard. Same grouping as dp8: one per layer in the scan plus one after.
     assert summarize(ops) == {
-        ("all-gather", ("fsdp",)): {"count": 9 * N_LAYERS + 3, "bytes": full},
+        ("all-gather", ("fsdp",)): {"count": len(per_layer) * N_LAYERS + len(top), "bytes": full},
         ("all-reduce", ("fsdp",)): {"count": N_LAYERS + 1, "bytes": full + LOSS_BYTES},
     }
-    text = lay.compiled().as_text()
+    text = compiled("fsdp8").as_text()
     assert "reduce-scatter" not in text
     shard_slices = backward_dynamic_slice_shapes(text)
     assert f"f32[{CFG.ff},{CFG.d_model // 8}]" in shard_slices  # a layer's w_down gradient shard [F, D/8]
     assert f"f32[{CFG.d_model // 8}]" in shard_slices  # a layer's norm-scale gradient shard [D/8]
     # negative control: the dp8 step keeps whole gradients and slices no such shards
-    dp_slices = backward_dynamic_slice_shapes(layout("dp8").compiled().as_text())
+    dp_slices = backward_dynamic_slice_shapes(compiled("dp8").as_text())
     assert f"f32[{CFG.ff},{CFG.d_model // 8}]" not in dp_slices and f"f32[{CFG.d_model // 8}]" not in dp_slices
 
 
@@ -301,32 +305,29 @@ def test_dp2_tp4_megatron_pattern():
     assert grad_bytes("dp8") / 4 < grads < grad_bytes("dp8") / 3
 
 
-def forward_tensor_all_reduces(rules: spmd.Rules) -> list[tuple[str, int, int]]:
-    """(matmul, count, bytes) of the forward-pass all-reduces over tensor in the layer scan of the loss."""
-    lay = layout("dp2_tp4")
-    mesh = lay.mesh
+def test_negative_control_unsharded_mlp_has_no_mlp_all_reduce():
+    """With ``mlp`` left unsharded the MLP is not row-parallel: its forward all-reduce disappears,
+    while the attention one (heads still over tensor) stays. Were both present here, the Megatron
+    test above could not tell a row-parallel MLP from a replicated one."""
+    rules = spmd.DP_TP.replace(name="dp_tp_no_mlp", params={"mlp": None}, activations={"mlp": None})
+    mesh = layout("dp2_tp4").mesh
     graphdef, params, _ = spmd.init_params(make_model, rules, mesh)
+    assert params["blocks"]["block"]["mlp"]["w_down"].sharding.is_fully_replicated
     tokens = jax.ShapeDtypeStruct((BATCH, LENGTH), jnp.int32, sharding=spmd.batch_sharding(rules, mesh))
 
-    def loss(params, inputs, targets):
+    def loss(params, inputs, targets):  # the forward pass of the step: enough for forward collectives
         with spmd.use_rules(rules, mesh):
             logits = nnx.merge(graphdef, params)(inputs)
         return lm_loss(logits, targets)[0]
 
     ops = collectives(jax.jit(loss).lower(params, tokens, tokens).compile(), mesh)
-    return sorted((o.op_name.rsplit("/", 2)[-2], o.count, o.bytes)
-                  for o in ops if o.axes == ("tensor",) and in_scan(o) and o.kind == "all-reduce")
-
-
-def test_negative_control_unsharded_mlp_has_no_mlp_all_reduce():
-    """With ``mlp`` left unsharded the MLP is not row-parallel: its forward all-reduce disappears,
-    while the attention one (heads still over tensor) stays. The same count on both would mean the
-    test above could not tell a Megatron MLP from a replicated one."""
-    with_mlp = forward_tensor_all_reduces(spmd.DP_TP)
-    no_mlp = spmd.DP_TP.replace(name="dp_tp_no_mlp", params={"mlp": None}, activations={"mlp": None})
-    without = forward_tensor_all_reduces(no_mlp)
-    assert with_mlp == [("blf,fd->bld", N_LAYERS, BLD), ("blhk,hkd->bld", N_LAYERS, BLD)]
-    assert without == [("blhk,hkd->bld", N_LAYERS, BLD)]
+    fwd_scan = sorted((o.op_name.rsplit("/", 2)[-2], o.count, o.bytes)
+                      for o in ops if o.axes == ("tensor",) and in_scan(o) and o.kind == "all-reduce")
+    assert fwd_scan == [("blhk,hkd->bld", N_LAYERS, BLD)]
+    # the same selection on the dp_tp step finds both row-parallel matmuls
+    assert sorted((o.op_name.rsplit("/", 2)[-2], o.count, o.bytes) for o in step_ops("dp2_tp4")
+                  if o.axes == ("tensor",) and in_scan(o) and not o.backward) == [
+        ("blf,fd->bld", N_LAYERS, BLD), ("blhk,hkd->bld", N_LAYERS, BLD)]
 
 
 def test_negative_control_wrong_gradient_expectations_fail():

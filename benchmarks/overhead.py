@@ -1,0 +1,339 @@
+"""Trainer overhead: ``make_train_step`` against a minimal hand-written ``jax.jit`` step.
+
+The trainer's step does more than a training step strictly needs: a pre-clip global gradient
+norm for logging, a NaN/Inf guard (``jnp.where`` on every parameter and optimizer-state leaf),
+counters, an RNG split and the LR metric. This benchmark measures what that costs per step.
+
+For each layout
+
+- 1 device: ``meshes.single_device_mesh()``, rules "none";
+- N devices: the recipe's mesh (gpt-small: ``data=2,fsdp=2,tensor=2``) and rules (``fsdp_tp``),
+
+it builds, from the same recipe (model, optimizer, schedule) and the same global batch,
+
+- **trainer**: ``trainers.make_train_step`` as the training loop uses it;
+- **minimal**: ``jax.jit(value_and_grad(loss) -> tx.update -> optax.apply_updates)`` with the same
+  in/out shardings for params and optimizer state, the state donated, the same activation rules,
+  and only the loss returned (no guard, no norm, no counters, no metrics).
+
+Both are compiled and warmed up, then timed in interleaved rounds (``rounds`` x ``steps`` steps;
+the order A/B alternates each round so that drift on a shared machine hits both alike;
+``block_until_ready`` ends each round). Reported: the median per-step time of each, the ratio
+trainer/minimal and whether it meets the goal (<= 1.03), plus the range of the per-round ratios
+as a noise gauge, and XLA's own cost model of the two compiled steps (flops and bytes accessed
+per device, trainer/minimal), which does not depend on machine load. The results table goes to the console and to ``benchmarks/RESULTS.md``.
+
+Devices: by default the run simulates 8 CPU devices (set before the backend starts, as the
+tests do). ``--real-devices`` uses whatever devices jax finds (GPU, TPU); a layout needing more
+devices than exist is skipped and reported as such.
+
+    python -m benchmarks.overhead [--real-devices] [--rounds 5] [--steps 5] [--output PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import math
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+import meshes
+import spmd
+from spmd.models import GPT, lm_loss
+from trainers import Config, create_state, make_optimizer, make_schedule, make_train_step, recipe
+
+GOAL = 1.03
+SIMULATED_DEVICES = 8
+RESULTS = Path(__file__).resolve().with_name("RESULTS.md")
+_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What to run: recipe, timing rounds x steps per round, warm-up steps, devices, output file."""
+
+    recipe: str = "gpt-small"
+    rounds: int = 5
+    steps: int = 5
+    warmup: int = 2
+    real_devices: bool = False
+    output: Path | None = RESULTS
+
+    def __post_init__(self) -> None:
+        for name, low in (("rounds", 1), ("steps", 1), ("warmup", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"Settings.{name}={value!r} must be an integer >= {low}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One layout's result: median seconds per step of each step function, per-round ratios."""
+
+    what: str
+    devices: int
+    trainer_s: float
+    minimal_s: float
+    round_ratios: tuple[float, ...]
+    flops_ratio: float
+    bytes_ratio: float
+
+    @property
+    def ratio(self) -> float:
+        return self.trainer_s / self.minimal_s
+
+    @property
+    def met(self) -> bool:
+        return self.ratio <= GOAL
+
+
+def setup_devices(real_devices: bool) -> None:
+    """Simulate CPU devices unless real ones are requested; must run before the backend starts.
+
+    An ``XLA_FLAGS`` device count already set by the caller is kept; otherwise 8.
+    """
+    if real_devices:
+        return
+    found = _COUNT_FLAG.search(os.environ.get("XLA_FLAGS", ""))
+    meshes.simulate_cpu_devices(int(found.group(1)) if found else SIMULATED_DEVICES)
+
+
+def minimal_step(sharded: Any, tx: optax.GradientTransformation, rules: spmd.Rules, mesh: jax.sharding.Mesh,
+                 batch_sharding: jax.sharding.NamedSharding) -> Callable:
+    """``step((params, opt_state), batch) -> ((params, opt_state), loss)``: the least a step can do."""
+    graphdef = sharded.graphdef
+    state_shardings = (sharded.shardings["params"], sharded.shardings["opt_state"])
+
+    def loss_of(params, batch):
+        logits_BLV = nnx.merge(graphdef, params)(batch["inputs"])
+        return lm_loss(logits_BLV, batch["targets"])[0]
+
+    def step(state, batch):
+        params, opt_state = state
+        with spmd.use_rules(rules, mesh):
+            loss, grads = jax.value_and_grad(loss_of)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    return jax.jit(
+        step,
+        in_shardings=(state_shardings, {"inputs": batch_sharding, "targets": batch_sharding}),
+        out_shardings=(state_shardings, spmd.replicated(mesh)),
+        donate_argnums=(0,),
+    )
+
+
+def make_batch(cfg: Config, sharding: jax.sharding.NamedSharding, seed: int = 0) -> dict[str, jax.Array]:
+    """One fixed global batch of random tokens, ``inputs``/``targets`` ``[global_batch, seq_len]``."""
+    rng = np.random.default_rng(seed)
+    shape = (cfg.data.global_batch, cfg.data.seq_len + 1)
+    tokens = rng.integers(0, cfg.data.vocab_size, size=shape, dtype=np.int32)
+    return {"inputs": jax.device_put(tokens[:, :-1], sharding), "targets": jax.device_put(tokens[:, 1:], sharding)}
+
+
+def _time_round(step: Callable, state: Any, batch: dict[str, jax.Array], steps: int) -> tuple[Any, float]:
+    start = time.perf_counter()
+    for _ in range(steps):
+        state, _ = step(state, batch)
+    jax.block_until_ready(state)
+    return state, (time.perf_counter() - start) / steps
+
+
+def measure(what: str, cfg: Config, mesh: jax.sharding.Mesh, rules_name: str, settings: Settings) -> Row:
+    """Build both steps for this mesh and rule set, warm them up, time them interleaved."""
+    rules = spmd.get_rules(rules_name)
+    schedule = make_schedule(cfg.schedule)
+    tx = make_optimizer(cfg.optimizer, schedule)
+    seed = cfg.run.seed
+
+    def make_model() -> GPT:
+        return GPT(cfg.model, rngs=nnx.Rngs(seed))
+
+    sharded = create_state(make_model, tx, rules, mesh, seed=seed)
+    batch_sharding = spmd.batch_sharding(rules, mesh)
+    batch = make_batch(cfg, batch_sharding)
+    trainer = make_train_step(sharded, tx, rules, mesh, batch_sharding, schedule=schedule)
+    trainer_state: Any = sharded.state
+
+    twin = create_state(make_model, tx, rules, mesh, seed=seed)
+    minimal = minimal_step(twin, tx, rules, mesh, batch_sharding)
+    minimal_state: Any = (twin.state["params"], twin.state["opt_state"])
+
+    # Compile (ahead of time: the jit cache keeps the executables, and XLA's cost model compares
+    # what each step computes and moves, a noise-free complement to the timings), then warm up.
+    trainer_cost = trainer.lower(sharded.abstract, batch).compile().cost_analysis()
+    minimal_cost = minimal.lower((twin.abstract["params"], twin.abstract["opt_state"]), batch).compile().cost_analysis()
+    trainer_state, _ = _time_round(trainer, trainer_state, batch, 1 + settings.warmup)
+    minimal_state, _ = _time_round(minimal, minimal_state, batch, 1 + settings.warmup)
+
+    trainer_times, minimal_times = [], []
+    for r in range(settings.rounds):
+        order = ("trainer", "minimal") if r % 2 == 0 else ("minimal", "trainer")
+        for name in order:
+            if name == "trainer":
+                trainer_state, t = _time_round(trainer, trainer_state, batch, settings.steps)
+                trainer_times.append(t)
+            else:
+                minimal_state, t = _time_round(minimal, minimal_state, batch, settings.steps)
+                minimal_times.append(t)
+    ratios = tuple(a / b for a, b in zip(trainer_times, minimal_times))
+    return Row(what, mesh.size, statistics.median(trainer_times), statistics.median(minimal_times), ratios,
+               _cost_ratio(trainer_cost, minimal_cost, "flops"), _cost_ratio(trainer_cost, minimal_cost, "bytes accessed"))
+
+
+def _cost_ratio(a: Any, b: Any, key: str) -> float:
+    """``a[key] / b[key]`` from two ``cost_analysis()`` dicts (per device); NaN where a backend has none."""
+    a, b = (x[0] if isinstance(x, (list, tuple)) and x else x for x in (a, b))  # older jax: one dict per program
+    if not a or not b or not b.get(key):
+        return math.nan
+    return float(a.get(key, math.nan)) / float(b[key])
+
+
+def layouts(cfg: Config) -> list[tuple[str, Callable[[], jax.sharding.Mesh] | None, str, str]]:
+    """(what, mesh factory or None if the devices do not suffice, rules, skip reason)."""
+    spec = meshes.MeshSpec.of(cfg.mesh.axes, cfg.mesh.dcn or None)
+    sizes = [size for _, size in spec.ici]
+    devices = jax.devices()
+    need = math.prod(sizes) if -1 not in sizes else len(devices)
+    out: list[tuple[str, Callable[[], jax.sharding.Mesh] | None, str, str]] = [
+        ("1 device, rules none", lambda: meshes.single_device_mesh(), "none", ""),
+    ]
+    what = f"{need} devices, {spec}, rules {cfg.rules}"
+    if need <= len(devices) and need > 1:
+        out.append((what, lambda: meshes.make_mesh(spec, devices=devices[:need], axis_type=cfg.mesh.axis_type),
+                    cfg.rules, ""))
+    else:
+        out.append((what, None, cfg.rules, f"needs {need} devices, {len(devices)} present"))
+    return out
+
+
+def machine() -> dict[str, str]:
+    """CPU model, cores, jax devices and versions of this machine."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    devices = jax.devices()
+    kinds = sorted({d.device_kind for d in devices})
+    return {
+        "CPU": cpu,
+        "cores": f"{os.cpu_count()} ({len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else '?'} usable)",
+        "devices": f"{len(devices)} x {devices[0].platform} ({', '.join(kinds)})",
+        "jax": f"{jax.__version__} (jaxlib {jax.lib.__version__})" if hasattr(jax, "lib") else jax.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def table(rows: Sequence[Row], skipped: Sequence[tuple[str, str]]) -> str:
+    """Markdown table of the rows (times in ms per step)."""
+    lines = [
+        "| what | trainer ms/step | minimal ms/step (baseline) | ratio | per-round ratios | goal <= 1.03 "
+        "| XLA flops ratio | XLA bytes ratio |",
+        "|---|---:|---:|---:|---|---|---:|---:|",
+    ]
+    for row in rows:
+        spread = f"{min(row.round_ratios):.3f}-{max(row.round_ratios):.3f}"
+        lines.append(f"| {row.what} | {row.trainer_s * 1e3:.2f} | {row.minimal_s * 1e3:.2f} | {row.ratio:.3f} "
+                     f"| {spread} | {'met' if row.met else 'NOT met'} | {row.flops_ratio:.3f} | {row.bytes_ratio:.3f} |")
+    for what, reason in skipped:
+        lines.append(f"| {what} | - | - | - | - | skipped: {reason} | - | - |")
+    return "\n".join(lines)
+
+
+def write_results(path: Path, rows: Sequence[Row], skipped: Sequence[tuple[str, str]], settings: Settings,
+                  cfg: Config, command: str) -> None:
+    """``RESULTS.md``: machine, settings, the table."""
+    info = machine()
+    model = cfg.model
+    text = [
+        "# Benchmark results",
+        "",
+        "Written by `python -m benchmarks` (do not edit by hand; re-run to update).",
+        "",
+        "## Trainer overhead: `make_train_step` vs a minimal `jax.jit` step",
+        "",
+        f"Run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} with `{command}`.",
+        "",
+        *[f"- {key}: {value}" for key, value in info.items()],
+        f"- recipe {settings.recipe}: GPT d_model={model.d_model}, n_layers={model.n_layers}, n_heads={model.n_heads}, "
+        f"d_ff={model.d_ff}, vocab={model.vocab_size}, {model.dtype}; {cfg.optimizer.name}, clip {cfg.optimizer.clip_norm}, "
+        f"{cfg.schedule.kind} schedule; batch {cfg.data.global_batch} x {cfg.data.seq_len} tokens",
+        f"- timing: {settings.rounds} interleaved rounds x {settings.steps} steps each, after compile + "
+        f"{settings.warmup} warm-up steps; median per-step time",
+        "",
+        table(rows, skipped),
+        "",
+        "minimal = `jax.jit(value_and_grad(loss) -> tx.update -> optax.apply_updates)` with the trainer's "
+        "shardings and donation, returning only the loss. ratio = trainer / minimal (medians); per-round "
+        "ratios show the timing noise. XLA flops/bytes ratios: trainer / minimal from the compiled steps' "
+        "`cost_analysis()` (per device), independent of machine load.",
+        "",
+    ]
+    path.write_text("\n".join(text))
+
+
+def run(settings: Settings, command: str = "python -m benchmarks.overhead") -> list[Row]:
+    """Measure every layout; print the table; write ``settings.output`` unless it is None."""
+    setup_devices(settings.real_devices)
+    cfg = recipe(settings.recipe)
+    rows: list[Row] = []
+    skipped: list[tuple[str, str]] = []
+    for what, make_mesh, rules_name, reason in layouts(cfg):
+        if make_mesh is None:
+            print(f"{what}: skipped ({reason})", flush=True)
+            skipped.append((what, reason))
+            continue
+        start = time.perf_counter()
+        row = measure(what, cfg, make_mesh(), rules_name, settings)
+        rows.append(row)
+        print(f"{what}: trainer {row.trainer_s * 1e3:.2f} ms, minimal {row.minimal_s * 1e3:.2f} ms, "
+              f"ratio {row.ratio:.3f} ({time.perf_counter() - start:.0f} s)", flush=True)
+    print()
+    print(table(rows, skipped))
+    met = all(row.met for row in rows)
+    print(f"\ngoal trainer/minimal <= {GOAL}: {'met' if met else 'NOT met'} "
+          f"({', '.join(f'{row.ratio:.3f}' for row in rows)})")
+    if settings.output is not None:
+        write_results(settings.output, rows, skipped, settings, cfg, command)
+        print(f"wrote {settings.output}")
+    return rows
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--real-devices", action="store_true", help="use the devices jax finds instead of 8 simulated CPUs")
+    p.add_argument("--recipe", default="gpt-small", help="recipe whose model, optimizer and mesh to use")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
+    p.add_argument("--steps", type=int, default=5, help="steps per round")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
+    p.add_argument("--output", default=str(RESULTS), help="results file ('' = do not write)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None, command: str = "python -m benchmarks.overhead") -> int:
+    args = parser().parse_args(argv)
+    settings = Settings(recipe=args.recipe, rounds=args.rounds, steps=args.steps, warmup=args.warmup,
+                        real_devices=args.real_devices, output=Path(args.output) if args.output else None)
+    run(settings, command=" ".join([command, *(argv if argv is not None else sys.argv[1:])]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
