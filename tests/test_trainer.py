@@ -174,3 +174,17 @@ def test_config_is_frozen():
     cfg = recipe("gpt-small")
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.run.steps = 3
+
+
+def test_run_stops_after_consecutive_bad_steps(tmp_path):
+    # an absurd LR blows the params up to ~1e30 in one step; every later loss overflows to inf/NaN,
+    # each such step is skipped (no update) and the run stops after max_bad_steps in a row
+    from trainers.loop import DivergenceError
+
+    cfg = tiny(tmp_path, "run.steps=8", "schedule.total_steps=8", "schedule.kind=constant", "schedule.warmup_steps=0",
+               "schedule.peak_lr=1e30", "optimizer.clip_norm=none", "run.max_bad_steps=3", "run.eval_batches=0",
+               "checkpoint.every_steps=100")
+    with pytest.raises(DivergenceError, match=r"3 consecutive steps ending at step \d+ had a non-finite loss"):
+        train(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["skipped"] == 3 and rows[0]["loss"] is not None  # step 1 was finite, then 3 skipped
