@@ -143,8 +143,13 @@ def _parse(text: str, annotation: Any, key: str) -> Any:
 
 
 def override(cfg: Config, assignments: Iterable[str]) -> Config:
-    """Apply ``section.field=value`` overrides; unknown keys and bad values raise ValueError."""
+    """Apply ``section.field=value`` overrides; unknown keys and bad values raise ValueError.
+
+    All overrides are applied together before any validation, so their order does not matter
+    (``schedule.total_steps=4 schedule.warmup_steps=1`` is as good as the reverse).
+    """
     keys = valid_keys(cfg)
+    tree: dict[str, Any] = {}
     for item in assignments:
         key, sep, text = item.partition("=")
         key = key.strip()
@@ -154,18 +159,25 @@ def override(cfg: Config, assignments: Iterable[str]) -> Config:
             close = [k for k in keys if k.split(".")[-1] == key.split(".")[-1]]
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise ValueError(f"unknown config key {key!r}{hint} Valid keys: {', '.join(keys)}")
-        cfg = _set(cfg, key.split("."), text.strip(), key)
-    return cfg
+        node = tree
+        *parents, leaf = key.split(".")
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = (text.strip(), key)
+    return _apply(cfg, tree)
 
 
-def _set(node: Any, path: list[str], text: str, key: str) -> Any:
+def _apply(node: Any, changes: dict[str, Any]) -> Any:
     hints = typing.get_type_hints(type(node))
-    name = path[0]
-    if len(path) == 1:
-        value = _parse(text, hints[name], key)
-    else:
-        value = _set(getattr(node, name), path[1:], text, key)
+    values = {}
+    for name, change in changes.items():
+        if isinstance(change, dict):
+            values[name] = _apply(getattr(node, name), change)
+        else:
+            text, key = change
+            values[name] = _parse(text, hints[name], key)
     try:
-        return dataclasses.replace(node, **{name: value})
+        return dataclasses.replace(node, **values)
     except (ValueError, TypeError) as e:
-        raise ValueError(f"bad value for {key}: {e}") from None
+        changed = ", ".join(f"{k}" for k in changes)
+        raise ValueError(f"bad value among overrides of {type(node).__name__} ({changed}): {e}") from None
