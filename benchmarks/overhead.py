@@ -20,14 +20,16 @@ Both are compiled and warmed up, then timed in interleaved rounds (``rounds`` x 
 the order A/B alternates each round so that drift on a shared machine hits both alike;
 ``block_until_ready`` ends each round). Reported: the median per-step time of each, the ratio
 trainer/minimal and whether it meets the goal (<= 1.03), plus the range of the per-round ratios
-as a noise gauge, and XLA's own cost model of the two compiled steps (flops and bytes accessed
-per device, trainer/minimal), which does not depend on machine load. The results table goes to the console and to ``benchmarks/RESULTS.md``.
+as a noise gauge, XLA's own cost model of the two compiled steps (flops and bytes accessed per
+device, trainer/minimal), which does not depend on machine load, and the largest parameter
+difference after both ran the same steps (0 here: the baseline computes the same thing). The
+table goes to the console and to ``benchmarks/RESULTS.md``.
 
 Devices: by default the run simulates 8 CPU devices (set before the backend starts, as the
 tests do). ``--real-devices`` uses whatever devices jax finds (GPU, TPU); a layout needing more
 devices than exist is skipped and reported as such.
 
-    python -m benchmarks.overhead [--real-devices] [--rounds 5] [--steps 5] [--output PATH]
+    python -m benchmarks.overhead [--real-devices] [--rounds 5] [--steps 10] [--output PATH]
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class Settings:
 
     recipe: str = "gpt-small"
     rounds: int = 5
-    steps: int = 5
+    steps: int = 10
     warmup: int = 2
     real_devices: bool = False
     output: Path | None = RESULTS
@@ -91,6 +93,7 @@ class Row:
     round_ratios: tuple[float, ...]
     flops_ratio: float
     bytes_ratio: float
+    max_param_diff: float
 
     @property
     def ratio(self) -> float:
@@ -191,8 +194,13 @@ def measure(what: str, cfg: Config, mesh: jax.sharding.Mesh, rules_name: str, se
                 minimal_state, t = _time_round(minimal, minimal_state, batch, settings.steps)
                 minimal_times.append(t)
     ratios = tuple(a / b for a, b in zip(trainer_times, minimal_times))
+    # Both took the same steps from the same state on the same batch: the params must agree, or
+    # the baseline is not the same computation.
+    diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
+                         trainer_state["params"], minimal_state[0])
     return Row(what, mesh.size, statistics.median(trainer_times), statistics.median(minimal_times), ratios,
-               _cost_ratio(trainer_cost, minimal_cost, "flops"), _cost_ratio(trainer_cost, minimal_cost, "bytes accessed"))
+               _cost_ratio(trainer_cost, minimal_cost, "flops"), _cost_ratio(trainer_cost, minimal_cost, "bytes accessed"),
+               max(jax.tree.leaves(diffs)))
 
 
 def _cost_ratio(a: Any, b: Any, key: str) -> float:
@@ -222,7 +230,7 @@ def layouts(cfg: Config) -> list[tuple[str, Callable[[], jax.sharding.Mesh] | No
 
 
 def machine() -> dict[str, str]:
-    """CPU model, cores, jax devices and versions of this machine."""
+    """CPU model, cores, load, jax devices and versions of this machine."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -235,32 +243,40 @@ def machine() -> dict[str, str]:
     return {
         "CPU": cpu,
         "cores": f"{os.cpu_count()} ({len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else '?'} usable)",
+        "load average at start (1, 5, 15 min)": _load(),
         "devices": f"{len(devices)} x {devices[0].platform} ({', '.join(kinds)})",
         "jax": f"{jax.__version__} (jaxlib {jax.lib.__version__})" if hasattr(jax, "lib") else jax.__version__,
         "python": platform.python_version(),
     }
 
 
+def _load() -> str:
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "unknown"
+
+
 def table(rows: Sequence[Row], skipped: Sequence[tuple[str, str]]) -> str:
     """Markdown table of the rows (times in ms per step)."""
     lines = [
         "| what | trainer ms/step | minimal ms/step (baseline) | ratio | per-round ratios | goal <= 1.03 "
-        "| XLA flops ratio | XLA bytes ratio |",
-        "|---|---:|---:|---:|---|---|---:|---:|",
+        "| XLA flops ratio | XLA bytes ratio | max param diff |",
+        "|---|---:|---:|---:|---|---|---:|---:|---:|",
     ]
     for row in rows:
         spread = f"{min(row.round_ratios):.3f}-{max(row.round_ratios):.3f}"
         lines.append(f"| {row.what} | {row.trainer_s * 1e3:.2f} | {row.minimal_s * 1e3:.2f} | {row.ratio:.3f} "
-                     f"| {spread} | {'met' if row.met else 'NOT met'} | {row.flops_ratio:.3f} | {row.bytes_ratio:.3f} |")
+                     f"| {spread} | {'met' if row.met else 'NOT met'} | {row.flops_ratio:.3f} | {row.bytes_ratio:.3f} "
+                     f"| {row.max_param_diff:.1e} |")
     for what, reason in skipped:
-        lines.append(f"| {what} | - | - | - | - | skipped: {reason} | - | - |")
+        lines.append(f"| {what} | - | - | - | - | skipped: {reason} | - | - | - |")
     return "\n".join(lines)
 
 
 def write_results(path: Path, rows: Sequence[Row], skipped: Sequence[tuple[str, str]], settings: Settings,
-                  cfg: Config, command: str) -> None:
-    """``RESULTS.md``: machine, settings, the table."""
-    info = machine()
+                  cfg: Config, command: str, info: dict[str, str]) -> None:
+    """``RESULTS.md``: machine (``info``), settings, the table."""
+    end = _load()
+    info = {k: v for key, value in info.items()
+            for k, v in [(key, value)] + ([("load average at end", end)] if key.startswith("load average") else [])}
     model = cfg.model
     text = [
         "# Benchmark results",
@@ -283,7 +299,8 @@ def write_results(path: Path, rows: Sequence[Row], skipped: Sequence[tuple[str, 
         "minimal = `jax.jit(value_and_grad(loss) -> tx.update -> optax.apply_updates)` with the trainer's "
         "shardings and donation, returning only the loss. ratio = trainer / minimal (medians); per-round "
         "ratios show the timing noise. XLA flops/bytes ratios: trainer / minimal from the compiled steps' "
-        "`cost_analysis()` (per device), independent of machine load.",
+        "`cost_analysis()` (per device), independent of machine load. max param diff: largest |trainer - minimal| "
+        "parameter after both ran the same steps (shows the baseline computes the same thing).",
         "",
     ]
     path.write_text("\n".join(text))
@@ -293,6 +310,7 @@ def run(settings: Settings, command: str = "python -m benchmarks.overhead") -> l
     """Measure every layout; print the table; write ``settings.output`` unless it is None."""
     setup_devices(settings.real_devices)
     cfg = recipe(settings.recipe)
+    info = machine()
     rows: list[Row] = []
     skipped: list[tuple[str, str]] = []
     for what, make_mesh, rules_name, reason in layouts(cfg):
@@ -311,7 +329,7 @@ def run(settings: Settings, command: str = "python -m benchmarks.overhead") -> l
     print(f"\ngoal trainer/minimal <= {GOAL}: {'met' if met else 'NOT met'} "
           f"({', '.join(f'{row.ratio:.3f}' for row in rows)})")
     if settings.output is not None:
-        write_results(settings.output, rows, skipped, settings, cfg, command)
+        write_results(settings.output, rows, skipped, settings, cfg, command, info)
         print(f"wrote {settings.output}")
     return rows
 
@@ -321,7 +339,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--real-devices", action="store_true", help="use the devices jax finds instead of 8 simulated CPUs")
     p.add_argument("--recipe", default="gpt-small", help="recipe whose model, optimizer and mesh to use")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
-    p.add_argument("--steps", type=int, default=5, help="steps per round")
+    p.add_argument("--steps", type=int, default=10, help="steps per round")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
     p.add_argument("--output", default=str(RESULTS), help="results file ('' = do not write)")
     return p

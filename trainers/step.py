@@ -13,7 +13,7 @@ shardings and the state donated (updated in place, no second copy). Inside it:
 3. **Pre-clip global gradient norm** is computed for logging; clipping itself is the first link
    of the optimizer chain.
 4. **NaN/Inf guard**: if the loss or the gradient norm is not finite, parameters and optimizer
-   state are left unchanged (``jnp.where`` on every leaf), ``skipped`` and ``bad_streak`` count
+   state are left unchanged (one ``lax.cond`` around the update), ``skipped`` and ``bad_streak`` count
    it; the loop stops the run after too many consecutive bad steps.
 """
 
@@ -95,13 +95,17 @@ def make_train_step(
                 loss, aux = losses.mean(), jax.tree.map(jnp.mean, auxs)
         grad_norm = global_norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, opt_state = tx.update(grads, state["opt_state"], params)
-        new_params = optax.apply_updates(params, updates)
-        keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+        def update(grads, opt_state, params):
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        # one cond, not a jnp.where per leaf: a per-leaf select keeps both old and new moments alive
+        # and makes XLA copy the donated optimizer state every step
+        new_params, opt_state = jax.lax.cond(ok, update, lambda g, o, p: (p, o), grads, state["opt_state"], params)
         key = jax.random.wrap_key_data(state["rng"])
         new_state = {
-            "params": jax.tree.map(keep, new_params, params),
-            "opt_state": jax.tree.map(keep, opt_state, state["opt_state"]),
+            "params": new_params,
+            "opt_state": opt_state,
             "step": state["step"] + 1,
             "rng": jax.random.key_data(jax.random.split(key)[0]),
             "skipped": state["skipped"] + (~ok).astype(jnp.int32),
