@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 _DIM_KEYS = ("out_sharding", "sharding_names", "sharding")
 
 
-def path_str(path: Sequence[Any]) -> str:
-    """'blocks/attn/w_q' from a jax key path."""
+def path_str(path: Sequence[Any], *, drop: tuple[str, ...] = ("value",)) -> str:
+    """'blocks/attn/w_q' from a jax key path (NNX's trailing 'value' attribute left out by default)."""
     parts = []
     for k in path:
         for attr in ("key", "name", "idx"):
@@ -43,7 +43,7 @@ def path_str(path: Sequence[Any]) -> str:
                 break
         else:
             parts.append(str(k))
-    return "/".join(p for p in parts if p != "value")
+    return "/".join(p for p in parts if p not in drop)
 
 
 def _variables(tree: Any) -> list[tuple[str, nnx.Variable]]:

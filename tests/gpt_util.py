@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -112,5 +111,3 @@ def rel_err(a, b) -> float:
     errs = jax.tree.map(lambda x, y: float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30)), a, b)
     return max(jax.tree.leaves(errs))
 
-
-jnp  # re-exported for tests that build arrays

@@ -50,6 +50,8 @@ import jax
 import numpy as np
 import optax
 
+import spmd
+
 __all__ = [
     "DEFAULT_NO_DECAY",
     "OPTIMIZER_NAMES",
@@ -131,20 +133,8 @@ class OptimizerConfig:
 
 
 def key_path_str(path: tuple[Any, ...]) -> str:
-    """'/'-joined names of a ``jax.tree_util`` key path, e.g. ``"layers/mlp/w_in"``."""
-    parts = []
-    for key in path:
-        if isinstance(key, jax.tree_util.DictKey):
-            parts.append(str(key.key))
-        elif isinstance(key, jax.tree_util.GetAttrKey):
-            parts.append(key.name)
-        elif isinstance(key, jax.tree_util.SequenceKey):
-            parts.append(str(key.idx))
-        elif isinstance(key, jax.tree_util.FlattenedIndexKey):
-            parts.append(str(key.key))
-        else:
-            parts.append(str(key))
-    return "/".join(parts)
+    """'/'-joined names of a ``jax.tree_util`` key path, e.g. ``"layers/mlp/w_in"`` (every part kept)."""
+    return spmd.path_str(path, drop=())
 
 
 def _ndim(leaf: Any) -> int:
