@@ -34,6 +34,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--simulate-devices", type=int, default=0, metavar="N",
                    help="run on N simulated CPU devices (laptops, CI); 0 = the real devices")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="compile the train step for --devices devices (abstract state, nothing allocated), print "
+                        "memory, collectives and a roofline step time for --hardware, and exit")
+    p.add_argument("--devices", type=int, metavar="N", help="device count of the dry run (default: this backend's)")
+    p.add_argument("--hardware", default="h100", help="dry-run target: h100, h200, a100, tpu-v4, tpu-v5e, tpu-v5p, cpu")
+    p.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="process 0's address for a multi-host run (default: $SPMD_COORDINATOR or cluster detection)")
+    p.add_argument("--num-processes", type=int, help="processes in a multi-host run (default: $SPMD_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, help="this process's id in [0, num-processes) (default: $SPMD_PROCESS_ID)")
+    p.add_argument("--init-timeout", type=int, metavar="S",
+                   help="seconds to wait for all processes to join (default: $SPMD_INIT_TIMEOUT or 300)")
     return p.parse_args(argv)
 
 
@@ -70,16 +81,34 @@ def main(argv: list[str] | None = None) -> int:
 
         print(json.dumps(dataclasses.asdict(cfg), indent=2))
         return 0
+    if args.dry_run:
+        from trainers.dryrun import dry_run
+
+        try:
+            report = dry_run(cfg, devices=args.devices or args.simulate_devices or None, hardware=args.hardware)
+        except ValueError as e:
+            print(f"spmd-train: error: {e}", file=sys.stderr)
+            return 2
+        print(report.format())
+        return 0 if report.fits else 1
 
     import meshes
 
+    try:  # before any other jax call; a no-op on one host
+        meshes.distributed.initialize(args.coordinator, args.num_processes, args.process_id, timeout_s=args.init_timeout)
+    except ValueError as e:
+        print(f"spmd-train: error: {e}", file=sys.stderr)
+        return 2
     if args.simulate_devices:
         meshes.simulate_cpu_devices(args.simulate_devices)
-    meshes.distributed.initialize()
 
     from trainers.loop import train
 
-    result = train(cfg)
+    try:
+        result = train(cfg)
+    except (meshes.distributed.ConsistencyError, meshes.distributed.DistributedError) as e:
+        print(f"spmd-train: error: {e}", file=sys.stderr)
+        return 1
     if result.eval_losses:
         first, last = min(result.eval_losses), max(result.eval_losses)
         print(f"eval loss {result.eval_losses[first]:.3f} (step {first}) -> {result.eval_losses[last]:.3f} (step {last}); "

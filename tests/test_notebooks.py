@@ -1,0 +1,178 @@
+"""The notebooks run: every notebooks/*.ipynb, top to bottom, in a fresh kernel, drawing its figures.
+
+Notebooks are tested artifacts, not documentation that rots. Each one found by the glob (there is
+no exclude list: a new notebook is picked up by being added) is executed with nbclient in a
+``python3`` kernel on 8 simulated CPU devices, from a temporary working directory. The test fails
+on any cell error and checks the figures: at least one per notebook, the designed number for the
+notebooks listed in ``EXPECTED_FIGURES``, and one from every cell that creates a matplotlib figure.
+
+Cheap static checks run on the stored files: valid nbformat, outputs stripped, the device set-up
+in the first code cell, and imports only from the public API of ``meshes``, ``spmd`` and
+``trainers`` (their ``__init__`` exports; submodules only where the package exports them).
+
+The kernel shares the test suite's persistent compilation cache (``SPMD_TEST_COMPILE_CACHE`` or
+``.jax_cache``), so a re-run compiles almost nothing. Execution tests are marked ``slow`` (they
+still run in CI); ``-m "not slow"`` leaves them out locally.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import types
+from pathlib import Path
+
+import nbformat
+import pytest
+
+import meshes
+import spmd
+import trainers
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK_DIR = ROOT / "notebooks"
+NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+IDS = [p.stem for p in NOTEBOOKS]
+
+# Figures each notebook was designed to draw (image/png outputs). Notebooks not listed here must
+# draw at least one.
+EXPECTED_FIGURES = {
+    "01_meshes_and_shardings": 2,  # device grid of a mesh; train-state bytes per device per rule set
+    "02_collectives_by_hand": 1,  # the five collectives, before and after, one row per device
+    "03_tensor_and_data_parallel_gpt": 2,  # loss parity; collective bytes per axis for three layouts
+    "05_train_a_gpt": 2,  # LR schedule; train/eval loss and gradient norm curves
+}
+CELL_TIMEOUT_S = 300
+KERNEL = "python3"
+FIGURE_CALL = re.compile(r"\bplt\.(subplots|figure)\(")
+PACKAGES = {"meshes": meshes, "spmd": spmd, "trainers": trainers}
+IMPORT = re.compile(r"^\s*(?:from|import)\s+((?:meshes|spmd|trainers)(?:\.\w+)*)", re.MULTILINE)
+
+
+def test_notebooks_are_found():
+    assert NOTEBOOKS, f"no notebooks in {NOTEBOOK_DIR}"
+    missing = set(EXPECTED_FIGURES) - set(IDS)
+    assert not missing, f"EXPECTED_FIGURES names notebooks that do not exist: {sorted(missing)}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Static checks on the stored files
+# ---------------------------------------------------------------------------------------------
+
+
+def code_cells(nb) -> list:
+    return [c for c in nb.cells if c.cell_type == "code"]
+
+
+def public_submodules(package: types.ModuleType) -> set[str]:
+    """Submodules a package exports in ``__all__`` (e.g. ``spmd.hlo``, ``spmd.models``)."""
+    return {name for name in package.__all__ if isinstance(getattr(package, name, None), types.ModuleType)}
+
+
+def non_public_imports(source: str) -> list[str]:
+    """Imported module paths under meshes/spmd/trainers that are not the public API, and any _src import."""
+    bad = []
+    for dotted in IMPORT.findall(source):
+        package, *rest = dotted.split(".")
+        if rest and (len(rest) > 1 or rest[0] not in public_submodules(PACKAGES[package])):
+            bad.append(dotted)
+    bad += re.findall(r"^\s*(?:from|import)\s+(\S*\b_src\b\S*)", source, re.MULTILINE)
+    return bad
+
+
+def test_import_check_catches_private_modules():
+    """Negative control for the import check: private module paths are flagged, public ones are not."""
+    ok = "import meshes\nimport spmd\nfrom spmd import collectives as C\nfrom spmd.models import GPT\nimport spmd.hlo\n"
+    assert non_public_imports(ok) == []
+    bad = ("from spmd.sharding import spec_for\nimport trainers.loop\nfrom spmd.models.gpt import GPT\n"
+           "from jax._src import xla_bridge\n")
+    assert non_public_imports(bad) == ["spmd.sharding", "trainers.loop", "spmd.models.gpt", "jax._src"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_stored_notebook_is_clean(path: Path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    kernelspec = nb.metadata.get("kernelspec", {})
+    assert kernelspec.get("name") == KERNEL, f"{path.name}: kernelspec {kernelspec}, expected name {KERNEL!r}"
+    cells = code_cells(nb)
+    assert cells, f"{path.name} has no code cells"
+    dirty = [i for i, c in enumerate(cells) if c.outputs or c.execution_count is not None]
+    assert not dirty, f"{path.name}: code cells {dirty} are stored with outputs; strip them before committing"
+    first = cells[0].source
+    assert "meshes.simulate_cpu_devices(8)" in first and "import jax\n" not in first, (
+        f"{path.name}: the first code cell must set up the devices (meshes.simulate_cpu_devices(8) when there is "
+        "no accelerator) before anything imports jax"
+    )
+    for i, cell in enumerate(cells):
+        bad = non_public_imports(cell.source)
+        assert not bad, f"{path.name}, code cell {i}: imports outside the public API: {bad}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Execution
+# ---------------------------------------------------------------------------------------------
+
+
+def figures(cell) -> int:
+    return sum(1 for out in cell.get("outputs", []) if "image/png" in out.get("data", {}))
+
+
+def test_figure_count_can_be_zero():
+    """Negative control for the figure checks: a cell without an image output counts zero."""
+    text = nbformat.v4.new_code_cell("print(1)", outputs=[nbformat.v4.new_output("stream", name="stdout", text="1\n")])
+    image = nbformat.v4.new_code_cell("plt.show()", outputs=[
+        nbformat.v4.new_output("display_data", data={"image/png": "iVBORw0KGgo=", "text/plain": "<Figure>"})])
+    assert (figures(text), figures(image), figures(nbformat.v4.new_code_cell("x"))) == (0, 1, 0)
+
+
+def kernel_env() -> dict[str, str]:
+    """The kernel's environment: 8 simulated CPU devices, Jupyter's inline (Agg) matplotlib backend,
+    this source tree on the path, and the test suite's persistent compilation cache."""
+    env = dict(os.environ)
+    flag = "--xla_force_host_platform_device_count=8"
+    if flag not in env.get("XLA_FLAGS", ""):
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"  # Agg rendering, images as outputs
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+    cache = os.environ.get("SPMD_TEST_COMPILE_CACHE", str(ROOT / ".jax_cache"))
+    env["JAX_COMPILATION_CACHE_DIR"] = os.path.abspath(cache)
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_notebook_runs(path: Path, tmp_path: Path, record_property):
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(
+        nb, kernel_name=KERNEL, timeout=CELL_TIMEOUT_S, startup_timeout=120,
+        resources={"metadata": {"path": str(tmp_path)}},  # cwd: nothing is written next to the notebooks
+    )
+    start = time.perf_counter()
+    try:
+        client.execute(env=kernel_env())
+    except CellExecutionError as err:
+        pytest.fail(f"{path.name} failed in a cell:\n{err}", pytrace=False)
+    elapsed = time.perf_counter() - start
+    record_property("execution_s", round(elapsed, 1))
+    print(f"{path.name}: executed in {elapsed:.1f} s")
+
+    cells = code_cells(nb)
+    assert all(c.execution_count is not None for c in cells), f"{path.name}: not every code cell ran"
+    errors = [out for c in cells for out in c.outputs if out.output_type == "error"]
+    assert not errors, f"{path.name}: error outputs {[(e.ename, e.evalue) for e in errors]}"
+    silent = [i for i, c in enumerate(cells) if FIGURE_CALL.search(c.source) and figures(c) == 0]
+    assert not silent, f"{path.name}: code cells {silent} create a figure but show none (display(fig) or plt.show())"
+    n_figures = sum(figures(c) for c in cells)
+    assert n_figures >= 1, f"{path.name} drew no figure"
+    if path.stem in EXPECTED_FIGURES:
+        assert n_figures == EXPECTED_FIGURES[path.stem], (
+            f"{path.name} drew {n_figures} figure(s), designed to draw {EXPECTED_FIGURES[path.stem]}"
+        )

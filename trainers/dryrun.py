@@ -1,0 +1,290 @@
+"""Dry run: compile the real train step for N devices on any machine, and say whether it fits and how fast.
+
+``dry_run(cfg, devices=256, hardware="h100") -> DryRunReport`` (CLI: ``spmd-train RECIPE --dry-run
+--devices 256 --hardware h100``) builds the mesh and rule set exactly as ``trainers.loop.train``
+does, creates the train state *abstractly* (``nnx.eval_shape`` / ``jax.eval_shape``: shapes,
+dtypes and shardings, no memory), and compiles ``trainers.step.make_train_step`` (the same code
+the real run executes) with ``.lower(abstract_state, abstract_batch).compile()``. The report puts
+side by side, per device:
+
+- parameter / gradient / optimizer / activation bytes from analytic formulas
+  (:func:`trainers.plan.memory_estimate`) and from the compiled program's memory analysis
+  (arguments = the state and batch; temporaries = gradients, activations, gathered weights);
+- whether the compiled footprint fits ``headroom x`` the hardware's HBM;
+- every collective per mesh axis with its bytes (:func:`spmd.hlo.collectives`) and its time on
+  the target's fast or slow network;
+- model FLOPs per step, and a roofline step time and MFU (:func:`trainers.plan.roofline`; no
+  compute/communication overlap assumed, the perfect-overlap time alongside);
+- sharding diagnostics (:mod:`trainers.diagnose`) traced to parameter paths, with fixes.
+
+**Devices.** The compile runs on N devices of this machine's backend when it has exactly N (a
+GPU node compiling for itself), otherwise on N simulated CPU devices: set in-process when jax has
+not started yet, or in a subprocess (``XLA_FLAGS=--xla_force_host_platform_device_count=N``,
+``JAX_PLATFORMS=cpu``) when it has started with another count.
+
+**What a CPU compile tells about a GPU/TPU compile.** The SPMD partitioner is the same on every
+backend, so the sharding of every array, the shard shapes, the state bytes per device and which
+collectives run over which mesh axes with how many bytes are what the accelerator compile gets.
+Backend passes differ: the CPU backend has no reduce-scatter pass (FSDP's gradient reduce-scatter
+shows as an all-reduce + slice, twice the bytes on the wire of the real thing), no async collectives
+or latency-hiding scheduler (overlap is assumed, not measured), its own fusion decisions and buffer
+assignment (temporaries can differ by tens of percent; bf16 work may be kept in f32), and no
+TPU rematerialisation pass for programs over the HBM limit. Timings are a roofline, not a measurement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import pickle
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+from trainers.config import Config
+from trainers.hardware import Hardware, collective_seconds, get_hardware, networks
+
+
+@dataclasses.dataclass(frozen=True)
+class DryRunReport:
+    """What a dry run found; ``format()`` is the human-readable report."""
+
+    name: str
+    devices: int
+    mesh: tuple[tuple[str, int], ...]
+    dcn_axes: tuple[str, ...]
+    rules: str
+    hardware: Hardware
+    headroom: float
+    params: int  # parameter count
+    model_flops: float  # per step, all devices
+    analytic: object | None  # trainers.plan.MemoryEstimate
+    compiled: object | None  # spmd.Memory of the compiled step (per device)
+    state_bytes: int  # params + optimizer + counters, per device, from the abstract shard shapes
+    batch_bytes: int
+    collectives: tuple = ()  # spmd.Collective
+    traffic: tuple = ()  # trainers.plan.Traffic from the compiled collectives
+    analytic_traffic: tuple = ()
+    roofline: object | None = None  # trainers.plan.Roofline
+    issues: tuple = ()  # trainers.diagnose.Issue
+    compile_s: float = 0.0
+    backend: str = ""
+
+    @property
+    def budget(self) -> float:
+        return self.headroom * self.hardware.hbm_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """Per-device footprint: the compiled one when compiled, else the analytic one."""
+        if self.compiled is not None:
+            return self.compiled.total
+        return self.analytic.total if self.analytic is not None else 0
+
+    @property
+    def fits(self) -> bool:
+        return self.compiled is not None and self.peak_bytes <= self.budget
+
+    def format(self) -> str:
+        from spmd.hlo import format_collectives
+
+        hw = self.hardware
+        mesh = ",".join(f"{a}={s}" for a, s in self.mesh if s > 1) or "1 device"
+        out = [f"dry run: {self.name}, {self.params:,} params, mesh {mesh}"
+               + (f" (dcn: {','.join(self.dcn_axes)})" if self.dcn_axes else "") + f", rules {self.rules}",
+               f"target {hw.name} x {self.devices}; compiled on {self.backend} in {self.compile_s:.1f} s", ""]
+        a, c = self.analytic, self.compiled
+        if a is not None:
+            rows = [("params", a.params, None), ("optimizer", a.optimizer, None),
+                    ("state (params + optimizer)", a.state, c.argument - self.batch_bytes if c else None),
+                    ("grads", a.grads, None), ("activations", a.activations, None),
+                    ("temporaries (grads + activations + ...)", a.grads + a.activations, c.temp if c else None),
+                    ("batch", a.batch, self.batch_bytes if c else None),
+                    ("total", a.total, c.total if c else None)]
+            out.append(f"{'per device':<42}{'analytic':>14}{'compiled':>14}")
+            out += [f"{k:<42}{_b(x):>14}{_b(y) if y is not None else '':>14}" for k, x, y in rows]
+            verdict = "fits" if self.fits else "does NOT fit" if c is not None else "not compiled"
+            out.append(f"{verdict}: {_b(self.peak_bytes)} of {_b(hw.hbm_bytes)} HBM (budget {self.headroom:.0%} = "
+                       f"{_b(self.budget)})")
+        if self.collectives:
+            out += ["", "collectives (compiled step, per device per step):", format_collectives(list(self.collectives))]
+        if self.traffic:
+            out += ["", f"{'communication on ' + hw.name:<42}{'bytes':>14}{'time':>12}"]
+            out += [f"{x.kind + ' ' + ','.join(x.axes) + ' (' + x.network + ')':<42}{_b(x.bytes):>14}{_t(x.seconds):>12}"
+                    for x in self.traffic]
+        r = self.roofline
+        if r is not None:
+            out += ["", f"model FLOPs per step {self.model_flops:.3e}; per device executed {r.flops_per_device:.3e}",
+                    f"roofline on {hw.name}: compute {_t(r.compute_s)}, HBM {_t(r.memory_s)}, "
+                    f"communication {_t(r.comm_s)}",
+                    f"estimated step {_t(r.step_s)} (no overlap; {_t(r.step_s_overlap)} with perfect "
+                    f"overlap), MFU {r.mfu:.1%}, dominant cost: {r.dominant}"]
+        if self.issues:
+            out += ["", "diagnostics:"] + [f"  - {i}" for i in self.issues]
+        return "\n".join(out)
+
+
+def _t(s: float) -> str:
+    return f"{s:.2f} s" if s >= 1 else f"{s * 1e3:.2f} ms" if s >= 1e-3 else f"{s * 1e6:.1f} us"
+
+
+def _b(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def resolve_mesh(cfg: Config, devices: int) -> tuple[dict[str, int], tuple[str, ...]]:
+    """Axis sizes (ICI x DCN, canonical axes, outermost first) of ``cfg.mesh`` on ``devices``, and the DCN axes."""
+    from meshes import MeshSpec
+
+    spec = MeshSpec.of(cfg.mesh.axes, cfg.mesh.dcn or None)
+    dcn = dict(spec.dcn)
+    if any(s == -1 for s in dcn.values()):
+        raise ValueError(f"mesh.dcn={cfg.mesh.dcn!r}: a dry run needs explicit DCN sizes (no -1)")
+    slices = math.prod(dcn.values()) if dcn else 1
+    ici, dcn_sizes = spec.resolve(devices, slices)
+    sizes = {a: ici[a] * dcn_sizes.get(a, 1) for a in ici}
+    return sizes, tuple(a for a, s in dcn_sizes.items() if s > 1)
+
+
+def dry_run(cfg: Config, *, devices: int | None = None, hardware: str | Hardware = "h100",
+            headroom: float = 0.9) -> DryRunReport:
+    """Compile ``cfg``'s train step for ``devices`` devices (default: this backend's) and report."""
+    import meshes
+
+    hw = get_hardware(hardware)
+    if not 0 < headroom <= 1:
+        raise ValueError(f"headroom must be in (0, 1], got {headroom!r}")
+    if devices is not None and (not isinstance(devices, int) or isinstance(devices, bool) or devices < 1):
+        raise ValueError(f"devices must be a positive integer, got {devices!r}")
+    if devices is None:
+        import jax
+
+        devices = jax.device_count()
+    resolve_mesh(cfg, devices)  # bad mesh sizes fail here, before any subprocess
+    if not meshes.backend_started():
+        meshes.simulate_cpu_devices(devices)
+    import jax
+
+    if jax.device_count() != devices:
+        return _in_subprocess(cfg, devices, hw, headroom)
+    return _dry_run_here(cfg, devices, hw, headroom)
+
+
+def _in_subprocess(cfg: Config, devices: int, hw: Hardware, headroom: float) -> DryRunReport:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = os.path.join(tmp, "in.pkl"), os.path.join(tmp, "out.pkl")
+        with open(src, "wb") as f:
+            pickle.dump((cfg, devices, hw, headroom), f)
+        code = f"import sys; from trainers.dryrun import _subprocess_main; sys.exit(_subprocess_main({src!r}, {dst!r}))"
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"dry run in a subprocess with {devices} simulated CPU devices failed "
+                               f"(exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+        with open(dst, "rb") as f:
+            return pickle.load(f)
+
+
+def abstract_state(cfg: Config, rules, mesh, tx):
+    """A ``trainers.state.Sharded`` whose state leaves are ``ShapeDtypeStruct``s: ``create_state`` without memory."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import spmd
+    from spmd.models import GPT
+    from trainers.state import Sharded
+
+    model = nnx.eval_shape(lambda: GPT(cfg.model, rngs=nnx.Rngs(cfg.run.seed)))
+    graphdef, params_state, _ = nnx.split(model, nnx.Param, ...)
+    param_sh = spmd.param_shardings(params_state, rules, mesh)
+    params = nnx.to_pure_dict(params_state)
+    opt = jax.eval_shape(tx.init, params)
+    opt_sh = spmd.optimizer_shardings(tx, opt, param_sh, mesh)
+
+    def counters():
+        zero = jnp.zeros((), jnp.int32)
+        return {"step": zero, "rng": jax.random.key_data(jax.random.key(cfg.run.seed)), "skipped": zero,
+                "bad_streak": zero}
+
+    extra = jax.eval_shape(counters)
+    rep = spmd.replicated(mesh)
+    shardings = {"params": param_sh, "opt_state": opt_sh, **{k: rep for k in extra}}
+    state = {"params": params, "opt_state": opt, **extra}
+    return Sharded(graphdef, state, shardings)
+
+
+def _dry_run_here(cfg: Config, devices: int, hw: Hardware, headroom: float) -> DryRunReport:
+    import jax
+
+    import meshes
+    import spmd
+    from spmd.models import flops_per_step, param_count
+    from trainers import diagnose as dg
+    from trainers.optim import make_optimizer
+    from trainers.plan import Traffic, comm_estimate, memory_estimate, roofline
+    from trainers.schedules import make_schedule
+    from trainers.step import lm_loss_fn, make_train_step
+
+    sizes, dcn_axes = resolve_mesh(cfg, devices)
+    rules = spmd.get_rules(cfg.rules)
+    issues = dg.diagnose(cfg.model, rules, sizes, global_batch=cfg.data.global_batch, grad_accum=cfg.run.grad_accum)
+    flops = flops_per_step(cfg.model, cfg.data.global_batch, cfg.data.seq_len)
+    common = dict(name=cfg.run.name, devices=devices, mesh=tuple(sizes.items()), dcn_axes=dcn_axes, rules=rules.name,
+                  hardware=hw, headroom=headroom, params=param_count(cfg.model), model_flops=flops)
+    backend = f"{jax.devices()[0].platform} ({devices} {'simulated ' if jax.devices()[0].platform == 'cpu' else ''}devices)"
+    if any(i.fatal for i in issues):
+        return DryRunReport(**common, analytic=None, compiled=None, state_bytes=0, batch_bytes=0, issues=tuple(issues),
+                            backend=backend)
+
+    mesh = meshes.make_mesh(meshes.MeshSpec.of(sizes), devices=jax.devices()[:devices], axis_type=cfg.mesh.axis_type)
+    schedule = make_schedule(cfg.schedule)
+    tx = make_optimizer(cfg.optimizer, schedule)
+    sharded = abstract_state(cfg, rules, mesh, tx)
+    batch_sharding = spmd.batch_sharding(rules, mesh)
+    step = make_train_step(sharded, tx, rules, mesh, batch_sharding, schedule=schedule, grad_accum=cfg.run.grad_accum,
+                           loss_fn=lm_loss_fn(cfg.run.z_loss))
+    tokens = jax.ShapeDtypeStruct((cfg.data.global_batch, cfg.data.seq_len), jax.numpy.int32, sharding=batch_sharding)
+    batch = {"inputs": tokens, "targets": tokens}
+    t0 = time.perf_counter()
+    with dg.capture_stderr() as log:
+        compiled = step.lower(sharded.abstract, batch).compile()
+    compile_s = time.perf_counter() - t0
+
+    ops = spmd.hlo.collectives(compiled, mesh)
+    net = networks(sizes, hw, dcn_axes)
+    traffic = []
+    for (kind, axes), row in spmd.summarize(ops).items():
+        group = math.prod(sizes.get(a, 1) for a in axes)
+        dcn = any(net.get(a) == "dcn" for a in axes)
+        traffic.append(Traffic(kind, axes, row["count"], row["bytes"], "dcn" if dcn else "ici",
+                               collective_seconds(hw, kind, row["bytes"], group, dcn=dcn)))
+    analytic = memory_estimate(cfg, sizes)
+    issues += dg.check_collectives(ops) + dg.parse_remat_warnings(log[0] if log else "")
+    return DryRunReport(
+        **common, analytic=analytic, compiled=spmd.memory(compiled),
+        state_bytes=spmd.tree_bytes_per_device(sharded.abstract),
+        batch_bytes=spmd.tree_bytes_per_device(batch), collectives=tuple(ops), traffic=tuple(traffic),
+        analytic_traffic=tuple(comm_estimate(cfg, sizes, hw, dcn_axes)),
+        roofline=roofline(cfg, devices, hw, analytic, traffic), issues=tuple(issues), compile_s=compile_s,
+        backend=backend)
+
+
+def _subprocess_main(src: str, dst: str) -> int:
+    with open(src, "rb") as f:
+        cfg, devices, hw, headroom = pickle.load(f)
+    import meshes
+
+    meshes.simulate_cpu_devices(devices)
+    report = _dry_run_here(cfg, devices, hw, headroom)
+    with open(dst, "wb") as f:
+        pickle.dump(report, f)
+    return 0

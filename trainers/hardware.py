@@ -1,0 +1,220 @@
+"""Hardware data for planning: what one device of a target machine can compute, hold and move.
+
+A :class:`Hardware` is a frozen record of datasheet figures for one accelerator model, per
+device (one GPU, one TPU chip as JAX shows it):
+
+- ``peak_bf16`` / ``peak_f32``: dense matmul FLOP/s (never the 2:4-sparsity figures). ``f32`` is
+  what XLA runs an f32 matmul at by default: TF32 tensor cores on NVIDIA, one bf16 MXU pass on TPU.
+- ``hbm_bytes`` and ``hbm_bw``: memory capacity (bytes) and bandwidth (bytes/s).
+- ``ici_bw``: the fast network inside a node / slice (NVLink, TPU ICI), bytes/s per device, as
+  the datasheet gives it: the *bidirectional aggregate* over all of the device's links.
+- ``dcn_bw``: the slow network between nodes / slices (InfiniBand, data-centre network), bytes/s
+  per device, one direction.
+- ``domain``: how many devices share the fast network (8 GPUs of an NVLink node, a TPU pod's
+  chips). A mesh axis whose collective groups span more devices than this crosses the DCN.
+
+Every figure carries its source in a comment. The roofline in :mod:`trainers.dryrun` uses
+``ici_bw / 2`` as the bandwidth a collective along one mesh axis gets (one direction of the
+aggregate): optimistic where several mesh axes share the same links at the same time, pessimistic
+where an algorithm drives both directions of every link. Treat estimates as +-2x.
+
+``cpu`` is a stand-in for tests and laptops (numbers of a generic server socket), and
+:func:`custom` builds an artificial device (e.g. a tiny HBM to see what gets rejected).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+GB = 1e9
+GIB = 2**30
+TB = 1e12
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """Per-device figures of one accelerator model (see the module docstring for each field)."""
+
+    name: str
+    peak_bf16: float  # FLOP/s, dense
+    peak_f32: float  # FLOP/s, dense, at XLA's default matmul precision
+    hbm_bytes: float
+    hbm_bw: float  # bytes/s
+    ici_bw: float  # bytes/s per device, bidirectional aggregate (NVLink / ICI)
+    dcn_bw: float  # bytes/s per device, one direction (InfiniBand / DCN)
+    domain: int  # devices on the fast network (NVLink node, TPU pod / slice)
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.name.strip():
+            raise ValueError(f"Hardware.name must be non-empty, got {self.name!r}")
+        for field in ("peak_bf16", "peak_f32", "hbm_bytes", "hbm_bw", "ici_bw", "dcn_bw"):
+            value = getattr(self, field)
+            if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+                raise ValueError(f"Hardware {self.name!r}: {field} must be a positive finite number, got {value!r}")
+        if not isinstance(self.domain, int) or self.domain < 1:
+            raise ValueError(f"Hardware {self.name!r}: domain must be a positive int (devices), got {self.domain!r}")
+
+    def peak(self, dtype: str) -> float:
+        """Dense matmul FLOP/s for a compute dtype ("bfloat16" or "float32")."""
+        if dtype == "bfloat16":
+            return self.peak_bf16
+        if dtype == "float32":
+            return self.peak_f32
+        raise ValueError(f"no peak FLOP/s for dtype {dtype!r}; valid: 'bfloat16', 'float32'")
+
+    @property
+    def axis_bw(self) -> float:
+        """Bytes/s a collective along one mesh axis gets on the fast network (one direction)."""
+        return self.ici_bw / 2
+
+
+_NV = "NVIDIA {} Tensor Core GPU datasheet"
+_GCP = "Google Cloud TPU docs, {} system architecture page"
+
+HARDWARE: dict[str, Hardware] = {
+    "h100": Hardware(
+        "h100",
+        peak_bf16=989e12,  # H100 SXM: 1979 TF bf16 with sparsity, 989 dense (datasheet)
+        peak_f32=494.7e12,  # TF32 tensor core, dense (989 TF sparse / 2)
+        hbm_bytes=80 * GB,  # 80 GB HBM3
+        hbm_bw=3.35 * TB,  # 3.35 TB/s
+        ici_bw=900 * GB,  # NVLink 4: 900 GB/s bidirectional per GPU
+        dcn_bw=50 * GB,  # one ConnectX-7 400 Gb/s NDR port per GPU (DGX H100 reference design)
+        domain=8,  # 8 GPUs per NVLink node (HGX H100)
+        source=_NV.format("H100") + ", SXM5 column",
+    ),
+    "h200": Hardware(
+        "h200",
+        peak_bf16=989e12,  # H200 SXM: same Hopper compute as H100 SXM (1979 TF sparse bf16)
+        peak_f32=494.7e12,  # TF32 dense
+        hbm_bytes=141 * GB,  # 141 GB HBM3e
+        hbm_bw=4.8 * TB,  # 4.8 TB/s
+        ici_bw=900 * GB,  # NVLink 4: 900 GB/s bidirectional per GPU
+        dcn_bw=50 * GB,  # 400 Gb/s NDR InfiniBand per GPU (HGX H200 reference design)
+        domain=8,
+        source=_NV.format("H200") + ", SXM column",
+    ),
+    "a100": Hardware(
+        "a100",
+        peak_bf16=312e12,  # A100: 312 TF bf16 dense (624 sparse)
+        peak_f32=156e12,  # TF32 dense
+        hbm_bytes=80 * GB,  # A100 80GB SXM, HBM2e
+        hbm_bw=2.039 * TB,  # 2,039 GB/s (80GB SXM)
+        ici_bw=600 * GB,  # NVLink 3: 600 GB/s bidirectional per GPU
+        dcn_bw=25 * GB,  # one 200 Gb/s HDR InfiniBand port per GPU (DGX A100)
+        domain=8,
+        source=_NV.format("A100") + ", 80GB SXM column",
+    ),
+    "tpu-v4": Hardware(
+        "tpu-v4",
+        peak_bf16=275e12,  # 275 TFLOP/s bf16 per chip
+        peak_f32=275e12,  # f32 matmuls run as one bf16 MXU pass at default precision
+        hbm_bytes=32 * GIB,  # 32 GiB HBM2
+        hbm_bw=1.2 * TB,  # 1,200 GB/s
+        ici_bw=300 * GB,  # 2,400 Gbps interchip interconnect per chip (6 links, 3D torus)
+        dcn_bw=50e9 / 8,  # 50 Gbps per chip: assumed as for v5p (the v4 page gives no per-chip DCN figure)
+        domain=4096,  # chips per v4 pod
+        source=_GCP.format("v4"),
+    ),
+    "tpu-v5e": Hardware(
+        "tpu-v5e",
+        peak_bf16=197e12,  # 197 TFLOP/s bf16 per chip
+        peak_f32=197e12,  # one bf16 MXU pass
+        hbm_bytes=16 * GIB,  # 16 GiB HBM2e
+        hbm_bw=819 * GB,  # 819 GB/s (the docs' "800 GiBps")
+        ici_bw=400 * GB,  # bidirectional ICI bandwidth per chip: 400 GBps (4 ports, 2D torus)
+        dcn_bw=2 * 100e9 / 8 / 8,  # per-host NIC 2 x 100 Gbps shared by 8 chips
+        domain=256,  # chips per v5e pod
+        source=_GCP.format("v5e"),
+    ),
+    "tpu-v5p": Hardware(
+        "tpu-v5p",
+        peak_bf16=459e12,  # 459 TFLOP/s bf16 per chip
+        peak_f32=459e12,  # one bf16 MXU pass
+        hbm_bytes=95 * GIB,  # 95 GiB HBM2e
+        hbm_bw=2.765 * TB,  # 2,765 GB/s
+        ici_bw=1200 * GB,  # bidirectional ICI bandwidth per chip: 1,200 GBps (3D torus)
+        dcn_bw=50e9 / 8,  # DCN bandwidth per chip: 50 Gbps
+        domain=8960,  # chips per v5p pod
+        source=_GCP.format("v5p"),
+    ),
+    "cpu": Hardware(
+        "cpu",
+        peak_bf16=1e12,  # a generic many-core server socket with AVX-512: order of 1 TFLOP/s
+        peak_f32=1e12,
+        hbm_bytes=64 * GB,  # host RAM available to one simulated device (a guess; pass custom())
+        hbm_bw=100 * GB,  # DDR5, a few channels
+        ici_bw=50 * GB,  # memory copies between simulated devices of one host
+        dcn_bw=10e9 / 8,  # 10 Gb Ethernet
+        domain=1 << 20,  # one host: everything is "local"
+        source="order-of-magnitude figures for a CPU host; use for tests and plumbing, not predictions",
+    ),
+}
+
+
+def get_hardware(name: str | Hardware) -> Hardware:
+    """A :class:`Hardware` by name (``h100``, ``h200``, ``a100``, ``tpu-v4``, ``tpu-v5e``, ``tpu-v5p``, ``cpu``)."""
+    if isinstance(name, Hardware):
+        return name
+    try:
+        return HARDWARE[name.lower()]
+    except (KeyError, AttributeError):
+        raise ValueError(f"unknown hardware {name!r}; valid: {', '.join(HARDWARE)}") from None
+
+
+def custom(base: str | Hardware = "h100", **changes: float | int | str) -> Hardware:
+    """A copy of ``base`` with some figures changed, e.g. ``custom("h100", hbm_bytes=2e6, name="tiny")``."""
+    hw = get_hardware(base)
+    bad = sorted(set(changes) - {f.name for f in dataclasses.fields(Hardware)})
+    if bad:
+        raise ValueError(f"unknown Hardware fields {bad}; valid: {[f.name for f in dataclasses.fields(Hardware)]}")
+    changes.setdefault("name", f"{hw.name}-custom")
+    return dataclasses.replace(hw, **changes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Roofline pieces: how long a collective takes on this hardware
+# ---------------------------------------------------------------------------------------------
+
+def wire_factor(kind: str, group_size: int) -> float:
+    """Bytes each device sends per byte of the full buffer, for a bandwidth-optimal ring algorithm.
+
+    all-reduce ``2(n-1)/n`` (reduce-scatter + all-gather); all-gather and reduce-scatter
+    ``(n-1)/n`` of the full (gathered / un-scattered) buffer; all-to-all ``(n-1)/n``;
+    collective-permute 1 (the whole buffer moves once).
+    """
+    n = max(int(group_size), 1)
+    if kind == "all-reduce":
+        return 2 * (n - 1) / n
+    if kind in ("all-gather", "reduce-scatter", "all-to-all"):
+        return (n - 1) / n
+    if kind == "collective-permute":
+        return 1.0
+    raise ValueError(f"unknown collective kind {kind!r}; valid: all-reduce, all-gather, reduce-scatter, "
+                     "all-to-all, collective-permute")
+
+
+def collective_seconds(hw: Hardware, kind: str, nbytes: float, group_size: int, *, dcn: bool) -> float:
+    """Time of one collective of ``nbytes`` (full buffer, per device) over a group of ``group_size``.
+
+    Bandwidth term only (no latency): fast network at :attr:`Hardware.axis_bw`, slow at ``dcn_bw``.
+    """
+    return wire_factor(kind, group_size) * nbytes / (hw.dcn_bw if dcn else hw.axis_bw)
+
+
+def networks(sizes: dict[str, int], hw: Hardware, dcn_axes: tuple[str, ...] = ()) -> dict[str, str]:
+    """``{axis: "ici" | "dcn"}`` for the mesh axes in ``sizes`` (ordered outermost first).
+
+    Mesh construction puts the innermost axis on the nearest devices, so the devices of one
+    collective group along axis ``a`` lie within a block of ``prod(sizes of a and the axes inside
+    it)`` devices; when that block is larger than the hardware's fast-network ``domain`` the axis
+    crosses the slow network. Axes named in ``dcn_axes`` (a multi-slice ``--dcn``) always do.
+    """
+    names = list(sizes)
+    out = {}
+    for i, name in enumerate(names):
+        block = math.prod(sizes[n] for n in names[i:])
+        out[name] = "dcn" if name in dcn_axes or (sizes[name] > 1 and block > hw.domain) else "ici"
+    return out
