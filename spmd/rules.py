@@ -18,6 +18,9 @@ dp_tp    as tp                                    ``x[B_data, L, D]``, ``h[B_dat
 fsdp_tp  ``W_in[D_fsdp, F_tensor]``               ``x[B_(data,fsdp), L, D]``, ``h[.., F_tensor]``
 ======== ======================================== ============================================
 
+Every preset also splits a Stack's stacked ``layers`` dim over ``pipe`` (``W[layers_pipe, D, F]``):
+contiguous blocks of layers per pipeline stage (``spmd.pipeline``); at pipe=1 the rule drops out.
+
 What communicates: DP all-reduces gradients over ``data``; FSDP all-gathers each weight over
 ``fsdp`` before use (forward and backward) and reduce-scatters its gradient; TP (Megatron)
 all-reduces the partial sums of each row-parallel matmul (attention output, MLP down) over
@@ -139,13 +142,17 @@ class Rules:
 _TP_PARAMS: Table = (("mlp", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor"), ("vocab", "tensor"))
 _TP_ACTS: Table = (("mlp", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor"), ("vocab", "tensor"))
 
-NONE = Rules("none")
-DP = Rules("dp", params=(), activations=(("batch", "data"),))
-FSDP = Rules("fsdp", params=(("embed", "fsdp"),), activations=(("batch", ("data", "fsdp")),))
-TP = Rules("tp", params=_TP_PARAMS, activations=_TP_ACTS)
-DP_TP = Rules("dp_tp", params=_TP_PARAMS, activations=(("batch", "data"),) + _TP_ACTS)
+# A Stack's stacked ``layers`` dim is split over ``pipe`` in every preset (contiguous blocks of layers
+# per pipeline stage; with pipe=1 the rule drops out).
+_PIPE: Table = (("layers", "pipe"),)
+
+NONE = Rules("none", params=_PIPE)
+DP = Rules("dp", params=_PIPE, activations=(("batch", "data"),))
+FSDP = Rules("fsdp", params=_PIPE + (("embed", "fsdp"),), activations=(("batch", ("data", "fsdp")),))
+TP = Rules("tp", params=_PIPE + _TP_PARAMS, activations=_TP_ACTS)
+DP_TP = Rules("dp_tp", params=_PIPE + _TP_PARAMS, activations=(("batch", "data"),) + _TP_ACTS)
 FSDP_TP = Rules(
-    "fsdp_tp", params=(("embed", "fsdp"),) + _TP_PARAMS, activations=(("batch", ("data", "fsdp")),) + _TP_ACTS
+    "fsdp_tp", params=_PIPE + (("embed", "fsdp"),) + _TP_PARAMS, activations=(("batch", ("data", "fsdp")),) + _TP_ACTS
 )
 
 PRESETS: dict[str, Rules] = {r.name: r for r in (NONE, DP, FSDP, TP, DP_TP, FSDP_TP)}

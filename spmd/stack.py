@@ -35,13 +35,23 @@ class Stack(nnx.Module):
         self.block = create(keys)
         self.n, self.remat = n, remat
 
-    def __call__(self, x: jax.Array, *args: Any) -> jax.Array:
+    def split(self) -> tuple[Callable[..., jax.Array], nnx.State]:
+        """``(apply, state)``: ``state`` holds the stacked params ``[layers, ...]``;
+        ``apply(state_slice, x, *args)`` runs the blocks of any slice of it along ``layers``, in
+        order (what a pipeline stage runs on its chunk of layers)."""
         graphdef, state = nnx.split(self.block)
+        remat = self.remat
 
-        def body(carry, layer_state):
-            return nnx.merge(graphdef, layer_state)(carry, *args), None
+        def apply(layers_state: nnx.State, x: jax.Array, *args: Any) -> jax.Array:
+            def body(carry, layer_state):
+                return nnx.merge(graphdef, layer_state)(carry, *args), None
 
-        if self.remat:
-            body = jax.checkpoint(body, prevent_cse=False)
-        x, _ = jax.lax.scan(body, x, state)
-        return x
+            if remat:
+                body = jax.checkpoint(body, prevent_cse=False)
+            return jax.lax.scan(body, x, layers_state)[0]
+
+        return apply, state
+
+    def __call__(self, x: jax.Array, *args: Any) -> jax.Array:
+        apply, state = self.split()
+        return apply(state, x, *args)

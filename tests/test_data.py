@@ -297,3 +297,17 @@ def test_to_global_on_eight_devices():
             np.testing.assert_array_equal(np.asarray(shard.data), local[key][shard.index])
     with pytest.raises(ValueError, match=r"local batch 'inputs' has shape \(16, 4\); expected 32 rows"):
         to_global(local, sharding, 32)
+
+
+def test_process_rows_single_process_and_bad_blocks():
+    from trainers.data import process_rows
+
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    assert process_rows(NamedSharding(mesh, P("data")), 16) == (0, 1)  # one process holds every row
+    assert process_rows(NamedSharding(mesh, P()), 16) == (0, 1)
+    loader = make_loader(DataConfig(seq_len=4, global_batch=8, max_tokens=2000), "train",
+                         sharding=NamedSharding(mesh, P("data")))
+    assert loader.local_batch == 8
+    with pytest.raises(ValueError, match="either sharding or process_index"):
+        make_loader(DataConfig(seq_len=4, global_batch=8, max_tokens=2000), "train", process_index=0,
+                    sharding=NamedSharding(mesh, P("data")))

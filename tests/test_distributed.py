@@ -303,11 +303,11 @@ def test_losses_and_checkpoints_match_across_process_counts(tmp_path):
     assert resumed.start_step == 2
     assert _close(_train_losses(two_to_one), {k: ref[k] for k in (3, 4)})
 
-    # Written by 1 process on data=2 x tensor=4, restored by 4 processes on data=4 x tensor=2: each
-    # process then holds its own rows of the batch (to_global needs that), and the state is resharded.
+    # Written by 1 process, restored by 4 processes x 2 devices on the same data=2 x tensor=4 mesh: each
+    # data row now spans two processes, which load the same rows of the batch (trainers.data.process_rows).
     _copy_step(one, one_to_four, 2)
-    args = [*TRAIN_ARGS, "--mesh", "data=4,tensor=2", "--run-dir", one_to_four]
+    args = [*TRAIN_ARGS, "--run-dir", one_to_four]
     code, out, _ = _launch([sys.executable, "-m", "trainers", *args], 4, 2)
     assert code == 0, out[-3000:]
-    assert "[p0] resumed from step 2" in out and "[p0] Mesh: 8 device(s) = data=4 x tensor=2" in out
+    assert "[p0] resumed from step 2" in out and "[p0] Mesh: 8 device(s) = data=2 x tensor=4" in out
     assert _close(_train_losses(one_to_four), {k: ref[k] for k in (3, 4)})

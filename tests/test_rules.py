@@ -25,7 +25,7 @@ EXPECTED = {
     "none": {W_IN: P(), W_OUT: P(), EMBED: P(), W_Q: P(), X: P(), H: P()},
     "dp": {W_IN: P(), W_OUT: P(), EMBED: P(), W_Q: P(), X: P("data"), H: P("data")},
     "fsdp": {
-        W_IN: P("fsdp"), W_OUT: P(None, "fsdp"), EMBED: P(None, "fsdp"), W_Q: P("fsdp"), STACKED: P(None, "fsdp"),
+        W_IN: P("fsdp"), W_OUT: P(None, "fsdp"), EMBED: P(None, "fsdp"), W_Q: P("fsdp"), STACKED: P("pipe", "fsdp"),
         X: P(("data", "fsdp")), H: P(("data", "fsdp")),
     },
     "tp": {
@@ -38,7 +38,7 @@ EXPECTED = {
     },
     "fsdp_tp": {
         W_IN: P("fsdp", "tensor"), W_OUT: P("tensor", "fsdp"), EMBED: P("tensor", "fsdp"), W_Q: P("fsdp", "tensor"),
-        STACKED: P(None, "fsdp", "tensor"), X: P(("data", "fsdp")), H: P(("data", "fsdp"), None, "tensor"),
+        STACKED: P("pipe", "fsdp", "tensor"), X: P(("data", "fsdp")), H: P(("data", "fsdp"), None, "tensor"),
     },
 }
 ACTIVATION_DIMS = {X, H, LOGITS}

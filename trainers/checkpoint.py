@@ -35,6 +35,20 @@ incomplete or unreadable, it is deleted and written again. The decision to save 
 (``step % every_steps == 0``, ``force=True``, or an orbax preemption sync point), so an
 unusable higher-numbered step left behind by a crash never blocks later saves.
 
+Crash safety: orbax writes a step into ``<step>.orbax-checkpoint-tmp-*`` and renames it into
+place only when every item is written, so a process killed mid-save (even SIGKILL) leaves a tmp
+directory that is never listed as a step and is removed when the next ``Checkpointer`` starts.
+Whatever else a crash or a bad disk leaves (empty or half-deleted step directories) is caught by
+the validation above. Waits are bounded (``timeout_s``): a save that does not commit in time
+raises ``CheckpointTimeoutError`` naming the directory instead of hanging the job.
+
+Nothing restored executes code: arrays are tensorstore/zarr data, the data-loader position and
+all metadata are JSON; no pickle is written or read.
+
+Fine-tuning: ``restore_params`` reads only the ``params`` subtree of a step (the optimizer state
+on disk is not read), for a run that starts at step 0 with a fresh optimizer
+(``checkpoint.init_from``).
+
 Many processes: call every method on every process with the same arguments, as with orbax
 itself. Decisions that depend on what a process reads (is a step valid, did its restore work)
 are agreed across processes, so all of them fall back together.
@@ -46,6 +60,7 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 from typing import Any
 
 import jax
@@ -67,6 +82,10 @@ class NoUsableCheckpointError(RuntimeError):
     """Checkpoint steps exist, but none of them could be restored."""
 
 
+class CheckpointTimeoutError(TimeoutError):
+    """A save did not commit within ``checkpoint.timeout_s``."""
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     """How often to checkpoint and how many steps to keep.
@@ -76,12 +95,21 @@ class CheckpointConfig:
     every_steps: save when ``step % every_steps == 0`` (``save(..., force=True)`` overrides).
     keep: number of most recent steps kept on disk; older ones are deleted.
     async_save: write in a background thread; ``Checkpointer.wait()`` blocks until committed.
+    timeout_s: longest wait for a save to commit (and for orbax's cross-process barriers).
+    init_from: a checkpoint directory (newest valid step) or one step directory
+      (``.../checkpoints/500``) whose params start a new run at step 0 with a fresh optimizer.
+      Only used when the run has no checkpoint of its own: a restarted fine-tuning run resumes.
+    allow_fresh_start: when steps exist but none can be restored, warn and start from scratch
+      instead of raising ``NoUsableCheckpointError`` (the unusable steps are replaced as saves reach them).
     """
 
     directory: str | None = None
     every_steps: int = 100
     keep: int = 3
     async_save: bool = True
+    timeout_s: float = 600.0
+    init_from: str | None = None
+    allow_fresh_start: bool = False
 
     def __post_init__(self) -> None:
         if self.directory is not None and (not isinstance(self.directory, str) or not self.directory):
@@ -90,8 +118,13 @@ class CheckpointConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.async_save, bool):
-            raise ValueError(f"async_save must be True or False, got {self.async_save!r}")
+        for name in ("async_save", "allow_fresh_start"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not 0 < self.timeout_s < float("inf"):
+            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
+        if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
+            raise ValueError(f"init_from must be a non-empty path or None, got {self.init_from!r}")
 
     def resolve_directory(self, run_dir: str | os.PathLike[str]) -> str:
         """The checkpoint directory: ``directory`` if set, else ``<run_dir>/checkpoints``."""
@@ -127,7 +160,10 @@ def _agree(reason: str | None) -> str | None:
 class Checkpointer:
     """Saves and restores ``(step, state, data_state)`` under one directory with orbax."""
 
-    def __init__(self, directory: str | os.PathLike[str], config: CheckpointConfig = CheckpointConfig()) -> None:
+    def __init__(self, directory: str | os.PathLike[str], config: CheckpointConfig = CheckpointConfig(), *,
+                 read_only: bool = False) -> None:
+        """``read_only`` opens another run's checkpoints (``init_from``): nothing is created,
+        cleaned up or saved there."""
         if not isinstance(config, CheckpointConfig):
             raise ValueError(f"config must be a CheckpointConfig, got {type(config).__name__}")
         text = os.fspath(directory)
@@ -140,12 +176,18 @@ class Checkpointer:
         registry.add("state", ocp.args.StandardRestore, ocp.StandardCheckpointHandler())
         registry.add("data", ocp.args.JsonSave, ocp.JsonCheckpointHandler())
         registry.add("data", ocp.args.JsonRestore, ocp.JsonCheckpointHandler())
+        registry.add("state", ocp.args.PyTreeRestore, ocp.PyTreeCheckpointHandler())  # params-only restore
         options = ocp.CheckpointManagerOptions(
             max_to_keep=config.keep,
             enable_async_checkpointing=config.async_save,
-            cleanup_tmp_directories=True,  # leftovers of a save interrupted by a crash
-            create=True,
+            async_options=ocp.options.AsyncOptions(timeout_secs=max(1, int(config.timeout_s))),
+            cleanup_tmp_directories=not read_only,  # leftovers of a save interrupted by a crash
+            create=not read_only,
+            read_only=read_only,
         )
+        self.read_only = read_only
+        if read_only and not self.directory.is_dir():
+            raise ValueError(f"checkpoint directory {self.directory} does not exist")
         self._manager = ocp.CheckpointManager(self.directory, handler_registry=registry, options=options)
 
     # ----------------------------------------------------------------------------- saving
@@ -156,6 +198,8 @@ class Checkpointer:
         ``async_save`` this returns once device buffers are copied; ``wait()`` blocks until the
         step is committed. An existing valid step is not overwritten (logged, returns False).
         """
+        if self.read_only:
+            raise ValueError(f"this Checkpointer of {self.directory} is read-only; saving step {step!r} is not allowed")
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
             raise ValueError(f"step must be an integer >= 0, got {step!r}")
         step = int(step)
@@ -177,9 +221,30 @@ class Checkpointer:
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state))
         return bool(self._manager.save(step, args=args, force=True))
 
-    def wait(self) -> None:
-        """Block until every pending save is committed to disk."""
-        self._manager.wait_until_finished()
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until every pending save is committed; CheckpointTimeoutError after ``timeout_s``
+        (default ``config.timeout_s``) seconds, naming the directory and the steps on disk."""
+        timeout_s = self.config.timeout_s if timeout_s is None else timeout_s
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        error: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                self._manager.wait_until_finished()
+            except BaseException as exc:  # re-raised in the caller's thread
+                error.append(exc)
+
+        waiter = threading.Thread(target=wait, name="checkpoint-wait", daemon=True)
+        waiter.start()
+        waiter.join(timeout_s)
+        if waiter.is_alive():
+            raise CheckpointTimeoutError(
+                f"timed out after {timeout_s} s waiting for a checkpoint save to commit in {self.directory} "
+                f"(committed steps: {self.all_steps()}); raise checkpoint.timeout_s if the storage is slow"
+            )
+        if error:
+            raise error[0]
 
     def close(self) -> None:
         """Wait for pending saves and release orbax's background resources."""
@@ -262,6 +327,48 @@ class Checkpointer:
             "Delete or repair these step directories, or point the run at another directory."
         )
 
+    def restore_params(self, abstract_params: Any, *, step: int | None = None) -> tuple[int, Any]:
+        """Restore only ``state["params"]`` of a step (newest valid when ``step=None``) onto ``abstract_params``.
+
+        For fine-tuning: the optimizer state on disk is not read. Shapes/dtypes are checked
+        against the target first (ValueError naming the paths). Raises NoUsableCheckpointError if
+        no step restores, including when the directory holds no step at all.
+        """
+        _check_abstract(abstract_params)
+        self._manager.wait_until_finished()
+        self._manager.reload()
+        steps = self.all_steps()
+        if step is not None and step not in steps:
+            raise ValueError(f"step {step!r} is not a checkpoint in {self.directory}; steps on disk: {steps}")
+        failures: list[tuple[int, str]] = []
+        for candidate in [step] if step is not None else sorted(steps, reverse=True):
+            reason, stored = self._invalid_reason(candidate)
+            if reason is None and (not isinstance(stored, dict) or "params" not in stored):
+                reason = f"no 'params' in the stored state (top-level keys: {sorted(stored) if isinstance(stored, dict) else type(stored).__name__})"
+            reason = _agree(reason)
+            if reason is None:
+                _check_compatible(candidate, stored["params"], abstract_params)
+                try:
+                    params = self._read_params(candidate, abstract_params)
+                except Exception as exc:
+                    reason = f"restore failed: {_short(exc)}"
+                reason = _agree(reason)
+            if reason is None:
+                logger.info("restored params of checkpoint step %d from %s", candidate, self.directory)
+                return candidate, params
+            failures.append((candidate, reason))
+            logger.warning("skipping checkpoint step %d in %s: %s", candidate, self.directory, reason)
+        listing = "\n".join(f"  step {s}: {r}" for s, r in failures) or "  (no steps)"
+        raise NoUsableCheckpointError(f"no params could be restored from {self.directory}:\n{listing}")
+
+    def _read_params(self, step: int, abstract_params: Any) -> Any:
+        target = {"params": abstract_params}
+        restore_args = jax.tree.map(
+            lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype), target
+        )
+        args = ocp.args.Composite(state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True))
+        return self._manager.restore(step, args=args)["state"]["params"]
+
     def _read(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
         args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
         restored = self._manager.restore(step, args=args)
@@ -331,3 +438,15 @@ def _check_compatible(step: int, stored_tree: Any, abstract_state: Any) -> None:
 def _describe(leaf: Any) -> str:
     dtype = getattr(leaf, "dtype", None)
     return f"{tuple(getattr(leaf, 'shape', ()))} {np.dtype(dtype).name if dtype is not None else type(leaf).__name__}"
+
+
+def resolve_init_from(path: str | os.PathLike[str]) -> tuple[str, int | None]:
+    """``(checkpoint directory, step or None)`` for ``checkpoint.init_from``: a directory of steps
+    (newest valid step) or one step directory such as ``.../checkpoints/500``."""
+    text = os.fspath(path)
+    if not os.path.isdir(text):
+        raise ValueError(f"checkpoint.init_from={text!r} is not a directory; give a checkpoint directory or one step in it")
+    base = os.path.basename(os.path.normpath(text))
+    if base.isdigit() and os.path.isdir(os.path.join(text, "state")):
+        return os.path.dirname(os.path.normpath(text)), int(base)
+    return text, None

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from spmd.models import GPTConfig
+from spmd.pipeline import PipelineConfig
 from trainers.checkpoint import CheckpointConfig
 from trainers.data import DataConfig
 from trainers.optim import OptimizerConfig
@@ -50,15 +51,22 @@ class RunConfig:
     eval_batches: int = 4
     log_every: int = 10
     seed: int = 0
-    max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
-    resume: bool = True  # resume from the newest valid checkpoint in the run directory
+    max_bad_steps: int = 5  # consecutive bad steps (skip) or rollbacks in all (rollback) before the run stops
+    resume: bool = True  # resume from the newest valid checkpoint; false needs an empty checkpoint directory
     tensorboard: bool = True
     progress: bool = True
+    guard: str = "skip"  # bad step (non-finite or spike): "skip" its update | "rollback" to a checkpoint | "stop"
+    spike_factor: float = 10.0  # a spike is loss or grad norm > factor x running median; 0 turns spikes off
+    spike_window: int = 32  # accepted steps in the running median (spikes are flagged once it is full)
+    preemption_check_every: int = 1  # steps between multi-process agreements on a stop request
 
     def __post_init__(self) -> None:
-        for name in ("steps", "grad_accum", "eval_every", "log_every", "max_bad_steps"):
+        from trainers.guard import validate
+
+        for name in ("steps", "grad_accum", "eval_every", "log_every", "max_bad_steps", "preemption_check_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"run.{name} must be >= 1, got {getattr(self, name)}")
+        validate(self.guard, self.spike_factor, self.spike_window)
         if self.eval_batches < 0 or self.z_loss < 0:
             raise ValueError(f"run.eval_batches and run.z_loss must be >= 0, got {self.eval_batches}, {self.z_loss}")
 
@@ -77,6 +85,7 @@ class Config:
     data: DataConfig = DataConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     run: RunConfig = RunConfig()
+    pipeline: PipelineConfig = PipelineConfig()  # schedule "none": the block stack runs as a plain scan
 
     def __post_init__(self) -> None:
         from spmd import get_rules

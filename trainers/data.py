@@ -226,15 +226,52 @@ class Loader(Iterator[Batch]):
         self.step = step
 
 
+def process_rows(sharding: jax.sharding.Sharding, global_batch: int) -> tuple[int, int]:
+    """Which rows of a ``[global_batch, ...]`` batch this process must load: ``(block, n_blocks)``.
+
+    The rows this process's devices hold under ``sharding`` form block ``block`` of ``n_blocks``
+    equal, contiguous blocks. With hosts along ``data`` (the usual layout) that is
+    ``(process_index, process_count)``; when several processes hold the same rows (e.g. ``data=2,
+    tensor=4`` on 4 processes x 2 devices, where each ``data`` row spans two processes) they
+    load the same block, and a batch replicated over all devices is one block.
+    """
+    shape = (global_batch,)
+    rows = {(idx[0].start or 0, global_batch if idx[0].stop is None else idx[0].stop)
+            for idx in sharding.addressable_devices_indices_map(shape).values()}
+    intervals = sorted(rows)
+    start, stop = intervals[0][0], intervals[-1][1]
+    size = stop - start
+    if any(a[1] != b[0] for a, b in zip(intervals, intervals[1:])):
+        raise ValueError(
+            f"this process's devices hold non-contiguous rows {intervals} of the batch; "
+            "put the batch-sharding axes (data, fsdp) outermost so each process holds one block of rows"
+        )
+    if global_batch % size or start % size:
+        raise ValueError(
+            f"this process holds rows [{start}, {stop}) of global_batch={global_batch}: not one of equal blocks; "
+            "use a global batch divisible by the number of processes along the batch axes"
+        )
+    return start // size, global_batch // size
+
+
 def make_loader(
     cfg: DataConfig,
     split: str,
     *,
     process_index: int | None = None,
     process_count: int | None = None,
+    sharding: jax.sharding.Sharding | None = None,
     shuffle: bool = True,
 ) -> Loader:
-    """A Loader over one split of cfg's corpus; process index/count default to jax's."""
+    """A Loader over one split of cfg's corpus, yielding the rows this process must feed.
+
+    With ``sharding`` (the batch sharding), the rows are the ones this process's devices hold
+    (:func:`process_rows`); otherwise block ``process_index`` of ``process_count`` (default: jax's).
+    """
+    if sharding is not None:
+        if process_index is not None or process_count is not None:
+            raise ValueError("give either sharding or process_index/process_count, not both")
+        process_index, process_count = process_rows(sharding, cfg.global_batch)
     return Loader(
         load_corpus(cfg, split),
         cfg.seq_len,
@@ -247,16 +284,15 @@ def make_loader(
 
 
 def to_global(local_batch: Batch, sharding: jax.sharding.Sharding, global_batch: int) -> dict[str, jax.Array]:
-    """Assemble process-local rows into global arrays [global_batch, ...] laid out by sharding."""
-    process_count = jax.process_count()
-    if global_batch % process_count:
-        raise ValueError(f"global_batch={global_batch} is not divisible by process_count={process_count}")
+    """Assemble this process's rows (block :func:`process_rows`) into global ``[global_batch, ...]`` arrays."""
+    block, n_blocks = process_rows(sharding, global_batch)
+    rows = global_batch // n_blocks
     out = {}
     for name, local in local_batch.items():
-        if local.ndim < 1 or local.shape[0] * process_count != global_batch:
+        if local.ndim < 1 or local.shape[0] != rows:
             raise ValueError(
-                f"local batch {name!r} has shape {local.shape}; expected {global_batch // process_count} rows "
-                f"(global_batch={global_batch} / process_count={process_count})"
+                f"local batch {name!r} has shape {local.shape}; expected {rows} rows "
+                f"(block {block} of {n_blocks} of global_batch={global_batch} under this batch sharding)"
             )
         out[name] = jax.make_array_from_process_local_data(sharding, local, (global_batch, *local.shape[1:]))
     return out

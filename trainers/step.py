@@ -12,9 +12,11 @@ shardings and the state donated (updated in place, no second copy). Inside it:
    compute dtype at use (bf16 on accelerators), so gradients arrive in f32.
 3. **Pre-clip global gradient norm** is computed for logging; clipping itself is the first link
    of the optimizer chain.
-4. **NaN/Inf guard**: if the loss or the gradient norm is not finite, parameters and optimizer
-   state are left unchanged (one ``lax.cond`` around the update), ``skipped`` and ``bad_streak`` count
-   it; the loop stops the run after too many consecutive bad steps.
+4. **Guard** (``trainers.guard``): if the loss or the gradient norm is not finite, or (when the
+   state carries a ``"guard"`` window and ``spike_factor > 0``) either spikes above
+   ``spike_factor x`` its running median, parameters and optimizer state are left unchanged (one
+   ``lax.cond`` around the update), ``skipped`` and ``bad_streak`` count it, and the window only
+   takes accepted values. The loop applies the run's policy (skip, rollback, stop) on the host.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from jax.sharding import Mesh, NamedSharding
 
 import spmd
 from spmd.models import lm_loss
+from spmd.pipeline import PipelineConfig
+from trainers import guard
 from trainers.optim import global_norm
 from trainers.state import Sharded, State
 
@@ -37,10 +41,14 @@ Batch = dict[str, jax.Array]
 LossFn = Callable[[nnx.Module, Batch], tuple[jax.Array, dict[str, jax.Array]]]
 
 
-def lm_loss_fn(z_loss: float = 0.0) -> LossFn:
-    """Next-token loss of a language model: ``model(batch["inputs"])`` vs ``batch["targets"]``."""
+def lm_loss_fn(z_loss: float = 0.0, pipeline: PipelineConfig | None = None) -> LossFn:
+    """Next-token loss of a language model: ``model(batch["inputs"])`` vs ``batch["targets"]``;
+    with an enabled ``pipeline`` config, ``model.loss(..., pipeline=pipeline)`` runs the blocks as a
+    pipeline over the ``pipe`` axis."""
 
     def loss_fn(model: nnx.Module, batch: Batch):
+        if pipeline is not None and pipeline.enabled:
+            return model.loss(batch["inputs"], batch["targets"], z_loss=z_loss, pipeline=pipeline)
         return lm_loss(model(batch["inputs"]), batch["targets"], z_loss=z_loss)
 
     return loss_fn
@@ -63,8 +71,17 @@ def make_train_step(
     grad_accum: int = 1,
     loss_fn: LossFn | None = None,
     donate: bool = True,
+    spike_factor: float = 0.0,
 ) -> Callable[[State, Batch], tuple[State, dict[str, jax.Array]]]:
-    """The jitted train step for this state, mesh and rule set."""
+    """The jitted train step for this state, mesh and rule set.
+
+    ``spike_factor > 0`` needs a ``"guard"`` window in the state (``trainers.guard.init_state``);
+    with a window, the metrics also carry ``ok``, ``loss_spike``, ``grad_norm_spike`` and the medians.
+    """
+    guard.validate("skip", spike_factor, 1)
+    if spike_factor > 0 and "guard" not in sharded.state:
+        raise ValueError(f"spike_factor={spike_factor} needs a 'guard' window in the state (trainers.guard.init_state); "
+                         f"state keys: {sorted(sharded.state)}")
     graphdef, param_shardings = sharded.graphdef, sharded.shardings["params"]
     loss_fn = loss_fn or lm_loss_fn()
     rules = spmd.get_rules(rules)
@@ -94,7 +111,9 @@ def make_train_step(
                 grads = jax.tree.map(lambda g: g / grad_accum, grads)
                 loss, aux = losses.mean(), jax.tree.map(jnp.mean, auxs)
         grad_norm = global_norm(grads)
-        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        flags = guard.check(state["guard"], loss, grad_norm, spike_factor) if "guard" in state else None
+        ok = flags["ok"] if flags is not None else jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
         def update(grads, opt_state, params):
             updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state
@@ -112,6 +131,9 @@ def make_train_step(
             "bad_streak": jnp.where(ok, 0, state["bad_streak"] + 1),
         }
         metrics = {"loss": loss, "grad_norm": grad_norm, "finite": ok, **aux}
+        if flags is not None:
+            new_state["guard"] = guard.update(state["guard"], loss, grad_norm, ok)
+            metrics.update(flags)
         if schedule is not None:
             metrics["lr"] = schedule(state["step"])
         return new_state, metrics

@@ -19,6 +19,7 @@ from flax import nnx
 
 from spmd.constraints import constrain
 from spmd.models.layers import Attention, GatedMLP, RMSNorm, param, weight
+from spmd.pipeline import PipelineConfig, pipelined_loss
 from spmd.stack import Stack
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -105,6 +106,32 @@ class GPT(nnx.Module):
             logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, weight(self.head, dt))
         return constrain(logits_BLV.astype(jnp.float32), ("batch", "length", "vocab"))
 
+    def loss(self, tokens_BL: jax.Array, targets_BL: jax.Array, *, z_loss: float = 0.0,
+             pipeline: PipelineConfig | None = None) -> tuple[jax.Array, dict]:
+        """``lm_loss(self(tokens), targets)``; with a ``pipeline`` config the blocks run as a pipeline
+        over the ``pipe`` axis (embedding before it; final norm, head and loss on its last stage)."""
+        if pipeline is None or not pipeline.enabled:
+            return lm_loss(self(tokens_BL), targets_BL, z_loss=z_loss)
+        cfg, dt = self.cfg, self.cfg.compute_dtype
+        x_BLD = constrain(jnp.take(weight(self.embed, dt), tokens_BL, axis=0), ("batch", "length", "embed"))
+        apply, block_state = self.blocks.split()
+        norm_def, norm_state = nnx.split(self.final_norm)
+        out_var = self.embed if cfg.tie_embeddings else self.head
+
+        def stage_fn(layers_state, x_BLD):
+            return apply(layers_state, x_BLD, jnp.arange(x_BLD.shape[1]))
+
+        def head_fn(head, y_BLD, tg_BL):
+            x_BLD = nnx.merge(norm_def, head[0])(y_BLD)
+            if cfg.tie_embeddings:
+                logits_BLV = jnp.einsum("bld,vd->blv", x_BLD, weight(head[1], dt)) * cfg.d_model**-0.5
+            else:
+                logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, weight(head[1], dt))
+            logits_BLV = constrain(logits_BLV.astype(jnp.float32), ("batch", "length", "vocab"))
+            return _lm_loss_onehot(logits_BLV, tg_BL, z_loss=z_loss)
+
+        return pipelined_loss(pipeline, stage_fn, head_fn, block_state, (norm_state, out_var), x_BLD, targets_BL)
+
 
 def lm_loss(logits_BLV: jax.Array, targets_BL: jax.Array, *, z_loss: float = 0.0) -> tuple[jax.Array, dict]:
     """Mean next-token cross-entropy (+ ``z_loss * mean(logsumexp^2)``, PaLM's z-loss), in f32."""
@@ -117,3 +144,17 @@ def lm_loss(logits_BLV: jax.Array, targets_BL: jax.Array, *, z_loss: float = 0.0
         aux["z_loss"] = z_loss * jnp.mean(lse_BL**2)
         loss = loss + aux["z_loss"]
     return loss, aux
+
+
+def _lm_loss_onehot(logits_BLV: jax.Array, targets_BL: jax.Array, *, z_loss: float = 0.0) -> tuple[jax.Array, dict]:
+    """:func:`lm_loss` with the target logit picked by a one-hot product instead of a gather: XLA's
+    partitioner cannot partition that gather inside a pipeline stage (a shard_map manual over
+    ``pipe`` only) when the logits are sharded over ``data`` and ``tensor``."""
+    lse_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
+    target_BL = jnp.sum(logits_BLV * jax.nn.one_hot(targets_BL, logits_BLV.shape[-1], dtype=logits_BLV.dtype), axis=-1)
+    ce = jnp.mean(lse_BL - target_BL)
+    aux = {"ce": ce}
+    if not z_loss:
+        return ce, aux
+    aux["z_loss"] = z_loss * jnp.mean(lse_BL**2)
+    return ce + aux["z_loss"], aux

@@ -1,0 +1,341 @@
+"""Running a stack of blocks as a pipeline over the ``pipe`` mesh axis, with ``shard_map``.
+
+The model's stacked block parameters are stored ``W[L_pipe, ...]`` (natural layer order, the
+``layers`` dim sharded over ``pipe``). :func:`pipeline_loss` splits the L layers into ``C = S*V``
+chunks of ``L/C`` consecutive layers; chunk ``c`` runs on device ``c % S`` as its virtual stage
+``v = c // S``. The embedding runs before (GSPMD) and gives ``x[M, B/M, L, D]``; the head and
+loss (``head_fn``) run on the device holding the last chunk.
+
+Only ``pipe`` is manual inside the ``shard_map`` (``axis_names={"pipe"}``); ``data``/``fsdp``/
+``tensor`` stay automatic, so the blocks keep their rule-set layout (DP, FSDP, TP) inside a stage.
+
+Two engines:
+
+- **gpipe** (autodiff): one ``lax.scan`` over ``M + S - 1`` ticks; each tick every stage runs its
+  chunk and ``ppermute`` passes the output to the next stage. ``jax.grad`` differentiates through
+  the loop, so the scan keeps every microbatch's residuals: activation memory grows with M
+  (``remat=True`` keeps only each stage's input per tick).
+- **table** (1F1B, interleaved): one ``lax.scan`` over the :class:`Schedule`'s ticks. Each device
+  reads its action from the constant table at ``[tick, axis_index("pipe")]`` and ``lax.switch``-es
+  to idle / forward / forward+loss (last chunk) / backward. A forward stores nothing but its input
+  (in a stash of ``max in-flight`` slots), a backward recomputes its chunk from the stashed input
+  with ``jax.vjp``, adds the parameter gradient and sends the input gradient back. So activation
+  memory is about S microbatches' stage inputs whatever M is. Every tick does exactly two
+  ``ppermute`` over ``pipe`` (outside the switch): one ``x[B/M, L, D]`` forward, one of the same
+  size backward (zeros when idle). The whole thing is a ``jax.custom_vjp``: its forward rule runs
+  the schedule and keeps the gradients, its backward rule scales them by the loss cotangent; the
+  primal alone (evaluation) runs the forward-only table.
+
+Interleaved (V > 1) layout cost: device s needs chunks ``s, s+S, ...`` but stores layers
+``[s*L/S, (s+1)*L/S)``, so each step reorders ``W[L]`` as ``[V, S, L/C] -> [S, V, L/C]`` under the
+``pipe`` sharding (GSPMD moves ``(S-1)/S`` of the block parameters over ``pipe``, and the gradients
+back). With V = 1 the split is the stored sharding and nothing moves.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
+
+from spmd.constraints import current, use_rules
+from spmd.pipeline.schedules import BACKWARD, FORWARD, IDLE, Schedule
+
+StageFn = Callable[[Any, jax.Array], jax.Array]  # (chunk params [Lc, ...], x[b, L, D]) -> y
+HeadFn = Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, dict]]  # (head params, y, targets) -> (loss, aux)
+
+# table fields
+_KIND, _M, _V, _FIRST, _XSLOT, _GSLOT, _RECV_F, _RECV_B = range(8)
+_IDLE, _FWD, _FWD_LAST, _BWD = range(4)
+
+
+def _intervals_to_slots(intervals: list[tuple[int, int, Any]]) -> tuple[dict[Any, int], int]:
+    """Greedy interval colouring: ``(start, end, key)`` (inclusive ticks) -> slot; returns slots and count."""
+    free_at: list[int] = []  # per slot: first tick it is free again
+    slots = {}
+    for start, end, key in sorted(intervals, key=lambda x: (x[0], x[1])):
+        for i, free in enumerate(free_at):
+            if free <= start:
+                break
+        else:
+            i = len(free_at)
+            free_at.append(0)
+        free_at[i] = end + 1
+        slots[key] = i
+    return slots, max(1, len(free_at))
+
+
+def build_tables(schedule: Schedule) -> tuple[np.ndarray, int, int]:
+    """The per-device program of a schedule: int32 ``[ticks, S, 8]`` plus stash and grad-buffer sizes.
+
+    Per (tick, stage): kind (idle/fwd/fwd_last/bwd), m, v, first-chunk flag, the stash slot of the
+    chunk input, the grad-buffer slot of the output gradient, and the slots where this tick's
+    incoming activation / gradient (sent by a neighbour on the previous tick) are written (-1: none).
+    """
+    S, C, T = schedule.n_stages, schedule.n_chunks, schedule.n_ticks
+    ticks = schedule.ticks()
+    has_b = schedule.has_backward
+    x_iv, g_iv = [[] for _ in range(S)], [[] for _ in range(S)]
+    for (kind, m, c), t in ticks.items():
+        s = c % S
+        if kind == FORWARD and c > 0:
+            end = ticks[(BACKWARD, m, c)] if has_b else t
+            x_iv[s].append((ticks[(FORWARD, m, c - 1)] + 1, end, (m, c)))
+        if kind == BACKWARD:
+            start = ticks[(FORWARD, m, c)] if c == C - 1 else ticks[(BACKWARD, m, c + 1)] + 1
+            g_iv[s].append((start, t, (m, c)))
+    x_slots, g_slots, n_x, n_g = {}, {}, 1, 1
+    for s in range(S):
+        xs, nx = _intervals_to_slots(x_iv[s])
+        gs, ng = _intervals_to_slots(g_iv[s])
+        x_slots.update(xs)
+        g_slots.update(gs)
+        n_x, n_g = max(n_x, nx), max(n_g, ng)
+    table = np.full((T, S, 8), -1, np.int32)
+    table[..., _KIND] = _IDLE
+    table[..., _FIRST] = 0
+    for t in range(T):
+        for s in range(S):
+            kind, m, v = (int(x) for x in schedule.actions[t, s])
+            if kind == IDLE:
+                continue
+            c = v * S + s
+            code = _BWD if kind == BACKWARD else (_FWD_LAST if c == C - 1 else _FWD)
+            table[t, s, :_XSLOT] = (code, m, v, int(c == 0))
+            table[t, s, _XSLOT] = x_slots.get((m, c), -1)
+            table[t, s, _GSLOT] = g_slots.get((m, c), -1) if has_b else -1
+            if kind == FORWARD and c + 1 < C and t + 1 < T:
+                table[t + 1, (c + 1) % S, _RECV_F] = x_slots[(m, c + 1)]
+            if kind == BACKWARD and c > 0 and t + 1 < T:
+                table[t + 1, (c - 1) % S, _RECV_B] = g_slots[(m, c - 1)]
+    return table, n_x, n_g
+
+
+def _perm(S: int, step: int, ring: bool) -> list[tuple[int, int]]:
+    pairs = [(i, (i + step) % S) for i in range(S)]
+    return pairs if ring else [(i, j) for i, j in pairs if 0 <= i + step < S]
+
+
+def _to_chunks(params: Any, S: int, V: int) -> Any:
+    """``W[L]`` (natural order) -> ``W[S*V*Lc]`` where device s's contiguous block is chunks s, s+S, ..."""
+    if V == 1:
+        return params
+
+    def one(a):
+        lc = a.shape[0] // (S * V)
+        a = a.reshape(V, S, lc, *a.shape[1:]).swapaxes(0, 1)
+        return a.reshape(S * V * lc, *a.shape[3:])
+
+    return jax.tree.map(one, params)
+
+
+def _from_chunks(params: Any, S: int, V: int) -> Any:
+    if V == 1:
+        return params
+
+    def one(a):
+        lc = a.shape[0] // (S * V)
+        a = a.reshape(S, V, lc, *a.shape[1:]).swapaxes(0, 1)
+        return a.reshape(S * V * lc, *a.shape[3:])
+
+    return jax.tree.map(one, params)
+
+
+def _tree_zeros(tree: Any) -> Any:
+    return jax.tree.map(jnp.zeros_like, tree)
+
+
+def _add(a: Any, b: Any) -> Any:
+    return jax.tree.map(jnp.add, a, b)
+
+
+def _manual_mesh(mesh: Mesh, axis: str) -> Mesh:
+    """The same devices with ``axis`` typed Manual: the context mesh inside the shard_map."""
+    types = tuple(AxisType.Manual if n == axis else t for n, t in zip(mesh.axis_names, mesh.axis_types))
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=types)
+
+
+def _with_inner_rules(fn: Callable, mesh: Mesh, axis: str) -> Callable:
+    """Run ``fn`` with the active rule set re-targeted at the partly manual mesh, so the model's
+    activation constraints (which never name ``pipe``) stay valid inside the shard_map."""
+    active = current()
+    if active is None:
+        return fn
+    inner = _manual_mesh(mesh, axis)
+
+    def wrapped(*args):
+        with use_rules(active[1], inner):
+            return fn(*args)
+
+    return wrapped
+
+
+def _gpipe_local(stage_fn: StageFn, head_fn: HeadFn, S: int, M: int, axis: str, remat: bool):
+    """Per-device GPipe forward: scan over M + S - 1 ticks; autodiff gives the backward."""
+    stage = jax.checkpoint(stage_fn, prevent_cse=False) if remat else stage_fn
+
+    def run(params, head, x_MbLD, tg_MbL):
+        s = jax.lax.axis_index(axis)
+
+        def tick(recv, t):
+            inp = jnp.where(s == 0, x_MbLD[jnp.clip(t, 0, M - 1)], recv)
+            y = stage(params, inp)
+            return jax.lax.ppermute(y, axis, _perm(S, 1, ring=False)), y
+
+        _, ys = jax.lax.scan(tick, jnp.zeros_like(x_MbLD[0]), jnp.arange(M + S - 1))
+        outs = ys[S - 1:]
+
+        def head_all(outs):
+            losses, auxs = jax.lax.map(lambda a: head_fn(head, *a), (outs, tg_MbL))
+            return losses.mean(), jax.tree.map(jnp.mean, auxs)
+
+        shape = jax.eval_shape(head_all, outs)
+        loss, aux = jax.lax.cond(s == S - 1, head_all, lambda o: _tree_zeros(shape), outs)
+        return loss[None], jax.tree.map(lambda a: a[None], aux)
+
+    return run
+
+
+def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: str, train: bool):
+    """Per-device table-driven engine; returns (loss, aux) and, when ``train``, the gradients."""
+    S, M, V = schedule.n_stages, schedule.n_microbatches, schedule.n_virtual
+    table_np, n_x, n_g = build_tables(schedule)
+    ring = V > 1
+
+    def run(params, head, x_MbLD, tg_MbL):
+        s = jax.lax.axis_index(axis)
+        params = jax.tree.map(lambda a: a.reshape(V, a.shape[0] // V, *a.shape[1:]), params)
+        table = jnp.asarray(table_np)
+        zx = jnp.zeros_like(x_MbLD[0])
+        aux_shape = jax.eval_shape(lambda: head_fn(head, zx, tg_MbL[0])[1])
+        carry = {
+            "stash": jnp.zeros((n_x, *zx.shape), zx.dtype), "gbuf": jnp.zeros((n_g, *zx.shape), zx.dtype),
+            "recv_f": zx, "recv_b": zx, "loss": jnp.zeros((), jnp.float32), "aux": _tree_zeros(aux_shape),
+        }
+        if train:
+            carry.update(pgrad=_tree_zeros(params), hgrad=_tree_zeros(head), dx=jnp.zeros_like(x_MbLD))
+
+        def chunk(v):
+            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, v, keepdims=False), params)
+
+        def tick(c, row_all):
+            row = jax.lax.dynamic_index_in_dim(row_all, s, keepdims=False)
+            kind, m, v, first = row[_KIND], row[_M], row[_V], row[_FIRST]
+            xs, gs, rf, rb = (jnp.maximum(row[i], 0) for i in (_XSLOT, _GSLOT, _RECV_F, _RECV_B))
+            c = dict(c)
+            c["stash"] = c["stash"].at[rf].set(jnp.where(row[_RECV_F] >= 0, c["recv_f"], c["stash"][rf]))
+            c["gbuf"] = c["gbuf"].at[rb].set(jnp.where(row[_RECV_B] >= 0, c["recv_b"], c["gbuf"][rb]))
+            x_in = jnp.where(first == 1, x_MbLD[m], c["stash"][xs])
+
+            def idle(c):
+                return c, zx, zx
+
+            def fwd(c):
+                return c, stage_fn(chunk(v), x_in), zx
+
+            def fwd_last(c):
+                y = stage_fn(chunk(v), x_in)
+                c = dict(c)
+                if train:
+                    loss, vjp, aux = jax.vjp(lambda h, y: head_fn(h, y, tg_MbL[m]), head, y, has_aux=True)
+                    dh, dy = vjp(jnp.full_like(loss, 1.0 / M))
+                    c["hgrad"] = _add(c["hgrad"], dh)
+                    c["gbuf"] = c["gbuf"].at[gs].set(dy.astype(zx.dtype))
+                else:
+                    loss, aux = head_fn(head, y, tg_MbL[m])
+                c["loss"] = c["loss"] + loss / M
+                c["aux"] = jax.tree.map(lambda a, b: a + b / M, c["aux"], aux)
+                return c, zx, zx
+
+            def bwd(c):
+                _, vjp = jax.vjp(stage_fn, chunk(v), x_in)
+                dp, dx = vjp(c["gbuf"][gs])
+                c = dict(c)
+                c["pgrad"] = jax.tree.map(lambda acc, g: acc.at[v].add(g), c["pgrad"], dp)
+                c["dx"] = c["dx"].at[m].add(jnp.where(first == 1, dx, 0))
+                return c, zx, jnp.where(first == 1, 0, dx)
+
+            branches = [idle, fwd, fwd_last, bwd] if train else [idle, fwd, fwd_last]
+            c, send_f, send_b = jax.lax.switch(jnp.minimum(kind, len(branches) - 1), branches, c)
+            c["recv_f"] = jax.lax.ppermute(send_f, axis, _perm(S, 1, ring))
+            c["recv_b"] = jax.lax.ppermute(send_b, axis, _perm(S, -1, ring))
+            return c, None
+
+        c, _ = jax.lax.scan(tick, carry, table)
+        out = (c["loss"][None], jax.tree.map(lambda a: a[None], c["aux"]))
+        if not train:
+            return out
+        pgrad = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), c["pgrad"])
+        return out, (pgrad, jax.tree.map(lambda a: a[None], c["hgrad"]), c["dx"][None])
+
+    return run
+
+
+def pipeline_loss(
+    stage_fn: StageFn,
+    head_fn: HeadFn,
+    stage_params: Any,
+    head_params: Any,
+    x_MbLD: jax.Array,
+    targets_MbL: jax.Array,
+    *,
+    schedule: Schedule,
+    mesh: Mesh,
+    remat: bool = False,
+    axis: str = "pipe",
+) -> tuple[jax.Array, dict]:
+    """Mean over microbatches of ``head_fn(head, blocks(x[m]), targets[m])``, run as a pipeline.
+
+    ``stage_params`` leaves are ``[L, ...]`` in natural layer order (L divisible by S*V);
+    ``stage_fn(params[Lc, ...], x)`` applies Lc consecutive layers. Differentiable w.r.t.
+    ``stage_params``, ``head_params`` and ``x_MbLD``.
+    """
+    S, M, V = schedule.n_stages, schedule.n_microbatches, schedule.n_virtual
+    if axis not in mesh.shape or mesh.shape[axis] != S:
+        raise ValueError(f"schedule has S={S} stages but mesh axis {axis!r} has size {dict(mesh.shape).get(axis)}; "
+                         f"they must be equal")
+    if x_MbLD.shape[0] != M or targets_MbL.shape[0] != M:
+        raise ValueError(f"inputs have {x_MbLD.shape[0]} microbatches, schedule expects M={M}")
+    for a in jax.tree.leaves(stage_params):
+        if a.shape[0] % (S * V):
+            raise ValueError(f"{a.shape[0]} layers do not split into S*V = {S}*{V} = {S * V} equal chunks")
+    sm = dict(mesh=mesh, axis_names={axis}, check_vma=False)
+    inner = functools.partial(_with_inner_rules, mesh=mesh, axis=axis)
+    rep, pip = P(), P(axis)
+
+    if schedule.name == "gpipe":
+        run = jax.shard_map(inner(_gpipe_local(stage_fn, head_fn, S, M, axis, remat)), in_specs=(pip, rep, rep, rep),
+                            out_specs=(pip, pip), **sm)
+        loss, aux = run(stage_params, head_params, x_MbLD, targets_MbL)
+        return loss.sum(), jax.tree.map(lambda a: a.sum(), aux)
+
+    train_run = jax.shard_map(inner(_table_local(stage_fn, head_fn, schedule, axis, True)), in_specs=(pip, rep, rep, rep),
+                              out_specs=((pip, pip), (pip, pip, pip)), **sm)
+    eval_run = jax.shard_map(inner(_table_local(stage_fn, head_fn, schedule.forward_only(), axis, False)),
+                             in_specs=(pip, rep, rep, rep), out_specs=(pip, pip), **sm)
+
+    def reduce(out):
+        loss, aux = out
+        return loss.sum(), jax.tree.map(lambda a: a.sum(), aux)
+
+    @jax.custom_vjp
+    def run(params, head, x, tg):
+        return reduce(eval_run(_to_chunks(params, S, V), head, x, tg))
+
+    def run_fwd(params, head, x, tg):
+        out, (pgrad, hgrad, dx) = train_run(_to_chunks(params, S, V), head, x, tg)
+        grads = (_from_chunks(pgrad, S, V), jax.tree.map(lambda a: a.sum(0), hgrad), dx.sum(0))
+        return reduce(out), grads
+
+    def run_bwd(grads, cts):
+        g = cts[0]
+        return (*jax.tree.map(lambda a: (a * g).astype(a.dtype), grads), None)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(stage_params, head_params, x_MbLD, targets_MbL)

@@ -1,0 +1,264 @@
+"""Pipeline schedules as data: which stage does what on which tick.
+
+A :class:`Schedule` is a table ``actions[tick, stage] = (kind, m, v)``: ``kind`` is idle, forward
+or backward, ``m`` the microbatch and ``v`` the virtual stage (the chunk of layers ``c = v*S + s``
+that device ``s`` holds). Every tick is one chunk-op; a value a stage produces on tick ``t`` is on
+its neighbour at the start of tick ``t + 1``.
+
+Builders, with S stages, M microbatches, V virtual stages per device:
+
+- :func:`gpipe`: all M forwards, then all M backwards. Stage inputs held: M.
+- :func:`one_f_one_b`: ``S - s - 1`` warm-up forwards on stage s, then one forward / one backward,
+  then the cool-down backwards; each backward runs as early as possible. Stage inputs held: <= S.
+- :func:`interleaved`: Megatron's circular schedule. Device s holds chunks ``s, s+S, ...``;
+  forwards go in groups of S microbatches chunk by chunk, backwards likewise in reverse chunk
+  order; needs ``M % S == 0``.
+
+Each builder only fixes every stage's *order* of ops; :func:`_simulate` places each op on the first
+tick where its inputs exist (forward of chunk c after forward of c-1 finished; backward of c after
+backward of c+1 and its own forward). So the bubble is what the order implies:
+``(S-1)/(M+S-1)`` for gpipe and 1f1b, ``(S-1)/(V*M+S-1)`` for interleaved (idle slots / all slots).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+IDLE, FORWARD, BACKWARD = 0, 1, 2
+_LETTER = {FORWARD: "F", BACKWARD: "B"}
+NAMES = ("gpipe", "1f1b", "interleaved")
+
+Op = tuple[int, int, int]  # (kind, microbatch, virtual stage)
+
+
+def _check_sizes(S: int, M: int, V: int = 1) -> None:
+    for name, value in (("stages S", S), ("microbatches M", M), ("virtual stages V", V)):
+        if not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"pipeline schedule needs {name} >= 1, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Schedule:
+    """``actions[tick, stage] = (kind, m, v)`` (kind IDLE/FORWARD/BACKWARD; m, v = -1 when idle)."""
+
+    name: str
+    n_stages: int
+    n_microbatches: int
+    n_virtual: int
+    actions: np.ndarray  # int32 [n_ticks, n_stages, 3]
+
+    def __post_init__(self) -> None:
+        a = np.asarray(self.actions, dtype=np.int32)
+        if a.ndim != 3 or a.shape[1:] != (self.n_stages, 3):
+            raise ValueError(f"schedule actions must have shape [ticks, {self.n_stages}, 3], got {a.shape}")
+        object.__setattr__(self, "actions", a)
+
+    @property
+    def n_ticks(self) -> int:
+        return int(self.actions.shape[0])
+
+    @property
+    def n_chunks(self) -> int:
+        return self.n_stages * self.n_virtual
+
+    @property
+    def busy(self) -> int:
+        return int((self.actions[..., 0] != IDLE).sum())
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle (tick, stage) slots / all slots."""
+        total = self.n_ticks * self.n_stages
+        return (total - self.busy) / total
+
+    @property
+    def has_backward(self) -> bool:
+        return bool((self.actions[..., 0] == BACKWARD).any())
+
+    def ticks(self) -> dict[tuple[int, int, int], int]:
+        """{(kind, m, chunk): tick} for every op in the table."""
+        out = {}
+        for t, s in zip(*np.nonzero(self.actions[..., 0])):
+            kind, m, v = (int(x) for x in self.actions[t, s])
+            out[(kind, m, v * self.n_stages + int(s))] = int(t)
+        return out
+
+    def in_flight(self) -> np.ndarray:
+        """Per stage, the most microbatch inputs held at once: from the tick an input arrives (or,
+        for the first chunk, its forward) to the tick of its backward (or its forward, without one)."""
+        S, ticks = self.n_stages, self.ticks()
+        count = np.zeros((self.n_ticks + 1, S), np.int64)
+        for (kind, m, c), t in ticks.items():
+            if kind != FORWARD:
+                continue
+            start = t if c == 0 else ticks[(FORWARD, m, c - 1)] + 1
+            end = ticks.get((BACKWARD, m, c), t)
+            count[start:end + 1, c % S] += 1
+        return count.max(axis=0)
+
+    @property
+    def max_in_flight(self) -> int:
+        return int(self.in_flight().max())
+
+    def validate(self) -> None:
+        """Raise ValueError unless every op appears once and every data dependency is met."""
+        S, M, C = self.n_stages, self.n_microbatches, self.n_chunks
+        seen: dict[tuple[int, int, int], int] = {}
+        for t in range(self.n_ticks):
+            for s in range(S):
+                kind, m, v = (int(x) for x in self.actions[t, s])
+                if kind == IDLE:
+                    continue
+                if kind not in _LETTER or not (0 <= m < M) or not (0 <= v < self.n_virtual):
+                    raise ValueError(f"tick {t} stage {s}: invalid action {(kind, m, v)} for M={M}, V={self.n_virtual}")
+                key = (kind, m, v * S + s)
+                if key in seen:
+                    raise ValueError(f"{_LETTER[kind]}{m} of chunk {key[2]} runs twice (ticks {seen[key]} and {t})")
+                seen[key] = t
+        kinds = (FORWARD, BACKWARD) if self.has_backward else (FORWARD,)
+        for kind in kinds:
+            for m in range(M):
+                for c in range(C):
+                    if (kind, m, c) not in seen:
+                        raise ValueError(f"{_LETTER[kind]}{m} of chunk {c} is missing from the schedule")
+        for (kind, m, c), t in seen.items():
+            if kind == FORWARD and c > 0 and seen[(FORWARD, m, c - 1)] >= t:
+                raise ValueError(f"F{m} of chunk {c} at tick {t} runs before F{m} of chunk {c - 1} "
+                                 f"finished (tick {seen[(FORWARD, m, c - 1)]})")
+            if kind == BACKWARD:
+                if seen[(FORWARD, m, c)] >= t:
+                    raise ValueError(f"B{m} of chunk {c} at tick {t} precedes its forward (tick {seen[(FORWARD, m, c)]})")
+                if c < C - 1 and seen[(BACKWARD, m, c + 1)] >= t:
+                    raise ValueError(f"B{m} of chunk {c} at tick {t} runs before B{m} of chunk {c + 1} "
+                                     f"finished (tick {seen[(BACKWARD, m, c + 1)]})")
+
+    def timeline(self) -> str:
+        """Rows = stages, columns = ticks: ``F3`` forward of microbatch 3, ``B0.1`` backward of m=0, v=1."""
+        cells = [[self._cell(t, s) for t in range(self.n_ticks)] for s in range(self.n_stages)]
+        width = max(len(c) for row in cells for c in row)
+        head = (f"{self.name}: S={self.n_stages} M={self.n_microbatches} V={self.n_virtual}, "
+                f"{self.n_ticks} ticks, bubble {self.bubble_fraction:.3f}")
+        rows = [f"s{s}: " + " ".join(c.ljust(width) for c in row).rstrip() for s, row in enumerate(cells)]
+        return "\n".join([head, *rows])
+
+    def _cell(self, t: int, s: int) -> str:
+        kind, m, v = (int(x) for x in self.actions[t, s])
+        if kind == IDLE:
+            return "."
+        return f"{_LETTER[kind]}{m}" + (f".{v}" if self.n_virtual > 1 else "")
+
+    __str__ = timeline
+
+    def gantt(self, ax=None):
+        """Draw the table as a Gantt chart (one bar per busy slot); returns the matplotlib Axes."""
+        import matplotlib.pyplot as plt  # lazily: plotting is optional
+
+        if ax is None:
+            _, ax = plt.subplots(figsize=(max(4.0, 0.35 * self.n_ticks), 0.5 * self.n_stages + 1))
+        colors = {FORWARD: "tab:blue", BACKWARD: "tab:orange"}
+        for t, s in zip(*np.nonzero(self.actions[..., 0])):
+            kind = int(self.actions[t, s, 0])
+            ax.broken_barh([(int(t), 1)], (int(s) - 0.4, 0.8), facecolors=colors[kind], edgecolor="k", linewidth=0.3)
+            ax.text(int(t) + 0.5, int(s), self._cell(int(t), int(s)), ha="center", va="center", fontsize=6)
+        ax.set_xlim(0, self.n_ticks)
+        ax.set_ylim(self.n_stages - 0.5, -0.5)
+        ax.set_yticks(range(self.n_stages), [f"stage {s}" for s in range(self.n_stages)])
+        ax.set_xlabel("tick")
+        ax.set_title(f"{self.name} S={self.n_stages} M={self.n_microbatches} V={self.n_virtual}")
+        return ax
+
+    def forward_only(self) -> Schedule:
+        """The same per-stage forward order with the backwards removed (for evaluation)."""
+        orders = []
+        for s in range(self.n_stages):
+            col = self.actions[:, s]
+            orders.append([tuple(int(x) for x in a) for a in col if a[0] == FORWARD])
+        table = _simulate(self.n_stages, self.n_microbatches, self.n_virtual, orders)
+        return Schedule(self.name + "-forward", self.n_stages, self.n_microbatches, self.n_virtual, table)
+
+
+def _simulate(S: int, M: int, V: int, orders: list[list[Op]]) -> np.ndarray:
+    """Place each stage's ops, in order, on the first tick whose inputs exist."""
+    C = S * V
+    done: dict[tuple[int, int, int], int] = {}
+    ptr = [0] * S
+    rows = []
+    limit = 4 * sum(len(o) for o in orders) + 4 * C
+    while any(ptr[s] < len(orders[s]) for s in range(S)):
+        t = len(rows)
+        if t > limit:
+            raise ValueError(f"schedule deadlocks (S={S}, M={M}, V={V}): an op waits on one that never runs")
+        row = [(IDLE, -1, -1)] * S
+        for s in range(S):
+            if ptr[s] >= len(orders[s]):
+                continue
+            kind, m, v = orders[s][ptr[s]]
+            c = v * S + s
+            if kind == FORWARD:
+                ready = c == 0 or done.get((FORWARD, m, c - 1), t) < t
+            else:
+                ready = done.get((FORWARD, m, c), t) < t and (c == C - 1 or done.get((BACKWARD, m, c + 1), t) < t)
+            if ready:
+                row[s] = (kind, m, v)
+        for s, (kind, m, v) in enumerate(row):
+            if kind != IDLE:
+                done[(kind, m, v * S + s)] = t
+                ptr[s] += 1
+        rows.append(row)
+    return np.asarray(rows, dtype=np.int32).reshape(len(rows), S, 3)
+
+
+def gpipe(S: int, M: int) -> Schedule:
+    """All forwards, then all backwards (in microbatch order)."""
+    _check_sizes(S, M)
+    orders = [[(FORWARD, m, 0) for m in range(M)] + [(BACKWARD, m, 0) for m in range(M)] for _ in range(S)]
+    return Schedule("gpipe", S, M, 1, _simulate(S, M, 1, orders))
+
+
+def _one_f_one_b_order(fwd: list[Op], bwd: list[Op], warmup: int) -> list[Op]:
+    warmup = min(warmup, len(fwd))
+    order = list(fwd[:warmup])
+    for f, b in zip(fwd[warmup:], bwd):
+        order += [f, b]
+    order += bwd[len(fwd) - warmup:]
+    return order
+
+
+def one_f_one_b(S: int, M: int) -> Schedule:
+    """Warm-up forwards (``S - s - 1`` on stage s), then alternate one forward / one backward."""
+    _check_sizes(S, M)
+    orders = []
+    for s in range(S):
+        fwd = [(FORWARD, m, 0) for m in range(M)]
+        bwd = [(BACKWARD, m, 0) for m in range(M)]
+        orders.append(_one_f_one_b_order(fwd, bwd, S - s - 1))
+    return Schedule("1f1b", S, M, 1, _simulate(S, M, 1, orders))
+
+
+def interleaved(S: int, M: int, V: int) -> Schedule:
+    """Megatron's interleaved (circular) 1F1B: V chunks per device, chunk ``c = v*S + s`` on device s."""
+    _check_sizes(S, M, V)
+    if M % S:
+        raise ValueError(f"interleaved schedule needs microbatches M={M} to be a multiple of stages S={S}")
+    fwd = [(FORWARD, g * S + i, v) for g in range(M // S) for v in range(V) for i in range(S)]
+    bwd = [(BACKWARD, g * S + i, v) for g in range(M // S) for v in reversed(range(V)) for i in range(S)]
+    orders = [_one_f_one_b_order(fwd, bwd, (S - s - 1) * 2 + (V - 1) * S) for s in range(S)]
+    return Schedule("interleaved", S, M, V, _simulate(S, M, V, orders))
+
+
+def get_schedule(name: str, S: int, M: int, V: int = 1, *, n_layers: int | None = None) -> Schedule:
+    """A schedule by name (``"gpipe"``, ``"1f1b"``, ``"interleaved"``); checks ``n_layers % (S*V)``."""
+    if name not in NAMES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; valid: {', '.join(NAMES)}")
+    _check_sizes(S, M, V)
+    if name != "interleaved" and V != 1:
+        raise ValueError(f"schedule {name!r} has one chunk per stage; got virtual stages V={V} (use 'interleaved')")
+    if n_layers is not None and n_layers % (S * V):
+        raise ValueError(f"{n_layers} layers do not split into S*V = {S}*{V} = {S * V} equal chunks")
+    if name == "gpipe":
+        return gpipe(S, M)
+    if name == "1f1b":
+        return one_f_one_b(S, M)
+    return interleaved(S, M, V)

@@ -1,0 +1,132 @@
+"""Preemption: turn SIGTERM/SIGINT into "finish this step, checkpoint it, exit cleanly".
+
+Cluster schedulers (Kubernetes, SLURM, TPU maintenance events) send SIGTERM and give a grace
+period before SIGKILL. :class:`PreemptionWatcher` installs handlers for the duration of a
+``with`` block only (``train()`` is also called from notebooks and tests, whose handlers must
+come back afterwards). A handler only sets a flag: the step in flight finishes, the loop asks
+``should_stop(step)`` after each step, saves a checkpoint at that step, waits for it to commit
+and returns with ``preempted=True``. A second SIGINT raises ``KeyboardInterrupt`` (an impatient
+Ctrl-C still works); further SIGTERMs change nothing.
+
+Many processes must stop at the *same* step, or their checkpoints would disagree (and orbax's
+save would hang in its barrier). The signal usually reaches one host first, so the local flag
+is agreed on: every ``check_every`` steps each process contributes its flag to one
+``process_allgather`` and all of them stop if any asked. The check steps are a pure function of
+the step number, so every process calls the collective at the same steps. (jax's
+``reached_preemption_sync_point`` does the same through the coordination service, but only for
+SIGTERMs its own notifier sees, after ``jax.distributed`` was started with the preemption service;
+an allgather of a flag works everywhere, with SIGINT, and with a test's own request.) With one
+process there is no collective and the flag is read every step.
+
+:func:`barrier` is a bounded wait for all processes (a clear ``TimeoutError`` instead of a hang).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Sequence
+from types import FrameType
+from typing import Any
+
+import jax
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class PreemptionWatcher:
+    """Context manager: records stop requests from signals (or :meth:`request`) and agrees on them."""
+
+    def __init__(self, signals: Sequence[int] = DEFAULT_SIGNALS, *, check_every: int = 1) -> None:
+        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
+            raise ValueError(f"check_every must be an integer >= 1, got {check_every!r}")
+        valid = set(signal.valid_signals())
+        for sig in signals:
+            if sig not in valid or sig in (signal.SIGKILL, signal.SIGSTOP):
+                raise ValueError(f"cannot watch signal {sig!r}; use catchable signals such as SIGTERM, SIGINT")
+        self.signals = tuple(signal.Signals(s) for s in signals)
+        self.check_every = check_every
+        self.reason: str | None = None
+        self._previous: dict[signal.Signals, Any] = {}
+        self._agreed = False
+
+    # ------------------------------------------------------------------ handlers
+    def __enter__(self) -> PreemptionWatcher:
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("not in the main thread: signal handlers not installed; only request() can stop the run")
+            return self
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.reason is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt(f"second {name} while stopping")
+        if self.reason is None:
+            self.reason = name
+            log.warning("received %s: finishing the current step, then checkpointing and exiting", name)
+
+    def request(self, reason: str = "requested") -> None:
+        """Ask for a stop as a signal would (tests, hooks, a cluster API poller)."""
+        if self.reason is None:
+            self.reason = reason
+
+    @property
+    def requested(self) -> bool:
+        """Whether this process was asked to stop (not yet agreed with the others)."""
+        return self.reason is not None
+
+    # ------------------------------------------------------------------ agreement
+    def should_stop(self, step: int) -> bool:
+        """Whether every process stops after ``step``; call it on every process after every step.
+
+        One process: the local flag. Many: at steps that are multiples of ``check_every`` an
+        allgather of the flags, True for all if any process asked (and stays True).
+        """
+        if self._agreed:
+            return True
+        if jax.process_count() == 1:
+            self._agreed = self.requested
+        elif step % self.check_every == 0:
+            from jax.experimental import multihost_utils
+
+            flags = multihost_utils.process_allgather(np.asarray(self.requested, dtype=np.int32))
+            if np.any(flags):
+                asked = [i for i, f in enumerate(np.ravel(flags)) if f]
+                self._agreed = True
+                if self.reason is None:
+                    self.reason = f"stop requested on process(es) {asked}"
+        return self._agreed
+
+
+def barrier(name: str, timeout_s: float) -> None:
+    """Wait until every process reaches ``barrier(name)``; TimeoutError after ``timeout_s`` seconds."""
+    if not name or timeout_s <= 0:
+        raise ValueError(f"barrier needs a non-empty name and timeout_s > 0, got {name!r}, {timeout_s!r}")
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:  # started without jax.distributed: fall back to a device barrier (unbounded)
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+        return
+    try:
+        client.wait_at_barrier(name, int(timeout_s * 1000))
+    except Exception as exc:  # the coordination service reports DEADLINE_EXCEEDED as a generic error
+        raise TimeoutError(
+            f"barrier {name!r}: not every one of {jax.process_count()} processes arrived within {timeout_s} s "
+            f"(process {jax.process_index()} waited): {exc}"
+        ) from exc
