@@ -9,7 +9,7 @@ from meshes import distributed
 from meshes.build import AXIS_TYPES, axis_sizes, make_mesh, single_device_mesh
 from meshes.describe import describe
 from meshes.presets import PRESETS, Preset, preset
-from meshes.simulate import backend_started, simulate_cpu_devices
+from meshes.simulate import backend_started, simulate_cpu_devices, simulate_cpu_devices_unless_accelerator
 from meshes.spec import AXES, MeshError, MeshSpec, parse_axes
 
 __all__ = [
@@ -27,5 +27,6 @@ __all__ = [
     "parse_axes",
     "preset",
     "simulate_cpu_devices",
+    "simulate_cpu_devices_unless_accelerator",
     "single_device_mesh",
 ]

@@ -2,11 +2,26 @@
 
 XLA's CPU backend can split one host into N devices. The count is fixed when the backend
 starts (the first ``jax.devices()`` or computation), so this must run before any jax work.
+
+Two entry points:
+
+- ``simulate_cpu_devices(n)``: always ``n`` CPU devices (tests, CPU-only scripts).
+- ``simulate_cpu_devices_unless_accelerator(n)``: the first line of a notebook or script that
+  should use a GPU node's or TPU VM's real devices where it has them and ``n`` simulated CPU
+  devices everywhere else. It decides from what is *installed*, without starting jax's backend
+  (starting it would fix the CPU device count at 1): an accelerator means a GPU plugin (the
+  ``jax_plugins`` namespace package or ``jax_plugins`` entry points, as ``jax[cuda12]`` and the
+  ROCm plugin install) or ``libtpu`` (TPU VMs), and ``JAX_PLATFORMS`` not restricted to ``cpu``.
+  ``JAX_PLATFORMS=cpu`` therefore forces the simulation on an accelerator machine.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import os
+import pkgutil
+import warnings
 
 import jax
 
@@ -18,6 +33,11 @@ def backend_started() -> bool:
     return bool(getattr(xla_bridge, "_backends", None))
 
 
+def _check_count(n: object) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"device count must be a positive integer, got {n!r}")
+
+
 def simulate_cpu_devices(n: int = 8) -> list[jax.Device]:
     """Make jax see ``n`` CPU devices and return them.
 
@@ -25,8 +45,7 @@ def simulate_cpu_devices(n: int = 8) -> list[jax.Device]:
     already started with ``n`` CPU devices this is a no-op; with any other count it raises, naming
     both counts, because the count can no longer change in this process.
     """
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"device count must be a positive integer, got {n!r}")
+    _check_count(n)
     if backend_started():
         have = jax.devices()
         if have[0].platform == "cpu" and len(have) == n:
@@ -41,3 +60,64 @@ def simulate_cpu_devices(n: int = 8) -> list[jax.Device]:
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", n)
     return jax.devices()
+
+
+def _is_cpu_only(platforms: str) -> bool:
+    """Whether a ``JAX_PLATFORMS`` value (comma-separated platform names) names the CPU alone."""
+    return {p.strip().lower() for p in platforms.split(",") if p.strip()} == {"cpu"}
+
+
+def cpu_only_requested() -> bool:
+    """Whether ``JAX_PLATFORMS`` (or ``jax.config.jax_platforms``) restricts jax to the CPU."""
+    return _is_cpu_only(os.environ.get("JAX_PLATFORMS", "")) or _is_cpu_only(jax.config.jax_platforms or "")
+
+
+def accelerator_plugin() -> str | None:
+    """The accelerator plugin jax would load, named, or ``None``; never imports it or starts jax.
+
+    Looks for GPU plugins in the ``jax_plugins`` namespace package and the ``jax_plugins`` entry
+    point group, then for ``libtpu``. ``None`` as well when ``JAX_PLATFORMS=cpu``.
+    """
+    if cpu_only_requested():
+        return None
+    spec = importlib.util.find_spec("jax_plugins")
+    if spec is not None:
+        names = [m.name for m in pkgutil.iter_modules(list(spec.submodule_search_locations or []))]
+        return "jax_plugins" + (f" ({', '.join(sorted(names))})" if names else "")
+    entry_points = list(importlib.metadata.entry_points(group="jax_plugins"))
+    if entry_points:
+        return "jax_plugins entry points (" + ", ".join(sorted(ep.name for ep in entry_points)) + ")"
+    if importlib.util.find_spec("libtpu") is not None:
+        return "libtpu"
+    return None
+
+
+def simulate_cpu_devices_unless_accelerator(n: int = 8) -> list[jax.Device]:
+    """The real devices where jax has an accelerator plugin, else ``n`` simulated CPU devices.
+
+    For the first cell of a notebook (or the top of a script) that should run unchanged on a
+    laptop, a GPU node and a TPU VM. The choice is made from what is installed
+    (:func:`accelerator_plugin`) *before* jax's backend starts, then:
+
+    - accelerator plugin found (and ``JAX_PLATFORMS`` is not ``cpu``): returns ``jax.devices()``,
+      whatever their count; ``n`` is not used. A plugin installed on a machine without its
+      hardware makes jax fall back to one CPU device: that is returned with a warning (set
+      ``JAX_PLATFORMS=cpu`` to simulate ``n`` devices instead);
+    - otherwise: ``simulate_cpu_devices(n)``, with its rules (a no-op when the backend already
+      runs ``n`` CPU devices, ``RuntimeError`` when it runs another count).
+
+    Raises ``ValueError`` when ``n`` is not a positive integer (checked in both cases).
+    """
+    _check_count(n)
+    plugin = accelerator_plugin()
+    if plugin is None:
+        return simulate_cpu_devices(n)
+    devices = jax.devices()
+    if devices[0].platform == "cpu":
+        warnings.warn(
+            f"accelerator plugin {plugin} is installed but jax found no accelerator; running on "
+            f"{len(devices)} CPU device(s). Set JAX_PLATFORMS=cpu before the first jax call to simulate "
+            f"{n} CPU devices instead.",
+            stacklevel=2,
+        )
+    return devices

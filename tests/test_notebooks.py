@@ -41,12 +41,15 @@ EXPECTED_FIGURES = {
     "01_meshes_and_shardings": 2,  # device grid of a mesh; train-state bytes per device per rule set
     "02_collectives_by_hand": 1,  # the five collectives, before and after, one row per device
     "03_tensor_and_data_parallel_gpt": 2,  # loss parity; collective bytes per axis for three layouts
+    "04_pipelines": 4,  # schedule Gantt charts; bubble vs M against theory; stash depth vs M; pipelined loss curve
     "05_train_a_gpt": 2,  # LR schedule; train/eval loss and gradient norm curves
+    "06_from_notebook_to_pod": 1,  # loss curve of the 2-process run
 }
 CELL_TIMEOUT_S = 300
 KERNEL = "python3"
 FIGURE_CALL = re.compile(r"\bplt\.(subplots|figure)\(")
 PACKAGES = {"meshes": meshes, "spmd": spmd, "trainers": trainers}
+DEVICE_SETUP = re.compile(r"\bmeshes\.simulate_cpu_devices(?:_unless_accelerator)?\(8\)")
 IMPORT = re.compile(r"^\s*(?:from|import)\s+((?:meshes|spmd|trainers)(?:\.\w+)*)", re.MULTILINE)
 
 
@@ -90,6 +93,14 @@ def test_import_check_catches_private_modules():
     assert non_public_imports(bad) == ["spmd.sharding", "trainers.loop", "spmd.models.gpt", "jax._src"]
 
 
+def test_device_setup_check():
+    """Negative control for the first-cell check: the two helpers with 8 devices pass, anything else fails."""
+    ok = ["meshes.simulate_cpu_devices_unless_accelerator(8)", "import meshes\nmeshes.simulate_cpu_devices(8)\n"]
+    bad = ["meshes.simulate_cpu_devices(4)", "meshes.simulate_cpu_devices_unless_accelerator()",
+           "simulate_cpu_devices(8)"]
+    assert [bool(DEVICE_SETUP.search(s)) for s in ok + bad] == [True, True, False, False, False]
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_stored_notebook_is_clean(path: Path):
     nb = nbformat.read(path, as_version=4)
@@ -101,9 +112,10 @@ def test_stored_notebook_is_clean(path: Path):
     dirty = [i for i, c in enumerate(cells) if c.outputs or c.execution_count is not None]
     assert not dirty, f"{path.name}: code cells {dirty} are stored with outputs; strip them before committing"
     first = cells[0].source
-    assert "meshes.simulate_cpu_devices(8)" in first and "import jax\n" not in first, (
-        f"{path.name}: the first code cell must set up the devices (meshes.simulate_cpu_devices(8) when there is "
-        "no accelerator) before anything imports jax"
+    assert DEVICE_SETUP.search(first) and "import jax\n" not in first, (
+        f"{path.name}: the first code cell must set up the devices before anything imports jax: "
+        "meshes.simulate_cpu_devices_unless_accelerator(8) (real devices with an accelerator plugin, else 8 "
+        "simulated CPU devices) or meshes.simulate_cpu_devices(8)"
     )
     for i, cell in enumerate(cells):
         bad = non_public_imports(cell.source)
