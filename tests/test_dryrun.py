@@ -4,7 +4,8 @@ For three layouts of a tiny GPT on 8 simulated devices, the dry run (abstract st
 allocated) is compared with the real run's step compiled on real arrays (``create_state`` +
 ``make_train_step``, as ``trainers.loop.train`` builds them): per-device state bytes within 5%
 (the analytic formula as well as the compiled numbers), collective lists identical. Negative
-controls: two different layouts must differ in both.
+controls: two different layouts must differ in both. A pipelined layout (pipe=2, 1F1B, M=4) is
+compared the same way, and its collective-permutes over ``pipe`` against the analytic count.
 """
 
 import dataclasses
@@ -39,6 +40,10 @@ def reports() -> dict[str, DryRunReport]:
     return {name: dry_run(config(name), devices=8, hardware="h100") for name in LAYOUTS}
 
 
+PIPE = ["mesh.axes=data=4,pipe=2", "rules=dp", "data.global_batch=16", "pipeline.schedule=1f1b",
+        "pipeline.microbatches=4"]
+
+
 def real_step(cfg):
     """The real run's step, compiled on real arrays exactly as trainers.loop.train builds it."""
     mesh = meshes.make_mesh(meshes.MeshSpec.of(cfg.mesh.axes))
@@ -47,7 +52,8 @@ def real_step(cfg):
     tx = make_optimizer(cfg.optimizer, schedule)
     sharded = create_state(lambda: GPT(cfg.model, rngs=nnx.Rngs(cfg.run.seed)), tx, rules, mesh, seed=cfg.run.seed)
     batch_sharding = spmd.batch_sharding(rules, mesh)
-    step = make_train_step(sharded, tx, rules, mesh, batch_sharding, schedule=schedule, loss_fn=lm_loss_fn())
+    step = make_train_step(sharded, tx, rules, mesh, batch_sharding, schedule=schedule,
+                           loss_fn=lm_loss_fn(cfg.run.z_loss, cfg.pipeline))
     tokens = np.zeros((cfg.data.global_batch, cfg.data.seq_len), np.int32)
     batch = {k: jax.device_put(tokens, batch_sharding) for k in ("inputs", "targets")}
     compiled = step.lower(sharded.state, batch).compile()
@@ -92,6 +98,27 @@ def test_collectives_tell_layouts_apart(reports):
     assert any(op.kind == "all-gather" and op.axes == ("fsdp",) for op in reports["fsdp8"].collectives)
     assert ("tensor",) in axes["dp2_tp4"]
     assert spmd.summarize(list(reports["dp8"].collectives)) != spmd.summarize(list(reports["fsdp8"].collectives))
+
+
+def test_pipelined_dry_run_matches_the_real_pipelined_step(reports):
+    cfg = override(recipe("gpt-small", tiny=True), PIPE)
+    report = dry_run(cfg, devices=8, hardware="h100")
+    memory, batch_bytes, real_ops = real_step(cfg)
+    assert report.compiled is not None and report.fits
+    assert list(report.collectives) == real_ops and spmd.summarize(list(report.collectives)) == spmd.summarize(real_ops)
+    assert abs(report.compiled.argument - report.batch_bytes - (memory.argument - batch_bytes)) == 0
+    # the pipeline's sends: one x[B/M, L, D] each way on each of the 2(M+S-1) = 10 ticks
+    sends = report.pipe_permutes
+    rows = 16 // 4 // 4  # per device per microbatch
+    assert sum(op.count for op in sends) == 2 * 10 and all(op.bytes == rows * 16 * 32 * 4 for op in sends)
+    (analytic,) = [x for x in report.analytic_traffic if x.kind == "collective-permute"]
+    assert analytic.count == 20 and analytic.bytes == sum(op.total_bytes for op in sends)
+    assert report.pipeline == "1f1b S=2 M=4 V=1" and report.bubble == pytest.approx(1 / 5)
+    text = report.format()
+    assert "pipeline: 1f1b S=2 M=4 V=1, bubble 20.0%" in text and "20 collective-permutes over pipe" in text
+    # negative control: the unpipelined step on the same mesh sends nothing over pipe
+    assert not reports["dp8"].pipe_permutes and reports["dp8"].pipeline == "" and reports["dp8"].bubble == 0
+    assert spmd.summarize(list(reports["dp8"].collectives)) != spmd.summarize(real_ops)
 
 
 def test_report_roofline_and_format(reports):

@@ -5,10 +5,17 @@ devices of 2 GB each. Data parallelism holds the whole state on every device and
 FSDP shards it and does, so the planner must pick an FSDP layout. Negative control: on real
 80 GB H100s data parallelism fits again.
 
+Pipeline known answer: a 16-layer model whose heads (one) rule out tensor parallelism, on devices
+that hold about half of its state: data parallelism cannot fit, layouts that split the layers over
+``pipe`` (or shard over ``fsdp``) must, and every pipe layout's compute time carries exactly its
+schedule's bubble, ``(S-1)/(M+S-1)`` for 1F1B and ``(S-1)/(VM+S-1)`` interleaved.
+
 Rejections are checked against the compiler: with an artificial device of a few hundred KiB,
 every layout the planner rejects for memory must need more than the budget in the compiled
 dry run, and the chosen one must fit there.
 """
+
+import math
 
 import pytest
 
@@ -18,14 +25,15 @@ from trainers.diagnose import (Issue, check_collectives, check_divisibility, che
                                parse_remat_warnings)
 from trainers.dryrun import dry_run
 from trainers.hardware import custom
-from trainers.plan import Layout, candidates, estimate, main, plan
+from trainers.plan import Layout, candidates, estimate, main, memory_estimate, plan
+from spmd.models import flops_per_step
 
 SMALL_HBM = custom("h100", hbm_bytes=1.4e9, name="h100-1.4gb")
 
 
 def test_candidates_are_distinct_factorisations_with_matching_rules():
     layouts = candidates(8)
-    assert len(layouts) == len(set(layouts)) == 20
+    assert len(layouts) == len(set(layouts)) == 20 and all(layout.pipe == 1 for layout in layouts)
     for layout in layouts:
         sizes = layout.sizes
         assert sizes["data"] * sizes["fsdp"] * sizes["tensor"] == 8
@@ -35,15 +43,100 @@ def test_candidates_are_distinct_factorisations_with_matching_rules():
     assert {str(layout) for layout in candidates(1)} == {"data=1 dp", "data=1 dp remat"}
     with pytest.raises(ValueError, match="devices must be a positive integer, got 0"):
         candidates(0)
+    with pytest.raises(ValueError, match="n_layers must be a positive integer or None, got 0"):
+        candidates(8, n_layers=0, batch=8)
+    with pytest.raises(ValueError, match="pipe=2 and pipeline schedule 'none'"):
+        Layout((("data", 4), ("pipe", 2)), "dp", False)
+
+
+def test_pipe_candidates_divide_layers_and_batch():
+    layouts = candidates(8, n_layers=4, batch=16)
+    piped = [x for x in layouts if x.pipe > 1]
+    assert len(layouts) == len(set(layouts)) and len(layouts) - len(piped) == 20
+    assert {x.pipe for x in piped} == {2, 4}  # 8 does not divide 4 layers
+    for x in piped:
+        assert math.prod(x.sizes.values()) == 8 and 16 % x.microbatches == 0
+        assert x.microbatches in (x.pipe, 2 * x.pipe, 4 * x.pipe)
+        assert (x.schedule, x.virtual_stages) in (("1f1b", 1), ("interleaved", 2))
+        assert x.schedule == "1f1b" or 4 % (2 * x.pipe) == 0  # interleaved V=2 only where 2*pipe divides the layers
+    assert {(x.schedule, x.microbatches) for x in piped if x.pipe == 4} == {("1f1b", 4), ("1f1b", 8), ("1f1b", 16)}
+    assert {(x.schedule, x.microbatches) for x in piped if x.pipe == 2 and x.sizes["data"] == 4 and not x.remat} == {
+        ("1f1b", 2), ("1f1b", 4), ("1f1b", 8), ("interleaved", 2), ("interleaved", 4), ("interleaved", 8)}
+    x = next(x for x in piped if x.schedule == "interleaved")
+    assert {"pipeline.schedule=interleaved", f"pipeline.microbatches={x.microbatches}",
+            "pipeline.virtual_stages=2"} <= set(x.overrides())
+    assert "--set pipeline.schedule=interleaved" in x.command() and "pipe=2" in x.command()
+    assert "pipeline" not in candidates(8)[0].command()  # negative control
+
+
+def deep_model():
+    """16 layers, one head (no tensor parallelism), blocks ~90% of the parameters."""
+    return override(recipe("gpt-small", tiny=True), ["model.n_layers=16", "model.n_heads=1", "model.d_ff=66",
+                                                     "data.global_batch=32"])
+
+
+def test_known_answer_deep_model_needs_its_layers_split():
+    cfg = deep_model()
+    dp8 = memory_estimate(Layout((("data", 8),), "dp", False).apply(cfg), {"data": 8})
+    layout8 = Layout((("pipe", 8),), "dp", False, "1f1b", 32)
+    p8 = memory_estimate(layout8.apply(cfg), layout8.sizes)
+    assert p8.total < dp8.state / 2
+    # budget: between what pipe=8 needs in all and the replicated state alone
+    hw = custom("cpu", hbm_bytes=(p8.total + dp8.state) / 2 / 0.9, name="small")
+    result = plan(cfg, 8, hw)
+    assert result.ranked, result.format()
+    for e in result.ranked:  # whatever fits splits the layers or shards the state
+        assert e.layout.pipe > 1 or e.layout.sizes["fsdp"] > 1, e.layout
+    unsplit = [e for e in result.rejected if e.layout.pipe == 1 and e.layout.sizes["fsdp"] == 1]
+    assert unsplit and all(not e.fits for e in unsplit)
+    assert all(e.memory.state > e.budget for e in unsplit if e.layout.rules == "dp")
+    piped = [e for e in result.ranked if e.layout.pipe > 1]
+    assert piped and any(e.layout.pipe == 8 and e.layout.sizes["data"] == 1 for e in piped)
+    # 1/pipe of the block parameters per device
+    assert p8.params < dp8.params / 4
+    # the 1F1B stash holds about S microbatch inputs, GPipe M: GPipe needs more activation memory
+    layout = Layout((("pipe", 8),), "dp", False, "1f1b", 32)
+    gpipe = memory_estimate(Layout((("pipe", 8),), "dp", False, "gpipe", 32).apply(cfg), layout.sizes)
+    assert memory_estimate(layout.apply(cfg), layout.sizes).activations < gpipe.activations
+    # negative control: devices that hold the whole state take data parallelism again
+    roomy = plan(cfg, 8, custom("cpu", hbm_bytes=dp8.total * 2, name="roomy"))
+    assert any(e.layout.rules == "dp" and e.layout.sizes["data"] == 8 for e in roomy.ranked)
+
+
+def test_pipe_layouts_carry_their_bubble_and_permutes():
+    cfg = deep_model()
+    peak = custom("h100").peak(cfg.model.dtype)
+    flops = flops_per_step(cfg.model, cfg.data.global_batch, cfg.data.seq_len) / 8
+    seen = set()
+    for layout in candidates(8, n_layers=16, batch=32):
+        if layout.pipe == 1 or layout.remat:
+            continue
+        e = estimate(cfg, layout, "h100")
+        if not e.buildable:  # tensor > 1 with one head
+            continue
+        S, M, V = layout.pipe, layout.microbatches, layout.virtual_stages
+        bubble = (S - 1) / (V * M + S - 1)
+        # compute = FLOPs / peak, x4/3 for the recompute of each chunk in its backward, / (1 - bubble)
+        assert e.roofline.compute_s == pytest.approx(flops * 4 / 3 / peak / (1 - bubble), rel=1e-9), layout
+        (permute,) = [x for x in e.traffic if x.kind == "collective-permute" and x.axes == ("pipe",)
+                      and x.count > 2]
+        rows = 32 // (layout.sizes["data"] * layout.sizes["fsdp"]) // M  # per device per microbatch
+        assert permute.count == 2 * 2 * (V * M + S - 1) and permute.bytes == permute.count * rows * 16 * 32 * 4
+        seen.add((S, M, V))
+    assert {(2, 2, 1), (8, 32, 1), (4, 8, 2)} <= seen
+    # negative control: more microbatches, smaller bubble, less compute time
+    few, many = (estimate(cfg, Layout((("pipe", 8),), "dp", False, "1f1b", m), "h100") for m in (8, 32))
+    assert many.roofline.compute_s < few.roofline.compute_s
 
 
 def test_known_answer_too_big_for_dp_picks_fsdp():
     cfg = recipe("gpt-125m")
     result = plan(cfg, 8, SMALL_HBM)
     best = result.best
-    assert best.layout.rules in ("fsdp", "fsdp_tp") and best.layout.sizes["fsdp"] > 1, best.layout
+    assert best.layout.sizes["fsdp"] > 1 or best.layout.pipe > 1, best.layout
     assert best.fits and best.memory.total <= best.budget
-    dp = [e for e in result.rejected if e.layout.rules == "dp"]
+    assert any(e.layout.rules in ("fsdp", "fsdp_tp") and e.layout.pipe == 1 for e in result.ranked)
+    dp = [e for e in result.rejected if e.layout.rules == "dp" and e.layout.pipe == 1]
     assert len(dp) == 2 and all(e.memory.state > e.budget for e in dp)  # the state alone does not fit
     assert all(e.fits for e in result.ranked) and all(not e.fits for e in result.rejected)
     steps = [e.roofline.step_s for e in result.ranked]

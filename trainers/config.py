@@ -98,6 +98,19 @@ class Config:
             )
         if self.model.vocab_size < self.data.vocab_size:
             raise ValueError(f"model.vocab_size {self.model.vocab_size} < data.vocab_size {self.data.vocab_size}")
+        if self.pipeline.enabled:
+            # checked when the config is built (``spmd-train --set`` fails before any compile), with the
+            # axis sizes mesh.axes fixes; an inferred (-1) axis skips the checks that need its size
+            from meshes import MeshSpec
+            from trainers.diagnose import check_pipeline
+
+            spec = MeshSpec.of(self.mesh.axes, self.mesh.dcn or None)
+            dcn = dict(spec.dcn)
+            sizes = {a: s * dcn.get(a, 1) for a, s in spec.ici}
+            issues = check_pipeline(self.model, self.pipeline, self.rules, sizes, global_batch=self.data.global_batch,
+                                    grad_accum=self.run.grad_accum)
+            if issues:
+                raise ValueError(str(issues[0]))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

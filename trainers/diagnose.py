@@ -11,6 +11,11 @@ Checks:
   mesh axes its rule maps it to (the error ``spmd.spec_for`` raises at state creation, found here
   before any compile, for every parameter at once);
 - :func:`check_batch`: the global batch (per microbatch) does not divide by the batch axes;
+- :func:`check_pipeline`: a pipelined run (``pipeline.schedule != "none"``) whose layers do not
+  split into ``pipe x virtual_stages`` equal chunks, whose batch does not split into
+  ``pipeline.microbatches`` (nor each pipeline microbatch over the batch axes), or an interleaved
+  schedule whose microbatches are not a multiple of ``pipe``. :class:`trainers.config.Config`
+  runs it when built, so a bad ``--set`` fails before any compile;
 - :func:`check_replicated`: a large parameter left replicated although the rule set shards
   parameters (each device holds a full copy);
 - :func:`check_collectives`: all-to-alls in a compiled step (GSPMD resharding between layouts
@@ -37,6 +42,7 @@ import numpy as np
 
 import spmd
 from spmd.models import GPT, GPTConfig
+from spmd.pipeline import PipelineConfig
 
 # Which config field sets the size of each logical dim (for "use X a multiple of N" fixes).
 CONFIG_FIELD = {
@@ -49,7 +55,7 @@ CONFIG_FIELD = {
 class Issue:
     """One diagnosed problem: what (kind), where (path, dim), and the suggested fix."""
 
-    kind: str  # "indivisible" | "batch" | "replicated" | "all-to-all" | "remat"
+    kind: str  # "indivisible" | "batch" | "pipeline" | "replicated" | "all-to-all" | "remat"
     path: str
     dim: str | None
     message: str
@@ -144,6 +150,55 @@ def check_batch(global_batch: int, grad_accum: int, rules: spmd.Rules | str, siz
     return []
 
 
+def check_pipeline(model: GPTConfig, pipeline: PipelineConfig, rules: spmd.Rules | str, sizes: Mapping[str, int], *,
+                   global_batch: int, grad_accum: int = 1) -> list[Issue]:
+    """What a pipelined run needs of the model, batch and mesh (nothing when ``pipeline.schedule`` is "none").
+
+    With S = ``sizes["pipe"]`` (1 if absent), V virtual stages, M microbatches: ``model.n_layers``
+    a multiple of ``S*V``; the batch per gradient-accumulation step a multiple of M; for the
+    interleaved schedule M a multiple of S; with S > 1 each pipeline microbatch split evenly over
+    the batch axes (the engine cuts microbatches from each device's own rows; no data moves).
+    An axis size of -1 (inferred later from the device count) skips the checks that need it.
+    All fatal: the engine refuses these inputs.
+    """
+    if not pipeline.enabled:
+        return []
+    S, V, M = sizes.get("pipe", 1), pipeline.virtual_stages, pipeline.microbatches
+    known = S > 0
+    S = S if known else 1
+    issues = []
+    if model.n_layers % (S * V):
+        issues.append(Issue(
+            "pipeline", "blocks", "layers",
+            f"model.n_layers={model.n_layers} does not split into pipe={S} x pipeline.virtual_stages={V} = {S * V} "
+            f"equal chunks of layers", f"use model.n_layers a multiple of {S * V}, or a smaller pipe axis", fatal=True))
+    micro = global_batch // max(grad_accum, 1)
+    if micro % M:
+        issues.append(Issue(
+            "pipeline", "batch", "batch",
+            f"batch of {micro} (data.global_batch={global_batch} / run.grad_accum={grad_accum}) does not split into "
+            f"pipeline.microbatches={M}", f"use data.global_batch a multiple of {M * grad_accum}, or "
+            f"pipeline.microbatches a divisor of {micro}", fatal=True))
+    if pipeline.schedule == "interleaved" and M % S:
+        issues.append(Issue(
+            "pipeline", "pipeline", None,
+            f"interleaved schedule needs pipeline.microbatches={M} to be a multiple of pipe={S}",
+            f"use pipeline.microbatches a multiple of {S}", fatal=True))
+    spec = spmd.get_rules(rules).spec(("batch",), kind="activations",
+                                      mesh_sizes={a: s if s > 0 else 2 for a, s in sizes.items()})
+    axes = _axes(spec[0]) if len(spec) else ()
+    if known and S > 1 and not issues and all(sizes[a] > 0 for a in axes):
+        n = math.prod(sizes[a] for a in axes)
+        if (micro // M) % n:
+            where = " x ".join(f"{a}={sizes[a]}" for a in axes)
+            issues.append(Issue(
+                "pipeline", "batch", "batch",
+                f"pipeline microbatch of {micro // M} rows (data.global_batch={global_batch} / run.grad_accum="
+                f"{grad_accum} / pipeline.microbatches={M}) does not divide by {where}",
+                f"use data.global_batch a multiple of {n * M * grad_accum}, or fewer pipeline.microbatches", fatal=True))
+    return issues
+
+
 def check_replicated(params: Sequence[ParamInfo], rules: spmd.Rules | str, sizes: Mapping[str, int], *,
                      fraction: float = 0.05) -> list[Issue]:
     """Parameters of more than ``fraction`` of all parameter bytes held whole on every device,
@@ -223,8 +278,10 @@ def capture_stderr() -> Iterator[list[str]]:
 
 
 def diagnose(model: GPTConfig, rules: spmd.Rules | str, sizes: Mapping[str, int], *, global_batch: int,
-             grad_accum: int = 1) -> list[Issue]:
-    """The static checks (no compile) of one layout: divisibility, batch split, large replicated params."""
+             grad_accum: int = 1, pipeline: PipelineConfig | None = None) -> list[Issue]:
+    """The static checks (no compile) of one layout: divisibility, batch split, pipeline split, large replicated params."""
     params = param_infos(model)
-    return (check_divisibility(params, rules, sizes) + check_batch(global_batch, grad_accum, rules, sizes)
+    piped = check_pipeline(model, pipeline, rules, sizes, global_batch=global_batch, grad_accum=grad_accum) \
+        if pipeline is not None else []
+    return (check_divisibility(params, rules, sizes) + check_batch(global_batch, grad_accum, rules, sizes) + piped
             + check_replicated(params, rules, sizes))

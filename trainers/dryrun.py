@@ -15,7 +15,12 @@ side by side, per device:
   the target's fast or slow network;
 - model FLOPs per step, and a roofline step time and MFU (:func:`trainers.plan.roofline`; no
   compute/communication overlap assumed, the perfect-overlap time alongside);
-- sharding diagnostics (:mod:`trainers.diagnose`) traced to parameter paths, with fixes.
+- sharding diagnostics (:mod:`trainers.diagnose`) traced to parameter paths, with fixes;
+- with ``cfg.pipeline`` enabled on a ``pipe`` axis > 1: the step compiled is the pipelined one
+  (the trainer's ``lm_loss_fn(z_loss, cfg.pipeline)``), and the report adds the schedule, its
+  bubble fraction (idle share of the schedule table, which stretches the roofline's compute time)
+  and the collective-permutes over ``pipe`` (count and bytes, next to the analytic count: one
+  ``x[B/M, L, D]`` each way per tick).
 
 **Devices.** The compile runs on N devices of this machine's backend when it has exactly N (a
 GPU node compiling for itself), otherwise on N simulated CPU devices: set in-process when jax has
@@ -72,6 +77,13 @@ class DryRunReport:
     issues: tuple = ()  # trainers.diagnose.Issue
     compile_s: float = 0.0
     backend: str = ""
+    pipeline: str = ""  # "1f1b S=2 M=4 V=1" when the step is pipelined, else ""
+    bubble: float = 0.0  # idle fraction of the pipeline's schedule table
+
+    @property
+    def pipe_permutes(self) -> tuple:
+        """The compiled step's collective-permutes over the ``pipe`` axis (the pipeline's sends)."""
+        return tuple(op for op in self.collectives if op.kind == "collective-permute" and op.axes == ("pipe",))
 
     @property
     def budget(self) -> float:
@@ -109,6 +121,13 @@ class DryRunReport:
             verdict = "fits" if self.fits else "does NOT fit" if c is not None else "not compiled"
             out.append(f"{verdict}: {_b(self.peak_bytes)} of {_b(hw.hbm_bytes)} HBM (budget {self.headroom:.0%} = "
                        f"{_b(self.budget)})")
+        if self.pipeline:
+            sends = self.pipe_permutes
+            expected = [x for x in self.analytic_traffic if x.kind == "collective-permute" and x.axes == ("pipe",)]
+            out += ["", f"pipeline: {self.pipeline}, bubble {self.bubble:.1%} of the schedule's slots idle; "
+                        f"{sum(op.count for op in sends)} collective-permutes over pipe per step "
+                        f"({_b(sum(op.total_bytes for op in sends))}; analytic "
+                        f"{sum(x.count for x in expected)}, {_b(sum(x.bytes for x in expected))})"]
         if self.collectives:
             out += ["", "collectives (compiled step, per device per step):", format_collectives(list(self.collectives))]
         if self.traffic:
@@ -230,16 +249,22 @@ def _dry_run_here(cfg: Config, devices: int, hw: Hardware, headroom: float) -> D
     from spmd.models import flops_per_step, param_count
     from trainers import diagnose as dg
     from trainers.optim import make_optimizer
-    from trainers.plan import Traffic, comm_estimate, memory_estimate, roofline
+    from trainers.plan import Traffic, comm_estimate, memory_estimate, pipeline_bubble, roofline
     from trainers.schedules import make_schedule
     from trainers.step import lm_loss_fn, make_train_step
 
     sizes, dcn_axes = resolve_mesh(cfg, devices)
     rules = spmd.get_rules(cfg.rules)
-    issues = dg.diagnose(cfg.model, rules, sizes, global_batch=cfg.data.global_batch, grad_accum=cfg.run.grad_accum)
+    issues = dg.diagnose(cfg.model, rules, sizes, global_batch=cfg.data.global_batch, grad_accum=cfg.run.grad_accum,
+                         pipeline=cfg.pipeline)
     flops = flops_per_step(cfg.model, cfg.data.global_batch, cfg.data.seq_len)
+    pipe = sizes.get("pipe", 1)
+    piped = pipe > 1 and cfg.pipeline.enabled
+    p = cfg.pipeline
     common = dict(name=cfg.run.name, devices=devices, mesh=tuple(sizes.items()), dcn_axes=dcn_axes, rules=rules.name,
-                  hardware=hw, headroom=headroom, params=param_count(cfg.model), model_flops=flops)
+                  hardware=hw, headroom=headroom, params=param_count(cfg.model), model_flops=flops,
+                  pipeline=f"{p.schedule} S={pipe} M={p.microbatches} V={p.virtual_stages}" if piped else "",
+                  bubble=pipeline_bubble(cfg, pipe))
     backend = f"{jax.devices()[0].platform} ({devices} {'simulated ' if jax.devices()[0].platform == 'cpu' else ''}devices)"
     if any(i.fatal for i in issues):
         return DryRunReport(**common, analytic=None, compiled=None, state_bytes=0, batch_bytes=0, issues=tuple(issues),
@@ -251,7 +276,7 @@ def _dry_run_here(cfg: Config, devices: int, hw: Hardware, headroom: float) -> D
     sharded = abstract_state(cfg, rules, mesh, tx)
     batch_sharding = spmd.batch_sharding(rules, mesh)
     step = make_train_step(sharded, tx, rules, mesh, batch_sharding, schedule=schedule, grad_accum=cfg.run.grad_accum,
-                           loss_fn=lm_loss_fn(cfg.run.z_loss))
+                           loss_fn=lm_loss_fn(cfg.run.z_loss, cfg.pipeline))
     tokens = jax.ShapeDtypeStruct((cfg.data.global_batch, cfg.data.seq_len), jax.numpy.int32, sharding=batch_sharding)
     batch = {"inputs": tokens, "targets": tokens}
     t0 = time.perf_counter()
@@ -274,7 +299,7 @@ def _dry_run_here(cfg: Config, devices: int, hw: Hardware, headroom: float) -> D
         state_bytes=spmd.tree_bytes_per_device(sharded.abstract),
         batch_bytes=spmd.tree_bytes_per_device(batch), collectives=tuple(ops), traffic=tuple(traffic),
         analytic_traffic=tuple(comm_estimate(cfg, sizes, hw, dcn_axes)),
-        roofline=roofline(cfg, devices, hw, analytic, traffic), issues=tuple(issues), compile_s=compile_s,
+        roofline=roofline(cfg, devices, hw, analytic, traffic, pipe=pipe), issues=tuple(issues), compile_s=compile_s,
         backend=backend)
 
 

@@ -3,18 +3,24 @@
 The planner enumerates layouts, estimates each analytically (no compile, milliseconds each),
 drops those that cannot be built or do not fit, and ranks the rest by estimated step time:
 
-- **candidates**: every factorisation of N over ``data x fsdp x tensor``, with each rule set that
-  uses exactly those axes (``dp``, ``fsdp``, ``tp``, ``dp_tp``, ``fsdp_tp``), remat on and off.
-  A :class:`Layout` is a frozen record; a pipeline axis (``pipe`` with microbatches and a
-  schedule) is one more field and one more loop in :func:`candidates` once ``spmd`` has a pipeline.
-- **pruning**: divisibility (heads, kv_heads, d_ff, vocab by ``tensor``; d_model by ``fsdp``; the
-  microbatch by ``data x fsdp``: :mod:`trainers.diagnose`), and per-device memory above
-  ``headroom x HBM``.
+- **candidates**: every factorisation of N over ``data x pipe x fsdp x tensor``, with each rule set
+  that uses exactly the non-pipe axes (``dp``, ``fsdp``, ``tp``, ``dp_tp``, ``fsdp_tp``), remat on
+  and off. ``pipe`` (every rule set splits the stacked ``layers`` dim over it) takes the divisors of
+  N that also divide ``n_layers``; each pipe size > 1 runs the ``1f1b`` schedule, and ``interleaved``
+  with V=2 where ``n_layers`` splits into ``2 x pipe`` chunks, with M in ``{pipe, 2 pipe, 4 pipe}``
+  microbatches that divide the batch. A :class:`Layout` is a frozen record of all of it.
+- **pruning**: divisibility (heads, kv_heads, d_ff, vocab by ``tensor``; d_model by ``fsdp``;
+  layers by ``pipe``; the microbatch by ``data x fsdp``, each pipeline microbatch too:
+  :mod:`trainers.diagnose`), and per-device memory above ``headroom x HBM``.
 - **memory estimate** (per device): parameters and optimizer state exactly (shard shapes from the
   rule set, optimizer moments from ``jax.eval_shape(tx.init)``); gradients (f32, sharded like
   the parameters, twice with gradient accumulation); activations from a per-layer count of the
   tensors the backward pass keeps (all of them without remat, the block input per layer plus one
-  block's worth with remat) and the f32 logits; FSDP's gathered weights of one layer.
+  block's worth with remat) and the f32 logits; FSDP's gathered weights of one layer. With a pipe
+  axis of S stages each device holds 1/S of the block parameters (the rule set's ``layers -> pipe``);
+  activations: 1F1B / interleaved keep a stash of stage inputs (``x[B/M, L, D]``, as many slots as
+  the schedule table holds at once, about S: :func:`spmd.pipeline.build_tables`) plus one chunk's
+  recompute for one microbatch; GPipe keeps every microbatch's residuals (M, like no pipeline).
 - **time estimate** (roofline; :func:`roofline`): compute = model FLOPs per device (x4/3 with
   remat) / peak; memory = HBM traffic (weights read 3x per step, optimizer read/write, activations
   written and read) / HBM bandwidth; communication = per mesh axis, the ring algorithm's bytes on
@@ -23,7 +29,12 @@ drops those that cannot be built or do not fit, and ranks the rest by estimated 
   max(compute, memory) + communication, an upper bound; ``step_s_overlap`` = max of all three is
   the perfect-overlap lower bound. Real runs land between, usually nearer the lower bound for FSDP
   (XLA prefetches gathers) and nearer the upper one for tensor parallelism (its all-reduces sit on
-  the critical path).
+  the critical path). **Pipeline**: compute is divided by ``1 - bubble`` (the schedule table's
+  ``bubble_fraction``: ``(S-1)/(M+S-1)`` for 1F1B, ``(S-1)/(VM+S-1)`` interleaved) and x4/3 for
+  the 1F1B engines' recompute of each chunk in its backward; the pipe axis carries one
+  ``x[B/M, L, D]`` collective-permute forward and one backward per tick (per tick of the table for
+  1F1B / interleaved, per tick of the forward and the backward scan for GPipe), and interleaved
+  moves ``(S-1)/S`` of the block parameters (and their gradients) to its chunk order each step.
 
 ``--verify`` confirms the chosen layout with a real dry-run compile (:mod:`trainers.dryrun`).
 """
@@ -42,6 +53,8 @@ import jax
 import spmd
 from meshes import AXES
 from spmd.models import flops_per_step, param_count
+from spmd.pipeline import NAMES as PIPELINE_SCHEDULES
+from spmd.pipeline import PipelineConfig, Schedule, build_tables, get_schedule
 from trainers.config import Config, override
 from trainers.diagnose import Issue, diagnose, param_infos, shard_divisors
 from trainers.hardware import Hardware, collective_seconds, get_hardware, networks
@@ -54,17 +67,37 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """One way to run a config: mesh axis sizes (outermost first), rule set, remat."""
+    """One way to run a config: mesh axis sizes (outermost first), rule set, remat, and with a
+    ``pipe`` axis > 1 the pipeline schedule, microbatches M and virtual stages V."""
 
     mesh: tuple[tuple[str, int], ...]
     rules: str
     remat: bool
+    schedule: str = "none"
+    microbatches: int = 1
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         for name, size in self.mesh:
             if name not in AXES or size < 1:
                 raise ValueError(f"Layout mesh entry {name}={size}: axes are {AXES}, sizes >= 1")
         spmd.get_rules(self.rules)
+        self.pipeline  # validates schedule, microbatches and virtual stages
+        if (self.pipe > 1) != (self.schedule != "none"):
+            raise ValueError(f"Layout with pipe={self.pipe} and pipeline schedule {self.schedule!r}: a pipe axis > 1 "
+                             f"needs a schedule ({', '.join(PIPELINE_SCHEDULES)}), and schedule 'none' needs pipe=1")
+
+    @property
+    def pipe(self) -> int:
+        return self.sizes.get("pipe", 1)
+
+    @property
+    def pipeline(self) -> PipelineConfig:
+        return PipelineConfig(self.schedule, self.microbatches, self.virtual_stages)
+
+    def _pipeline_sets(self) -> list[str]:
+        return [f"pipeline.schedule={self.schedule}", f"pipeline.microbatches={self.microbatches}",
+                f"pipeline.virtual_stages={self.virtual_stages}"]
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -75,17 +108,27 @@ class Layout:
         return ",".join(f"{n}={s}" for n, s in self.mesh if s > 1) or "data=1"
 
     def overrides(self) -> list[str]:
-        return [f"mesh.axes={self.mesh_arg}", f"rules={self.rules}", f"model.remat={str(self.remat).lower()}"]
+        return [f"mesh.axes={self.mesh_arg}", f"rules={self.rules}", f"model.remat={str(self.remat).lower()}",
+                *self._pipeline_sets()]
 
     def apply(self, cfg: Config) -> Config:
         """``cfg`` run with this layout."""
         return override(cfg, self.overrides())
 
-    def command(self) -> str:
-        return f"--mesh {self.mesh_arg} --rules {self.rules} --set model.remat={str(self.remat).lower()}"
+    def command(self, base: Config | None = None) -> str:
+        """The ``spmd-train`` flags of this layout (pipeline settings when it pipelines, or when ``base`` does)."""
+        out = f"--mesh {self.mesh_arg} --rules {self.rules} --set model.remat={str(self.remat).lower()}"
+        if self.pipe > 1:
+            out += "".join(f" --set {s}" for s in self._pipeline_sets())
+        elif base is not None and base.pipeline.enabled:
+            out += " --set pipeline.schedule=none --set pipeline.virtual_stages=1"
+        return out
 
     def __str__(self) -> str:
-        return f"{self.mesh_arg} {self.rules}{' remat' if self.remat else ''}"
+        pp = ""
+        if self.pipe > 1:
+            pp = f" {self.schedule} M={self.microbatches}" + (f" V={self.virtual_stages}" if self.virtual_stages > 1 else "")
+        return f"{self.mesh_arg} {self.rules}{pp}{' remat' if self.remat else ''}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,17 +188,46 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
     L, D, F, H, G, K, V = data.seq_len, m.d_model, m.ff, m.n_heads, m.kv_heads, m.k, m.vocab_size
     qkv = (H + 2 * G) * K / t
     per_token_layer = dt * (6 * D + 2 * qkv + H * K / t + 4 * F / t) + 4 * (qkv + 3 * D) + (4 + dt) * H * L / t
-    block = b * L * per_token_layer
-    layers = (m.n_layers * b * L * D * dt + block) if m.remat else m.n_layers * block
     vt = t if any(a == "vocab" for a, _ in rules.activations) else 1
-    logits = 3 * b * L * V / vt * 4 + 2 * b * L * D * 4
+
+    def kept(rows: float, n_layers: int) -> float:  # what the backward keeps of n_layers layers on `rows` rows
+        block = rows * L * per_token_layer
+        return (n_layers * rows * L * D * dt + block) if m.remat else n_layers * block
+
+    def logits(rows: float) -> float:
+        return 3 * rows * L * V / vt * 4 + 2 * rows * L * D * 4
+
+    S, pipe = sizes.get("pipe", 1), cfg.pipeline
+    if S > 1 and pipe.enabled:
+        M, x_in = pipe.microbatches, b / pipe.microbatches * L * D * dt  # one stage input x[B/M, L, D]
+        if pipe.schedule == "gpipe":  # autodiff through the tick scan: every microbatch's residuals
+            layers = M * x_in + kept(b / M, m.n_layers // S) if pipe.remat else kept(b, m.n_layers // S)
+            acts = layers + 2 * M * x_in + logits(b)
+        else:  # stash + gradient slots of the table, one chunk's recompute, dx[M, B/M, L, D], one head
+            _, n_x, n_g = build_tables(pipeline_schedule(cfg, S))
+            acts = (n_x + n_g + 2 + M) * x_in + kept(b / M, m.n_layers // (S * pipe.virtual_stages)) + logits(b / M)
+    else:
+        acts = kept(b, m.n_layers) + logits(b)
     # FSDP/TP: one layer's weights gathered in the compute dtype (two in flight when prefetched)
     gathered = 0
     if sizes.get("fsdp", 1) > 1:
         gathered = 2 * sum(p.size // p.shape[0] * dt // math.prod(shard_divisors(p, rules, sizes, "activations"))
                            for p in infos if p.dims and p.dims[0] == "layers")
     batch = 2 * b * cfg.run.grad_accum * L * 4
-    return MemoryEstimate(local, optimizer, grads, int(layers + logits + gathered), batch)
+    return MemoryEstimate(local, optimizer, grads, int(acts + gathered), batch)
+
+
+def pipeline_schedule(cfg: Config, pipe: int) -> Schedule:
+    """The schedule table ``cfg.pipeline`` runs on a pipe axis of this size."""
+    p = cfg.pipeline
+    return get_schedule(p.schedule, pipe, p.microbatches, p.virtual_stages)
+
+
+def pipeline_bubble(cfg: Config, pipe: int) -> float:
+    """Idle fraction of the pipeline's schedule table (0 without a pipeline or with pipe=1)."""
+    if pipe <= 1 or not cfg.pipeline.enabled:
+        return 0.0
+    return pipeline_schedule(cfg, pipe).bubble_fraction
 
 
 def shard_divisors_for(dims: tuple[str, ...], rules: spmd.Rules, sizes: dict[str, int]) -> list[int]:
@@ -203,18 +275,33 @@ def comm_estimate(cfg: Config, sizes: dict[str, int], hw: Hardware, dcn_axes: tu
     add("reduce-scatter", "fsdp", 1, tp_local * 4, f)  # f32 gradients onto their shards
     add("all-reduce", "data", 1, tp_local // f * 4, d)  # gradients of each shard across replicas
     b = data.global_batch // math.prod(shard_divisors_for(("batch",), rules, sizes))
-    per_layer = (6 if m.remat else 4) * m.n_layers  # attn-out + mlp-out, forward and backward (+ recompute)
+    S, pipe = sizes.get("pipe", 1), cfg.pipeline
+    piped = S > 1 and pipe.enabled
+    recompute = m.remat or (piped and pipe.schedule != "gpipe")  # the 1F1B engines recompute each chunk
+    per_layer = (6 if recompute else 4) * m.n_layers // (S if piped else 1)  # attn-out + mlp-out, fwd + bwd
     add("all-reduce", "tensor", per_layer, b * data.seq_len * m.d_model * dt, t)
+    if piped:
+        schedule = pipeline_schedule(cfg, S)
+        ticks = schedule.n_ticks * (2 if schedule.name != "gpipe" else 1)  # table: one send each way per tick
+        x_in = b // cfg.run.grad_accum // pipe.microbatches * data.seq_len * m.d_model * dt
+        add("collective-permute", "pipe", ticks * cfg.run.grad_accum, x_in, S)
+        if pipe.virtual_stages > 1:  # W[L_pipe] -> chunk order, and the gradients back: (S-1)/S of each
+            stage = sum(p.size // math.prod(shard_divisors(p, rules, sizes)) * p.itemsize
+                        for p in infos if p.dims and p.dims[0] == "layers")
+            add("collective-permute", "pipe", 2, stage * (S - 1) // S, S)
     return out
 
 
-def roofline(cfg: Config, n_devices: int, hw: Hardware, mem: MemoryEstimate, traffic: list[Traffic]) -> Roofline:
-    """Step time and MFU of ``cfg`` from its memory estimate and collectives (see module docstring)."""
-    m = cfg.model
+def roofline(cfg: Config, n_devices: int, hw: Hardware, mem: MemoryEstimate, traffic: list[Traffic], *,
+             pipe: int = 1) -> Roofline:
+    """Step time and MFU of ``cfg`` from its memory estimate and collectives (see module docstring);
+    on a ``pipe`` axis > 1 the compute time is stretched by ``1 / (1 - bubble)`` of the schedule."""
+    m, piped = cfg.model, pipe > 1 and cfg.pipeline.enabled
     model_flops = flops_per_step(m, cfg.data.global_batch, cfg.data.seq_len)
-    executed = model_flops / n_devices * (4 / 3 if m.remat else 1)
+    recompute = (1 if m.remat or (piped and cfg.pipeline.remat) else 0) + (1 if piped and cfg.pipeline.schedule != "gpipe" else 0)
+    executed = model_flops / n_devices * (1 + recompute / 3)
     peak = hw.peak(m.dtype)
-    compute = executed / peak
+    compute = executed / peak / (1 - pipeline_bubble(cfg, pipe))
     weights = 3 * mem.params * _DTYPE_BYTES[m.dtype] / 4
     hbm = weights + mem.params * (3 + 2 * mem.optimizer / max(mem.params, 1)) + 2 * mem.activations
     memory = hbm / hw.hbm_bw
@@ -258,16 +345,20 @@ class Estimate:
 def estimate(cfg: Config, layout: Layout, hardware: str | Hardware, *, headroom: float = 0.9) -> Estimate:
     """The analytic estimate of ``cfg`` run with ``layout`` on ``hardware``."""
     hw = get_hardware(hardware)
-    run = layout.apply(cfg)
     sizes = {a: layout.sizes.get(a, 1) for a in ("data", "pipe", "fsdp", "seq", "expert", "tensor")}
     budget = headroom * hw.hbm_bytes
-    issues = diagnose(run.model, run.rules, sizes, global_batch=run.data.global_batch, grad_accum=run.run.grad_accum)
+    try:
+        run = layout.apply(cfg)
+    except ValueError as e:  # the config's own checks (e.g. a pipeline microbatch that does not split)
+        return Estimate(layout, None, (), None, budget, (Issue("config", "config", None, str(e), "", fatal=True),))
+    issues = diagnose(run.model, run.rules, sizes, global_batch=run.data.global_batch, grad_accum=run.run.grad_accum,
+                      pipeline=run.pipeline)
     if any(i.fatal for i in issues):
         return Estimate(layout, None, (), None, budget, tuple(issues))
     mem = memory_estimate(run, sizes)
     traffic = comm_estimate(run, sizes, hw)
-    return Estimate(layout, mem, tuple(traffic), roofline(run, math.prod(sizes.values()), hw, mem, traffic),
-                    budget, tuple(issues))
+    return Estimate(layout, mem, tuple(traffic), roofline(run, math.prod(sizes.values()), hw, mem, traffic,
+                                                          pipe=sizes["pipe"]), budget, tuple(issues))
 
 
 def _factorisations(n: int, k: int) -> Iterator[tuple[int, ...]]:
@@ -280,18 +371,43 @@ def _factorisations(n: int, k: int) -> Iterator[tuple[int, ...]]:
                 yield (a,) + rest
 
 
-def candidates(devices: int, *, remat: tuple[bool, ...] = (False, True)) -> list[Layout]:
-    """Every (data, fsdp, tensor) factorisation of ``devices`` with each rule set using exactly those axes."""
-    if not isinstance(devices, int) or devices < 1:
-        raise ValueError(f"devices must be a positive integer, got {devices!r}")
+def pipeline_options(pipe: int, n_layers: int, batch: int) -> list[tuple[str, int, int]]:
+    """``(schedule, M, V)`` tried on a pipe axis of this size: 1f1b, and interleaved V=2 where the layers
+    split into ``2 x pipe`` chunks, each with M in ``{pipe, 2 pipe, 4 pipe}`` dividing ``batch``."""
+    if pipe == 1:
+        return [("none", 1, 1)]
     out = []
-    for (d, f, t), (rules, (need, may)), r in itertools.product(_factorisations(devices, 3), RULE_AXES.items(), remat):
-        used = {a for a, s in {"data": d, "fsdp": f, "tensor": t}.items() if s > 1}
-        if devices > 1 and not (set(need) <= used <= set(need) | set(may)):
+    for M in (pipe, 2 * pipe, 4 * pipe):
+        if batch % M:
             continue
-        if devices == 1 and rules != "dp":
+        out.append(("1f1b", M, 1))
+        if n_layers % (2 * pipe) == 0:
+            out.append(("interleaved", M, 2))
+    return out
+
+
+def candidates(devices: int, *, remat: tuple[bool, ...] = (False, True), n_layers: int | None = None,
+               batch: int | None = None) -> list[Layout]:
+    """Every (data, pipe, fsdp, tensor) factorisation of ``devices`` with each rule set using exactly the
+    non-pipe axes; pipe > 1 only with ``n_layers`` (a divisor of it) and ``batch`` (M must divide it)."""
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        raise ValueError(f"devices must be a positive integer, got {devices!r}")
+    for name, value in (("n_layers", n_layers), ("batch", batch)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+    out = []
+    for d, p, f, t in _factorisations(devices, 4):
+        if p > 1 and (n_layers is None or batch is None or n_layers % p):
             continue
-        out.append(Layout((("data", d), ("fsdp", f), ("tensor", t)), rules, r))
+        rest = devices // p
+        used = {a for a, size in {"data": d, "fsdp": f, "tensor": t}.items() if size > 1}
+        for (rules, (need, may)), r in itertools.product(RULE_AXES.items(), remat):
+            if rest > 1 and not (set(need) <= used <= set(need) | set(may)):
+                continue
+            if rest == 1 and rules != "dp":
+                continue
+            for schedule, M, V in pipeline_options(p, n_layers or 1, batch or 1):
+                out.append(Layout((("data", d), ("pipe", p), ("fsdp", f), ("tensor", t)), rules, r, schedule, M, V))
     return out
 
 
@@ -313,14 +429,14 @@ class Plan:
         hw = self.hardware
         lines = [f"{len(self.ranked)} of {len(self.ranked) + len(self.rejected)} layouts of {self.devices} devices fit "
                  f"{hw.name} ({_gib(hw.hbm_bytes)} HBM, budget {_gib(self.ranked[0].budget if self.ranked else 0)})", "",
-                 f"{'#':>2}  {'layout':<32}{'mem/device':>12}{'fits':>6}{'step':>11}{'overlap':>10}{'MFU':>7}  dominant cost"]
+                 f"{'#':>2}  {'layout':<40}{'mem/device':>12}{'fits':>6}{'step':>11}{'overlap':>10}{'MFU':>7}  dominant cost"]
         for i, e in enumerate(self.ranked[:top], 1):
             r = e.roofline
-            lines.append(f"{i:>2}  {str(e.layout):<32}{_gib(e.memory.total):>12}{'yes':>6}{_ms(r.step_s):>11}"
+            lines.append(f"{i:>2}  {str(e.layout):<40}{_gib(e.memory.total):>12}{'yes':>6}{_ms(r.step_s):>11}"
                          f"{_ms(r.step_s_overlap):>10}{r.mfu:>7.1%}  {r.dominant}")
         shown = [e for e in self.rejected if e.memory is not None][:3] + [e for e in self.rejected if e.memory is None][:3]
         if shown:
-            lines += ["", "rejected (examples):"] + [f"    {str(e.layout):<32}{e.reason}" for e in shown]
+            lines += ["", "rejected (examples):"] + [f"    {str(e.layout):<40}{e.reason}" for e in shown]
         if self.ranked:
             lines += ["", f"chosen: {self.best.layout.command()}"]
         return "\n".join(lines)
@@ -331,7 +447,8 @@ def plan(cfg: Config, devices: int, hardware: str | Hardware, *, headroom: float
     hw = get_hardware(hardware)
     if not 0 < headroom <= 1:
         raise ValueError(f"headroom must be in (0, 1], got {headroom!r}")
-    estimates = [estimate(cfg, layout, hw, headroom=headroom) for layout in candidates(devices)]
+    layouts = candidates(devices, n_layers=cfg.model.n_layers, batch=cfg.data.global_batch // cfg.run.grad_accum)
+    estimates = [estimate(cfg, layout, hw, headroom=headroom) for layout in layouts]
     ranked = sorted((e for e in estimates if e.fits), key=lambda e: (e.roofline.step_s, e.memory.total))
     rejected = sorted((e for e in estimates if not e.fits), key=lambda e: e.memory.total if e.memory else math.inf)
     return Plan(devices, hw, tuple(ranked), tuple(rejected))
@@ -368,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"spmd-plan: error: {e}", file=sys.stderr)
         return 2
-    print(f"spmd-train {args.recipe}{' --tiny' if args.tiny else ''} {best.layout.command()}"
+    print(f"spmd-train {args.recipe}{' --tiny' if args.tiny else ''} {best.layout.command(cfg)}"
           + "".join(f" --set {s}" for s in args.overrides))
     if args.verify:
         from trainers.dryrun import dry_run

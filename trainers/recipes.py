@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Callable
 
 from spmd.models import GPTConfig
+from spmd.pipeline import PipelineConfig
 from trainers.checkpoint import CheckpointConfig
 from trainers.config import Config, MeshConfig, RunConfig
 from trainers.data import DataConfig
@@ -46,6 +47,22 @@ def gpt_small(tiny: bool = False) -> Config:
     return _tiny(cfg) if tiny else cfg
 
 
+def gpt_small_pp(tiny: bool = False) -> Config:
+    """``gpt-small`` (same model and data) pipelined: the 4 blocks as 4 stages over ``pipe=4``, the
+    batch over ``data=2``, 1F1B with 8 microbatches (bubble 3/11 of the schedule's slots). The tiny
+    variant keeps 4 layers (one per stage) and 16 rows (one per device per microbatch)."""
+    cfg = dataclasses.replace(gpt_small(), mesh=MeshConfig(axes="data=2,pipe=4"), rules="dp",
+                              pipeline=PipelineConfig("1f1b", microbatches=8),
+                              run=dataclasses.replace(gpt_small().run, name="gpt-small-pp"))
+    if not tiny:
+        return cfg
+    cfg = dataclasses.replace(cfg, pipeline=PipelineConfig())  # shrink unpipelined, then pipeline again
+    cfg = _tiny(cfg)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=4),
+                               data=dataclasses.replace(cfg.data, global_batch=16),
+                               pipeline=PipelineConfig("1f1b", microbatches=8))
+
+
 def _gpu_gpt(name: str, d_model: int, n_layers: int, n_heads: int, tiny: bool) -> Config:
     cfg = Config(
         model=GPTConfig(vocab_size=256, d_model=d_model, n_layers=n_layers, n_heads=n_heads, dtype="bfloat16", remat=True),
@@ -70,7 +87,8 @@ def gpt_350m(tiny: bool = False) -> Config:
     return _gpu_gpt("gpt-350m", 1024, 24, 16, tiny)
 
 
-RECIPES: dict[str, Callable[..., Config]] = {"gpt-small": gpt_small, "gpt-125m": gpt_125m, "gpt-350m": gpt_350m}
+RECIPES: dict[str, Callable[..., Config]] = {"gpt-small": gpt_small, "gpt-small-pp": gpt_small_pp, "gpt-125m": gpt_125m,
+                                             "gpt-350m": gpt_350m}
 
 
 def recipe(name: str, *, tiny: bool = False) -> Config:
