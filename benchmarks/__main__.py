@@ -1,24 +1,57 @@
-"""``python -m benchmarks [--real-devices] [options]``: run every benchmark in this package.
+"""``python -m benchmarks [--quick] [--real-devices] [--output PATH] [--only NAME ...]``: run every benchmark.
 
-Options go to each benchmark's ``main``. Devices are configured once, before the first
-benchmark starts the jax backend, so every benchmark here sees the same devices.
+Devices are configured once, before the first benchmark starts the jax backend, so every
+benchmark here sees the same devices (``benchmarks.scaling`` runs its device counts in
+subprocesses). Each benchmark replaces its own section of the results file; the run's wall time
+per benchmark and in all is printed at the end.
 """
 
 from __future__ import annotations
 
 import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
 
-from benchmarks import overhead
+from benchmarks import checkpoint, comms, common, gpu, memory, mfu, overhead, pipeline, scaling
 
-BENCHMARKS = {"overhead": overhead.main}
+BENCHMARKS: dict[str, Callable[..., int]] = {
+    "overhead": overhead.main,
+    "comms": comms.main,
+    "memory": memory.main,
+    "pipeline": pipeline.main,
+    "mfu": mfu.main,
+    "checkpoint": checkpoint.main,
+    "scaling": scaling.main,
+    "gpu": gpu.main,
+}
+assert tuple(BENCHMARKS) == common.ORDER
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    status = 0
-    for name, run in BENCHMARKS.items():
+def main(argv: Sequence[str] | None = None) -> int:
+    p = common.parser(__doc__.splitlines()[0])
+    p.add_argument("--only", nargs="+", default=list(BENCHMARKS), metavar="NAME",
+                   help=f"benchmarks to run (default all): {', '.join(BENCHMARKS)}")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    unknown = [name for name in args.only if name not in BENCHMARKS]
+    if unknown:
+        raise ValueError(f"unknown benchmark(s) {unknown}; valid: {', '.join(BENCHMARKS)}")
+    forward = (["--quick"] if args.quick else []) + (["--real-devices"] if args.real_devices else []) + (
+        ["--output", args.output] if args.output != str(common.RESULTS) else [])
+    common.setup_devices(args.real_devices)
+    status, walls, start = 0, {}, time.perf_counter()
+    for name in args.only:
         print(f"== {name} ==", flush=True)
-        status |= run(argv, command="python -m benchmarks")
+        t0 = time.perf_counter()
+        try:
+            status |= BENCHMARKS[name](forward, command="python -m benchmarks")
+        except Exception:  # one broken benchmark must not hide the others' results
+            traceback.print_exc()
+            print(f"{name}: FAILED (its section of the results file is left as it was)", flush=True)
+            status = 1
+        walls[name] = time.perf_counter() - t0
+    print("\nwall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in walls.items())
+          + f"; total {time.perf_counter() - start:.0f} s")
     return status
 
 

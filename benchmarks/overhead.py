@@ -29,18 +29,16 @@ Devices: by default the run simulates 8 CPU devices (set before the backend star
 tests do). ``--real-devices`` uses whatever devices jax finds (GPU, TPU); a layout needing more
 devices than exist is skipped and reported as such.
 
-    python -m benchmarks.overhead [--real-devices] [--rounds 5] [--steps 10] [--output PATH]
+    python -m benchmarks.overhead [--quick] [--real-devices] [--rounds 5] [--steps 10] [--output PATH]
+
+``--quick`` uses the recipe's tiny variant and 2 rounds x 2 steps (a smoke test, not a measurement).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import math
-import os
-import platform
-import re
 import statistics
 import sys
 import time
@@ -50,18 +48,16 @@ from typing import Any
 
 import jax
 import numpy as np
-import optax
 from flax import nnx
 
 import meshes
 import spmd
-from spmd.models import GPT, lm_loss
+from benchmarks import common
+from benchmarks.common import RESULTS, minimal_step, setup_devices
+from spmd.models import GPT
 from trainers import Config, create_state, make_optimizer, make_schedule, make_train_step, recipe
 
 GOAL = 1.03
-SIMULATED_DEVICES = 8
-RESULTS = Path(__file__).resolve().with_name("RESULTS.md")
-_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +70,7 @@ class Settings:
     warmup: int = 2
     real_devices: bool = False
     output: Path | None = RESULTS
+    quick: bool = False
 
     def __post_init__(self) -> None:
         for name, low in (("rounds", 1), ("steps", 1), ("warmup", 0)):
@@ -102,42 +99,6 @@ class Row:
     @property
     def met(self) -> bool:
         return self.ratio <= GOAL
-
-
-def setup_devices(real_devices: bool) -> None:
-    """Simulate CPU devices unless real ones are requested; must run before the backend starts.
-
-    An ``XLA_FLAGS`` device count already set by the caller is kept; otherwise 8.
-    """
-    if real_devices:
-        return
-    found = _COUNT_FLAG.search(os.environ.get("XLA_FLAGS", ""))
-    meshes.simulate_cpu_devices(int(found.group(1)) if found else SIMULATED_DEVICES)
-
-
-def minimal_step(sharded: Any, tx: optax.GradientTransformation, rules: spmd.Rules, mesh: jax.sharding.Mesh,
-                 batch_sharding: jax.sharding.NamedSharding) -> Callable:
-    """``step((params, opt_state), batch) -> ((params, opt_state), loss)``: the least a step can do."""
-    graphdef = sharded.graphdef
-    state_shardings = (sharded.shardings["params"], sharded.shardings["opt_state"])
-
-    def loss_of(params, batch):
-        logits_BLV = nnx.merge(graphdef, params)(batch["inputs"])
-        return lm_loss(logits_BLV, batch["targets"])[0]
-
-    def step(state, batch):
-        params, opt_state = state
-        with spmd.use_rules(rules, mesh):
-            loss, grads = jax.value_and_grad(loss_of)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), loss
-
-    return jax.jit(
-        step,
-        in_shardings=(state_shardings, {"inputs": batch_sharding, "targets": batch_sharding}),
-        out_shardings=(state_shardings, spmd.replicated(mesh)),
-        donate_argnums=(0,),
-    )
 
 
 def make_batch(cfg: Config, sharding: jax.sharding.NamedSharding, seed: int = 0) -> dict[str, jax.Array]:
@@ -183,16 +144,17 @@ def measure(what: str, cfg: Config, mesh: jax.sharding.Mesh, rules_name: str, se
     trainer_state, _ = _time_round(trainer, trainer_state, batch, 1 + settings.warmup)
     minimal_state, _ = _time_round(minimal, minimal_state, batch, 1 + settings.warmup)
 
-    trainer_times, minimal_times = [], []
-    for r in range(settings.rounds):
-        order = ("trainer", "minimal") if r % 2 == 0 else ("minimal", "trainer")
-        for name in order:
-            if name == "trainer":
-                trainer_state, t = _time_round(trainer, trainer_state, batch, settings.steps)
-                trainer_times.append(t)
-            else:
-                minimal_state, t = _time_round(minimal, minimal_state, batch, settings.steps)
-                minimal_times.append(t)
+    holder = {"trainer": trainer_state, "minimal": minimal_state}
+
+    def timer(name: str, step: Callable) -> Callable[[], float]:
+        def one_round() -> float:
+            holder[name], t = _time_round(step, holder[name], batch, settings.steps)
+            return t
+        return one_round
+
+    times = common.interleaved(settings.rounds, {"trainer": timer("trainer", trainer), "minimal": timer("minimal", minimal)})
+    trainer_times, minimal_times = times["trainer"], times["minimal"]
+    trainer_state, minimal_state = holder["trainer"], holder["minimal"]
     ratios = tuple(a / b for a, b in zip(trainer_times, minimal_times))
     # Both took the same steps from the same state on the same batch: the params must agree, or
     # the baseline is not the same computation.
@@ -229,88 +191,25 @@ def layouts(cfg: Config) -> list[tuple[str, Callable[[], jax.sharding.Mesh] | No
     return out
 
 
-def machine() -> dict[str, str]:
-    """CPU model, cores, load, jax devices and versions of this machine."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    except OSError:
-        pass
-    devices = jax.devices()
-    kinds = sorted({d.device_kind for d in devices})
-    return {
-        "CPU": cpu,
-        "cores": f"{os.cpu_count()} ({len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else '?'} usable)",
-        "load average at start (1, 5, 15 min)": _load(),
-        "devices": f"{len(devices)} x {devices[0].platform} ({', '.join(kinds)})",
-        "jax": f"{jax.__version__} (jaxlib {jax.lib.__version__})" if hasattr(jax, "lib") else jax.__version__,
-        "python": platform.python_version(),
-    }
-
-
-def _load() -> str:
-    return ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "unknown"
-
-
-def table(rows: Sequence[Row], skipped: Sequence[tuple[str, str]]) -> str:
-    """Markdown table of the rows (times in ms per step)."""
-    lines = [
-        "| what | trainer ms/step | minimal ms/step (baseline) | ratio | per-round ratios | goal <= 1.03 "
-        "| XLA flops ratio | XLA bytes ratio | max param diff |",
-        "|---|---:|---:|---:|---|---|---:|---:|---:|",
-    ]
+def rows_of(rows: Sequence[Row], skipped: Sequence[tuple[str, str]]) -> list[common.Row]:
+    """The common results rows: trainer vs minimal per layout, the noise and XLA's cost model in the note."""
+    out = []
     for row in rows:
-        spread = f"{min(row.round_ratios):.3f}-{max(row.round_ratios):.3f}"
-        lines.append(f"| {row.what} | {row.trainer_s * 1e3:.2f} | {row.minimal_s * 1e3:.2f} | {row.ratio:.3f} "
-                     f"| {spread} | {'met' if row.met else 'NOT met'} | {row.flops_ratio:.3f} | {row.bytes_ratio:.3f} "
-                     f"| {row.max_param_diff:.1e} |")
+        out.append(common.Row(
+            row.what, f"{row.trainer_s * 1e3:.2f} ms/step (trainer)", f"{row.minimal_s * 1e3:.2f} ms/step (minimal jit)",
+            row.ratio, f"<= {GOAL}", row.met,
+            f"per-round ratios {min(row.round_ratios):.3f}-{max(row.round_ratios):.3f}; XLA flops ratio "
+            f"{row.flops_ratio:.3f}, bytes ratio {row.bytes_ratio:.3f}; max param diff {row.max_param_diff:.1e}"))
     for what, reason in skipped:
-        lines.append(f"| {what} | - | - | - | - | skipped: {reason} | - | - | - |")
-    return "\n".join(lines)
-
-
-def write_results(path: Path, rows: Sequence[Row], skipped: Sequence[tuple[str, str]], settings: Settings,
-                  cfg: Config, command: str, info: dict[str, str]) -> None:
-    """``RESULTS.md``: machine (``info``), settings, the table."""
-    end = _load()
-    info = {k: v for key, value in info.items()
-            for k, v in [(key, value)] + ([("load average at end", end)] if key.startswith("load average") else [])}
-    model = cfg.model
-    text = [
-        "# Benchmark results",
-        "",
-        "Written by `python -m benchmarks` (do not edit by hand; re-run to update).",
-        "",
-        "## Trainer overhead: `make_train_step` vs a minimal `jax.jit` step",
-        "",
-        f"Run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} with `{command}`.",
-        "",
-        *[f"- {key}: {value}" for key, value in info.items()],
-        f"- recipe {settings.recipe}: GPT d_model={model.d_model}, n_layers={model.n_layers}, n_heads={model.n_heads}, "
-        f"d_ff={model.d_ff}, vocab={model.vocab_size}, {model.dtype}; {cfg.optimizer.name}, clip {cfg.optimizer.clip_norm}, "
-        f"{cfg.schedule.kind} schedule; batch {cfg.data.global_batch} x {cfg.data.seq_len} tokens",
-        f"- timing: {settings.rounds} interleaved rounds x {settings.steps} steps each, after compile + "
-        f"{settings.warmup} warm-up steps; median per-step time",
-        "",
-        table(rows, skipped),
-        "",
-        "minimal = `jax.jit(value_and_grad(loss) -> tx.update -> optax.apply_updates)` with the trainer's "
-        "shardings and donation, returning only the loss. ratio = trainer / minimal (medians); per-round "
-        "ratios show the timing noise. XLA flops/bytes ratios: trainer / minimal from the compiled steps' "
-        "`cost_analysis()` (per device), independent of machine load. max param diff: largest |trainer - minimal| "
-        "parameter after both ran the same steps (shows the baseline computes the same thing).",
-        "",
-    ]
-    path.write_text("\n".join(text))
+        out.append(common.Row(what, "-", "-", math.nan, f"<= {GOAL}", None, f"skipped: {reason}"))
+    return out
 
 
 def run(settings: Settings, command: str = "python -m benchmarks.overhead") -> list[Row]:
     """Measure every layout; print the table; write ``settings.output`` unless it is None."""
     setup_devices(settings.real_devices)
-    cfg = recipe(settings.recipe)
-    info = machine()
+    started = common.load()
+    cfg = recipe(settings.recipe, tiny=settings.quick)
     rows: list[Row] = []
     skipped: list[tuple[str, str]] = []
     for what, make_mesh, rules_name, reason in layouts(cfg):
@@ -323,32 +222,43 @@ def run(settings: Settings, command: str = "python -m benchmarks.overhead") -> l
         rows.append(row)
         print(f"{what}: trainer {row.trainer_s * 1e3:.2f} ms, minimal {row.minimal_s * 1e3:.2f} ms, "
               f"ratio {row.ratio:.3f} ({time.perf_counter() - start:.0f} s)", flush=True)
-    print()
-    print(table(rows, skipped))
-    met = all(row.met for row in rows)
-    print(f"\ngoal trainer/minimal <= {GOAL}: {'met' if met else 'NOT met'} "
-          f"({', '.join(f'{row.ratio:.3f}' for row in rows)})")
-    if settings.output is not None:
-        write_results(settings.output, rows, skipped, settings, cfg, command, info)
-        print(f"wrote {settings.output}")
+    model = cfg.model
+    before = [
+        f"- recipe {settings.recipe}: GPT d_model={model.d_model}, n_layers={model.n_layers}, n_heads={model.n_heads}, "
+        f"d_ff={model.d_ff}, vocab={model.vocab_size}, {model.dtype}; {cfg.optimizer.name}, clip {cfg.optimizer.clip_norm}, "
+        f"{cfg.schedule.kind} schedule; batch {cfg.data.global_batch} x {cfg.data.seq_len} tokens",
+        f"- timing: {settings.rounds} interleaved rounds x {settings.steps} steps each, after compile + "
+        f"{settings.warmup} warm-up steps; median per-step time",
+    ]
+    after = [
+        "minimal = `jax.jit(value_and_grad(loss) -> tx.update -> optax.apply_updates)` with the trainer's "
+        "shardings and donation, returning only the loss. ratio = trainer / minimal (medians); per-round "
+        "ratios show the timing noise. XLA flops/bytes ratios: trainer / minimal from the compiled steps' "
+        "`cost_analysis()` (per device), independent of machine load. max param diff: largest |trainer - minimal| "
+        "parameter after both ran the same steps (shows the baseline computes the same thing).",
+    ]
+    options = common.Options(quick=settings.quick, real_devices=settings.real_devices, output=settings.output)
+    common.report("overhead", "Trainer overhead: `make_train_step` vs a minimal `jax.jit` step", rows_of(rows, skipped),
+                  options, command, before=before, after=after, started_load=started)
     return rows
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--real-devices", action="store_true", help="use the devices jax finds instead of 8 simulated CPUs")
+    p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--recipe", default="gpt-small", help="recipe whose model, optimizer and mesh to use")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
-    p.add_argument("--steps", type=int, default=10, help="steps per round")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
-    p.add_argument("--output", default=str(RESULTS), help="results file ('' = do not write)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 5; quick 2)")
+    p.add_argument("--steps", type=int, default=None, help="steps per round (default 10; quick 2)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps after compiling (default 2; quick 1)")
     return p
 
 
 def main(argv: Sequence[str] | None = None, command: str = "python -m benchmarks.overhead") -> int:
     args = parser().parse_args(argv)
-    settings = Settings(recipe=args.recipe, rounds=args.rounds, steps=args.steps, warmup=args.warmup,
-                        real_devices=args.real_devices, output=Path(args.output) if args.output else None)
+    quick = {"rounds": 2, "steps": 2, "warmup": 1} if args.quick else {}
+    chosen = {k: getattr(args, k) for k in ("rounds", "steps", "warmup") if getattr(args, k) is not None}
+    opts = common.options(args)
+    settings = Settings(recipe=args.recipe, real_devices=opts.real_devices, output=opts.output, quick=opts.quick,
+                        **{**quick, **chosen})
     run(settings, command=" ".join([command, *(argv if argv is not None else sys.argv[1:])]))
     return 0
 

@@ -1,0 +1,178 @@
+"""Pipeline parallelism: useful-work fraction of each schedule vs theory, step time vs microbatches.
+
+Runs only if ``spmd.pipeline`` exists (otherwise the section says "pipeline: not available").
+
+1. **Schedules** (tables, no devices): for S stages and M microbatches the useful fraction of
+   (tick, stage) slots, ``1 - bubble_fraction``, against the textbook value
+   ``1 - (S-1)/(V*M + S-1)`` (GPipe and 1F1B: V=1; interleaved: V virtual stages per device).
+   The note gives the most microbatch inputs a stage holds at once (GPipe: M; 1F1B: <= S).
+2. **Steps**: the GPT train step with its block stack pipelined over ``pipe`` = S devices
+   (``GPT.loss(..., pipeline=PipelineConfig(...))``), compiled and timed for several M at the same
+   global batch. Ideal time scales as ``(V*M + S-1) / (V*M)`` (ticks x work per tick); the ratio
+   column is the measured time at M over the time at the smallest M, against that ideal. On
+   simulated CPU devices all stages share the host's cores, so an idle stage frees cores for
+   the busy ones and the bubble barely shows in time: the rows are reported, not judged there.
+3. **Comms** (also shown by ``benchmarks.comms``): collective-permute bytes over ``pipe`` per
+   step against the minimum ``2 M`` activations ``[B/M, L, D]`` per device (each microbatch's
+   activation sent forward once and its gradient backward once).
+
+    python -m benchmarks.pipeline [--quick] [--output PATH]
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+import meshes
+import spmd
+from benchmarks import common
+from benchmarks.common import Row, fmt_bytes
+
+STAGES = 4
+
+
+def available() -> bool:
+    return importlib.util.find_spec("spmd.pipeline") is not None
+
+
+def schedule_rows(S: int, Ms: Sequence[int]) -> list[Row]:
+    from spmd.pipeline import get_schedule
+
+    rows = []
+    for name, V in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
+        for M in Ms:
+            sched = get_schedule(name, S, M, V)
+            useful = 1 - sched.bubble_fraction
+            theory = 1 - (S - 1) / (V * M + S - 1)
+            rows.append(Row(f"schedule {name} S={S} M={M}" + (f" V={V}" if V > 1 else ""), f"{useful:.4f}",
+                            f"{theory:.4f} = 1 - (S-1)/({'V*' if V > 1 else ''}M+S-1)", useful / theory, "1.00",
+                            abs(useful / theory - 1) < 1e-9,
+                            f"{sched.n_ticks} ticks; max in-flight microbatches per stage {sched.max_in_flight}"))
+    return rows
+
+
+def pipeline_setup(name: str, M: int, quick: bool) -> common.GPTSetup:
+    """The compiled GPT step with its stack pipelined over ``pipe`` = STAGES devices."""
+    import dataclasses
+
+    from spmd.pipeline import PipelineConfig
+
+    cfg, batch, length = common.gpt_config(quick=True)  # small blocks: the schedule, not the matmuls, is measured
+    V = 2 if name == "interleaved" else 1
+    cfg = dataclasses.replace(cfg, n_layers=STAGES * V * (1 if quick else 2))
+    mesh = meshes.make_mesh({"pipe": STAGES}, devices=jax.devices()[:STAGES])
+    batch = 4 * STAGES  # the same global batch for every M (M <= 4 S: at least one row per microbatch)
+    return common.gpt_setup(cfg, mesh, "dp", batch, length,
+                            pipeline=PipelineConfig(name, microbatches=M, virtual_stages=V))
+
+
+def comms_row(name: str, M: int, setup: common.GPTSetup) -> Row:
+    ops = [o for o in spmd.hlo.collectives(setup.compiled, setup.mesh) if o.kind == "collective-permute"]
+    cfg, (batch, length) = setup.cfg, setup.batch["inputs"].shape
+    act = (batch // M) * length * cfg.d_model * np.dtype(cfg.compute_dtype).itemsize
+    measured = sum(o.total_bytes for o in ops)
+    theory = 2 * M * act
+    acts = [o for o in ops if o.bytes == act]
+    rest = [o for o in ops if o.bytes != act]
+    note = (f"{sum(o.count for o in acts)} permutes of one activation {fmt_bytes(act)}: the engine sends one forward "
+            "and one gradient backward every tick, zeros when idle (bubble ticks and the last/first stage's sends "
+            "move bytes too)")
+    if rest:
+        note += (f"; +{fmt_bytes(sum(o.total_bytes for o in rest))} in {sum(o.count for o in rest)} other permutes "
+                 f"({', '.join(fmt_bytes(b) for b in sorted({o.bytes for o in rest}))}) from "
+                 f"{', '.join(sorted({'/'.join(o.op_name.split('/')[-2:]) for o in rest}))[:200]}"
+                 + (": the interleaved engine regroups the stack's layer chunks round-robin over pipe"
+                    if name == "interleaved" else ""))
+    return Row(f"pp{STAGES} {name} M={M}: collective-permute over pipe", fmt_bytes(measured),
+               f"{fmt_bytes(theory)} = 2 x M x [B/M,L,D]", measured / theory, "1.00", measured <= theory * 1.01, note)
+
+
+def comms_rows() -> tuple[list[Row], str]:
+    """The pipeline rows of ``benchmarks.comms`` (1F1B, M = 2S, quick-sized model)."""
+    if len(jax.devices()) < STAGES:
+        return [], f"pipeline: skipped (needs {STAGES} devices)"
+    try:
+        M = 2 * STAGES
+        return [comms_row("1f1b", M, pipeline_setup("1f1b", M, quick=True))], "pipeline: 1f1b rows above"
+    except Exception as exc:  # the engine is young: report, do not hide the other rows
+        return [], f"pipeline: available but failed: {type(exc).__name__}: {str(exc)[:300]}"
+
+
+def step_rows(quick: bool) -> list[Row]:
+    cases = [("1f1b", STAGES)] if quick else [(n, m) for n in ("gpipe", "1f1b") for m in (STAGES, 2 * STAGES)] + [
+        ("interleaved", STAGES)]
+    rounds, steps = (1, 2) if quick else (3, 4)
+    setups = {case: pipeline_setup(*case, quick) for case in cases}
+    states = {case: s.state for case, s in setups.items()}
+
+    def round_of(case):
+        def fn() -> float:
+            s = setups[case]
+            state = states[case]
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                state, _ = s.step(state, s.batch)
+            jax.block_until_ready(state)
+            states[case] = state
+            return (time.perf_counter() - t0) / steps
+        return fn
+
+    for case in cases:  # warm up
+        round_of(case)()
+    times = common.interleaved(rounds, {f"{n}/{m}": round_of((n, m)) for n, m in cases})
+    rows = []
+    for name in dict.fromkeys(n for n, _ in cases):
+        ms = [m for n, m in cases if n == name]
+        V = 2 if name == "interleaved" else 1
+        base_m = ms[0]
+        base = statistics.median(times[f"{name}/{base_m}"])
+        for m in ms:
+            t = statistics.median(times[f"{name}/{m}"])
+            ideal = ((V * m + STAGES - 1) / (V * m)) / ((V * base_m + STAGES - 1) / (V * base_m))
+            rows.append(Row(f"pp{STAGES} {name} M={m}: step time", f"{t * 1e3:.1f} ms",
+                            f"{base * 1e3:.1f} ms at M={base_m} x ideal {ideal:.3f}", (t / base) / ideal, "1.00",
+                            None, "simulated CPU devices share cores: reported, not judged"))
+        rows.append(comms_row(name, ms[-1], setups[(name, ms[-1])]))
+    return rows
+
+
+def run(options: common.Options, command: str = "python -m benchmarks.pipeline") -> list[Row]:
+    common.setup_devices(options.real_devices)
+    started = common.load()
+    if not available():
+        line = "pipeline: not available (no spmd.pipeline module)"
+        common.report("pipeline", "Pipeline schedules", [], options, command, after=[line], started_load=started)
+        return []
+    rows = schedule_rows(STAGES, (STAGES, 2 * STAGES) if options.quick else (STAGES, 2 * STAGES, 4 * STAGES))
+    after = []
+    if len(jax.devices()) < STAGES:
+        after.append(f"steps: skipped (need {STAGES} devices, {len(jax.devices())} present)")
+    else:
+        try:
+            rows += step_rows(options.quick)
+        except Exception as exc:  # report the engine's failure next to the schedule rows
+            after.append(f"steps: failed: {type(exc).__name__}: {str(exc)[:300]}")
+    cfg, batch, length = common.gpt_config(quick=True)
+    before = [f"- S = {STAGES} stages over the pipe axis; steps: GPT d_model={cfg.d_model}, {STAGES} x V layers "
+              f"(x2 in full mode), batch {4 * STAGES} x {length}, AdamW, dp rules + layers over pipe; "
+              "M microbatches at the same global batch"]
+    common.report("pipeline", "Pipeline schedules: useful work vs theory, step time vs M", rows, options, command,
+                  before=before, after=after, started_load=started)
+    return rows
+
+
+def main(argv: Sequence[str] | None = None, command: str = "python -m benchmarks.pipeline") -> int:
+    args = common.parser(__doc__.splitlines()[0]).parse_args(argv)
+    run(common.options(args), command=" ".join([command, *(argv if argv is not None else sys.argv[1:])]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
