@@ -14,6 +14,7 @@ import meshes
 import spmd
 from spmd.models import GPT, GPTConfig
 from spmd.pipeline import PipelineConfig, get_schedule
+from spmd.pipeline.engine import manual_batch_axes
 
 TOL = 1e-5
 CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=8, n_heads=2, d_ff=64)  # 8 layers: S*V in {2, 4, 8} divide
@@ -126,6 +127,34 @@ def test_collective_permutes_are_one_activation_each_way_per_tick():
     # nothing else crosses pipe but the stage-gradient/head-gradient reductions (no per-tick traffic)
     others = [x for x in spmd.hlo.collectives(c.compiled, c.mesh) if x.kind != "collective-permute"]
     assert all(x.count == 1 for x in others), spmd.format_collectives(others)
+
+
+def test_data_parallel_gradient_is_reduced_once_per_step():
+    """data=2 x pipe=2, 1F1B: each device accumulates its partial gradients over every tick, and the
+    gradient all-reduce over ``data`` runs once per step (not once per tick), with the same numbers."""
+    S, M = 2, 4
+    c = case((("data", 2), ("pipe", 2)), "dp", "1f1b", M, 1)
+    ops = spmd.hlo.collectives(c.compiled, c.mesh)
+    over_data = [x for x in ops if "data" in x.axes]
+    assert over_data and all(x.kind == "all-reduce" for x in over_data), spmd.format_collectives(ops)
+    assert sum(x.count for x in over_data) == 1, spmd.format_collectives(ops)
+    # control: the trip counts are read (the per-tick permutes count once per tick), so a reduction
+    # inside the schedule's loop would have shown up with count == ticks above
+    ticks = get_schedule("1f1b", S, M).n_ticks
+    permutes = [x for x in ops if x.kind == "collective-permute"]
+    assert permutes and all(x.count == ticks > 1 and x.trip_count_known for x in permutes)
+    assert_matches_reference(*c())
+
+
+def test_manual_batch_axes():
+    mesh = mesh_of({"data": 2, "pipe": 2, "fsdp": 2})
+    assert manual_batch_axes(mesh, spmd.get_rules("dp"), 4) == ("data",)
+    # fsdp also shards parameters (embed), so it stays automatic inside the stage
+    assert manual_batch_axes(mesh, spmd.get_rules("fsdp"), 4) == ("data",)
+    # rows that do not split over data, no batch rule, no rule set: nothing manual but pipe
+    assert manual_batch_axes(mesh, spmd.get_rules("dp"), 3) == ()
+    assert manual_batch_axes(mesh, spmd.get_rules("tp"), 4) == ()
+    assert manual_batch_axes(mesh, None, 4) == ()
 
 
 MEM_CFG = GPTConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=4, d_ff=256)

@@ -6,8 +6,14 @@ chunks of ``L/C`` consecutive layers; chunk ``c`` runs on device ``c % S`` as it
 ``v = c // S``. The embedding runs before (GSPMD) and gives ``x[M, B/M, L, D]``; the head and
 loss (``head_fn``) run on the device holding the last chunk.
 
-Only ``pipe`` is manual inside the ``shard_map`` (``axis_names={"pipe"}``); ``data``/``fsdp``/
-``tensor`` stay automatic, so the blocks keep their rule-set layout (DP, FSDP, TP) inside a stage.
+Inside the ``shard_map`` ``pipe`` is manual, and so are the batch axes (:func:`manual_batch_axes`:
+the axes the active rule set splits ``batch`` over that shard no parameter, usually ``data``);
+``fsdp``/``tensor`` stay automatic, so the blocks keep their rule-set layout (FSDP, TP) inside a
+stage, and the model's constraints are re-targeted with the manual batch axes removed. A manual
+batch axis makes each device's gradients local partial sums, ``G[..]{U_data}``, that accumulate
+over every tick and are all-reduced over ``data`` once per step, after the schedule (as Megatron
+and torchtitan reduce after the pipeline flush); with ``data`` automatic, GSPMD would all-reduce
+each backward's gradient on every tick. Loss and aux are averaged over the batch axes.
 
 Two engines:
 
@@ -45,6 +51,7 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 from spmd.constraints import current, use_rules
+from spmd.rules import Rules
 from spmd.pipeline.schedules import BACKWARD, FORWARD, IDLE, Schedule
 
 StageFn = Callable[[Any, jax.Array], jax.Array]  # (chunk params [Lc, ...], x[b, L, D]) -> y
@@ -155,29 +162,69 @@ def _add(a: Any, b: Any) -> Any:
     return jax.tree.map(jnp.add, a, b)
 
 
-def _manual_mesh(mesh: Mesh, axis: str) -> Mesh:
-    """The same devices with ``axis`` typed Manual: the context mesh inside the shard_map."""
-    types = tuple(AxisType.Manual if n == axis else t for n, t in zip(mesh.axis_names, mesh.axis_types))
+def _manual_mesh(mesh: Mesh, axes: frozenset[str]) -> Mesh:
+    """The same devices with ``axes`` typed Manual: the context mesh inside the shard_map."""
+    types = tuple(AxisType.Manual if n in axes else t for n, t in zip(mesh.axis_names, mesh.axis_types))
     return Mesh(mesh.devices, mesh.axis_names, axis_types=types)
 
 
-def _with_inner_rules(fn: Callable, mesh: Mesh, axis: str) -> Callable:
+def _axes_of(entry: Any) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _strip_axes(rules: Rules, axes: tuple[str, ...]) -> Rules:
+    """``rules`` with the (manual) ``axes`` removed from every mapping: inside the shard_map a
+    constraint may only name automatic axes, and a manual batch axis is already split per device."""
+    if not axes:
+        return rules
+
+    def strip(table):
+        return tuple((dim, tuple(a for a in _axes_of(entry) if a not in axes) or None) for dim, entry in table)
+
+    return Rules(rules.name, strip(rules.params), strip(rules.activations))
+
+
+def manual_batch_axes(mesh: Mesh, rules: Rules | None, batch_rows: int, axis: str = "pipe") -> tuple[str, ...]:
+    """Mesh axes run Manual besides ``axis``: those ``rules`` split ``batch`` over (size > 1) that
+    shard no parameter (``fsdp`` stays automatic), while ``batch_rows`` per microbatch still divides."""
+    if rules is None:
+        return ()
+    acts, params = dict(rules.activations), dict(rules.params)
+    param_axes = {a for entry in params.values() for a in _axes_of(entry)}
+    sizes = dict(mesh.shape)
+    out, n = [], 1
+    for a in _axes_of(acts.get("batch")):
+        if a == axis or a in param_axes or sizes.get(a, 1) == 1 or batch_rows % (n * sizes[a]):
+            continue
+        out.append(a)
+        n *= sizes[a]
+    return tuple(out)
+
+
+def _with_inner_rules(fn: Callable, mesh: Mesh, axis: str, batch_axes: tuple[str, ...] = ()) -> Callable:
     """Run ``fn`` with the active rule set re-targeted at the partly manual mesh, so the model's
-    activation constraints (which never name ``pipe``) stay valid inside the shard_map."""
+    activation constraints (which never name ``pipe``, and have the manual batch axes stripped)
+    stay valid inside the shard_map."""
     active = current()
     if active is None:
         return fn
-    inner = _manual_mesh(mesh, axis)
+    inner = _manual_mesh(mesh, frozenset((axis, *batch_axes)))
+    rules = _strip_axes(active[1], batch_axes)
 
     def wrapped(*args):
-        with use_rules(active[1], inner):
+        with use_rules(rules, inner):
             return fn(*args)
 
     return wrapped
 
 
-def _gpipe_local(stage_fn: StageFn, head_fn: HeadFn, S: int, M: int, axis: str, remat: bool):
-    """Per-device GPipe forward: scan over M + S - 1 ticks; autodiff gives the backward."""
+def _gpipe_local(stage_fn: StageFn, head_fn: HeadFn, S: int, M: int, axis: str, remat: bool,
+                 batch_axes: tuple[str, ...] = ()):
+    """Per-device GPipe forward: scan over M + S - 1 ticks; autodiff gives the backward.
+
+    Loss and aux are averaged over the manual ``batch_axes``; the transpose of the ``shard_map``
+    sums the parameter cotangents over them once, at its boundary (after the whole backward scan).
+    """
     stage = jax.checkpoint(stage_fn, prevent_cse=False) if remat else stage_fn
 
     def run(params, head, x_MbLD, tg_MbL):
@@ -197,13 +244,21 @@ def _gpipe_local(stage_fn: StageFn, head_fn: HeadFn, S: int, M: int, axis: str, 
 
         shape = jax.eval_shape(head_all, outs)
         loss, aux = jax.lax.cond(s == S - 1, head_all, lambda o: _tree_zeros(shape), outs)
+        if batch_axes:
+            loss, aux = jax.lax.pmean((loss, aux), batch_axes)
         return loss[None], jax.tree.map(lambda a: a[None], aux)
 
     return run
 
 
-def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: str, train: bool):
-    """Per-device table-driven engine; returns (loss, aux) and, when ``train``, the gradients."""
+def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: str, train: bool,
+                 batch_axes: tuple[str, ...] = (), n_batch: int = 1):
+    """Per-device table-driven engine; returns (loss, aux) and, when ``train``, the gradients.
+
+    With manual ``batch_axes`` (``n_batch`` devices along them) each device sees its own rows: the
+    loss cotangent is ``1/(M*n_batch)``, gradients stay local partial sums through every tick and
+    are ``psum``-ed over ``batch_axes`` once after the schedule; loss and aux are averaged over them.
+    """
     S, M, V = schedule.n_stages, schedule.n_microbatches, schedule.n_virtual
     table_np, n_x, n_g = build_tables(schedule)
     ring = V > 1
@@ -244,7 +299,7 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
                 c = dict(c)
                 if train:
                     loss, vjp, aux = jax.vjp(lambda h, y: head_fn(h, y, tg_MbL[m]), head, y, has_aux=True)
-                    dh, dy = vjp(jnp.full_like(loss, 1.0 / M))
+                    dh, dy = vjp(jnp.full_like(loss, 1.0 / (M * n_batch)))
                     c["hgrad"] = _add(c["hgrad"], dh)
                     c["gbuf"] = c["gbuf"].at[gs].set(dy.astype(zx.dtype))
                 else:
@@ -268,11 +323,15 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
             return c, None
 
         c, _ = jax.lax.scan(tick, carry, table)
-        out = (c["loss"][None], jax.tree.map(lambda a: a[None], c["aux"]))
+        mean = (lambda a: jax.lax.pmean(a, batch_axes)) if batch_axes else (lambda a: a)
+        out = (mean(c["loss"])[None], jax.tree.map(lambda a: mean(a)[None], c["aux"]))
         if not train:
             return out
-        pgrad = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), c["pgrad"])
-        return out, (pgrad, jax.tree.map(lambda a: a[None], c["hgrad"]), c["dx"][None])
+        # the one gradient reduction over the batch axes per step (dx stays per-device: its rows)
+        total = (lambda t: jax.lax.psum(t, batch_axes)) if batch_axes else (lambda t: t)
+        pgrad, hgrad = total((c["pgrad"], c["hgrad"]))
+        pgrad = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), pgrad)
+        return out, (pgrad, jax.tree.map(lambda a: a[None], hgrad), c["dx"][None])
 
     return run
 
@@ -305,20 +364,25 @@ def pipeline_loss(
     for a in jax.tree.leaves(stage_params):
         if a.shape[0] % (S * V):
             raise ValueError(f"{a.shape[0]} layers do not split into S*V = {S}*{V} = {S * V} equal chunks")
-    sm = dict(mesh=mesh, axis_names={axis}, check_vma=False)
-    inner = functools.partial(_with_inner_rules, mesh=mesh, axis=axis)
     rep, pip = P(), P(axis)
+    active = current()
+    bax = manual_batch_axes(mesh, None if active is None else active[1], x_MbLD.shape[1], axis)
+    n_batch = int(np.prod([mesh.shape[a] for a in bax], dtype=int))
+    sm = dict(mesh=mesh, axis_names={axis, *bax}, check_vma=False)
+    inner = functools.partial(_with_inner_rules, mesh=mesh, axis=axis, batch_axes=bax)
+    rows = P(None, bax or None)  # x[M, B/M, ...]: the microbatch rows split over the manual batch axes
 
     if schedule.name == "gpipe":
-        run = jax.shard_map(inner(_gpipe_local(stage_fn, head_fn, S, M, axis, remat)), in_specs=(pip, rep, rep, rep),
-                            out_specs=(pip, pip), **sm)
+        run = jax.shard_map(inner(_gpipe_local(stage_fn, head_fn, S, M, axis, remat, bax)),
+                            in_specs=(pip, rep, rows, rows), out_specs=(pip, pip), **sm)
         loss, aux = run(stage_params, head_params, x_MbLD, targets_MbL)
         return loss.sum(), jax.tree.map(lambda a: a.sum(), aux)
 
-    train_run = jax.shard_map(inner(_table_local(stage_fn, head_fn, schedule, axis, True)), in_specs=(pip, rep, rep, rep),
-                              out_specs=((pip, pip), (pip, pip, pip)), **sm)
-    eval_run = jax.shard_map(inner(_table_local(stage_fn, head_fn, schedule.forward_only(), axis, False)),
-                             in_specs=(pip, rep, rep, rep), out_specs=(pip, pip), **sm)
+    table = functools.partial(_table_local, stage_fn, head_fn, axis=axis, batch_axes=bax, n_batch=n_batch)
+    train_run = jax.shard_map(inner(table(schedule, train=True)), in_specs=(pip, rep, rows, rows),
+                              out_specs=((pip, pip), (pip, pip, P(axis, None, bax or None))), **sm)
+    eval_run = jax.shard_map(inner(table(schedule.forward_only(), train=False)), in_specs=(pip, rep, rows, rows),
+                             out_specs=(pip, pip), **sm)
 
     def reduce(out):
         loss, aux = out
