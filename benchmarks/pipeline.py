@@ -106,8 +106,10 @@ def comms_rows() -> tuple[list[Row], str]:
 
 
 def step_rows(quick: bool) -> list[Row]:
-    cases = [("1f1b", STAGES)] if quick else [(n, m) for n in ("gpipe", "1f1b") for m in (STAGES, 2 * STAGES)] + [
-        ("interleaved", STAGES)]
+    """Step time and per-device temp (activation) memory per schedule for M in {S, 2S, 4S}."""
+    Ms = (STAGES,) if quick else (STAGES, 2 * STAGES, 4 * STAGES)
+    names = ("1f1b",) if quick else ("gpipe", "1f1b", "interleaved")
+    cases = [(n, m) for n in names for m in Ms]
     rounds, steps = (1, 2) if quick else (3, 4)
     setups = {case: pipeline_setup(*case, quick) for case in cases}
     states = {case: s.state for case, s in setups.items()}
@@ -128,18 +130,28 @@ def step_rows(quick: bool) -> list[Row]:
         round_of(case)()
     times = common.interleaved(rounds, {f"{n}/{m}": round_of((n, m)) for n, m in cases})
     rows = []
-    for name in dict.fromkeys(n for n, _ in cases):
-        ms = [m for n, m in cases if n == name]
+    for name in names:
         V = 2 if name == "interleaved" else 1
-        base_m = ms[0]
+        base_m = Ms[0]
         base = statistics.median(times[f"{name}/{base_m}"])
-        for m in ms:
+        for m in Ms:
             t = statistics.median(times[f"{name}/{m}"])
             ideal = ((V * m + STAGES - 1) / (V * m)) / ((V * base_m + STAGES - 1) / (V * base_m))
             rows.append(Row(f"pp{STAGES} {name} M={m}: step time", f"{t * 1e3:.1f} ms",
                             f"{base * 1e3:.1f} ms at M={base_m} x ideal {ideal:.3f}", (t / base) / ideal, "1.00",
                             None, "simulated CPU devices share cores: reported, not judged"))
-        rows.append(comms_row(name, ms[-1], setups[(name, ms[-1])]))
+        for m in Ms:
+            temp = spmd.memory(setups[(name, m)].compiled).temp
+            if (gp := setups.get(("gpipe", m))) is not None:
+                ref = spmd.memory(gp.compiled).temp
+                rows.append(Row(f"pp{STAGES} {name} M={m}: temp bytes per device", fmt_bytes(temp),
+                                f"{fmt_bytes(ref)} gpipe at M={m}", temp / ref, "-", None,
+                                "compiled memory_analysis temp; same global batch for every M: gpipe keeps "
+                                "residuals of all M microbatches, 1f1b/interleaved a stash of <= S stage inputs"))
+            else:
+                rows.append(Row(f"pp{STAGES} {name} M={m}: temp bytes per device", fmt_bytes(temp), "-",
+                                float("nan"), "-", None, "compiled memory_analysis temp"))
+        rows.append(comms_row(name, Ms[-1], setups[(name, Ms[-1])]))
     return rows
 
 
