@@ -102,6 +102,21 @@ def test_pipeline_composes_with_dp_and_tp(schedule, V):
     assert_matches_reference(loss, grads)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_eight_stages_one_layer_each(schedule):
+    """pipe=8: every device holds one layer; the first and last stage are 7 hops apart."""
+    loss, grads = case((("pipe", 8),), "none", schedule, 8, 1)()
+    assert_matches_reference(loss, grads)
+
+
+def test_gpipe_with_stage_remat_matches_and_keeps_less():
+    """``remat=True`` rematerialises each stage in the backward: same numbers, fewer temp bytes."""
+    plain, remat = case((("pipe", 2),), "none", "gpipe", 4, 1), Case({"pipe": 2}, "none", PipelineConfig("gpipe", 4, 1, remat=True))
+    assert_matches_reference(*remat())
+    assert spmd.memory(remat.compiled).temp < spmd.memory(plain.compiled).temp
+
+
 def test_negative_control_wrong_stage_order_is_caught():
     """Swapping the two stages' layers (same compiled pipeline) must break the comparison."""
     c = case((("pipe", 2),), "none", "1f1b", 4, 1)
