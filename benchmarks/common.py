@@ -26,6 +26,7 @@ import math
 import os
 import platform
 import re
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -101,6 +102,13 @@ def parser(description: str) -> argparse.ArgumentParser:
 
 def options(args: argparse.Namespace) -> Options:
     return Options(quick=args.quick, real_devices=args.real_devices, output=Path(args.output) if args.output else None)
+
+
+def run_main(run: Callable[[Options, str], Any], doc: str, command: str, argv: Sequence[str] | None) -> int:
+    """A benchmark's ``main``: parse the shared options, run it, echo the command line in RESULTS.md."""
+    args = parser(doc.splitlines()[0]).parse_args(argv)
+    run(options(args), " ".join([command, *(argv if argv is not None else sys.argv[1:])]))
+    return 0
 
 
 def setup_devices(real_devices: bool) -> None:

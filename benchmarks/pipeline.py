@@ -181,9 +181,7 @@ def run(options: common.Options, command: str = "python -m benchmarks.pipeline")
 
 
 def main(argv: Sequence[str] | None = None, command: str = "python -m benchmarks.pipeline") -> int:
-    args = common.parser(__doc__.splitlines()[0]).parse_args(argv)
-    run(common.options(args), command=" ".join([command, *(argv if argv is not None else sys.argv[1:])]))
-    return 0
+    return common.run_main(run, __doc__, command, argv)
 
 
 if __name__ == "__main__":
