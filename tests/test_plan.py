@@ -25,7 +25,8 @@ from trainers.diagnose import (Issue, check_collectives, check_divisibility, che
                                parse_remat_warnings)
 from trainers.dryrun import dry_run
 from trainers.hardware import custom
-from trainers.plan import Layout, candidates, estimate, main, memory_estimate, plan
+from trainers.estimate import memory_estimate
+from trainers.plan import Layout, candidates, estimate, main, plan
 from spmd.models import flops_per_step
 
 SMALL_HBM = custom("h100", hbm_bytes=1.4e9, name="h100-1.4gb")

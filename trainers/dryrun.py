@@ -8,12 +8,12 @@ the real run executes) with ``.lower(abstract_state, abstract_batch).compile()``
 side by side, per device:
 
 - parameter / gradient / optimizer / activation bytes from analytic formulas
-  (:func:`trainers.plan.memory_estimate`) and from the compiled program's memory analysis
+  (:func:`trainers.estimate.memory_estimate`) and from the compiled program's memory analysis
   (arguments = the state and batch; temporaries = gradients, activations, gathered weights);
 - whether the compiled footprint fits ``headroom x`` the hardware's HBM;
 - every collective per mesh axis with its bytes (:func:`spmd.hlo.collectives`) and its time on
   the target's fast or slow network;
-- model FLOPs per step, and a roofline step time and MFU (:func:`trainers.plan.roofline`; no
+- model FLOPs per step, and a roofline step time and MFU (:func:`trainers.estimate.roofline`; no
   compute/communication overlap assumed, the perfect-overlap time alongside);
 - sharding diagnostics (:mod:`trainers.diagnose`) traced to parameter paths, with fixes;
 - with ``cfg.pipeline`` enabled on a ``pipe`` axis > 1: the step compiled is the pipelined one
@@ -66,14 +66,14 @@ class DryRunReport:
     headroom: float
     params: int  # parameter count
     model_flops: float  # per step, all devices
-    analytic: object | None  # trainers.plan.MemoryEstimate
+    analytic: object | None  # trainers.estimate.MemoryEstimate
     compiled: object | None  # spmd.Memory of the compiled step (per device)
     state_bytes: int  # params + optimizer + counters, per device, from the abstract shard shapes
     batch_bytes: int
     collectives: tuple = ()  # spmd.Collective
-    traffic: tuple = ()  # trainers.plan.Traffic from the compiled collectives
+    traffic: tuple = ()  # trainers.estimate.Traffic from the compiled collectives
     analytic_traffic: tuple = ()
-    roofline: object | None = None  # trainers.plan.Roofline
+    roofline: object | None = None  # trainers.estimate.Roofline
     issues: tuple = ()  # trainers.diagnose.Issue
     compile_s: float = 0.0
     backend: str = ""
@@ -249,7 +249,7 @@ def _dry_run_here(cfg: Config, devices: int, hw: Hardware, headroom: float) -> D
     from spmd.models import flops_per_step, param_count
     from trainers import diagnose as dg
     from trainers.optim import make_optimizer
-    from trainers.plan import Traffic, comm_estimate, memory_estimate, pipeline_bubble, roofline
+    from trainers.estimate import Traffic, comm_estimate, memory_estimate, pipeline_bubble, roofline
     from trainers.schedules import make_schedule
     from trainers.step import lm_loss_fn, make_train_step
 

@@ -12,7 +12,7 @@ drops those that cannot be built or do not fit, and ranks the rest by estimated 
 - **pruning**: divisibility (heads, kv_heads, d_ff, vocab by ``tensor``; d_model by ``fsdp``;
   layers by ``pipe``; the microbatch by ``data x fsdp``, each pipeline microbatch too:
   :mod:`trainers.diagnose`), and per-device memory above ``headroom x HBM``.
-- **memory estimate** (per device): parameters and optimizer state exactly (shard shapes from the
+- **memory estimate** (per device; :mod:`trainers.estimate`): parameters and optimizer state exactly (shard shapes from the
   rule set, optimizer moments from ``jax.eval_shape(tx.init)``); gradients (f32, sharded like
   the parameters, twice with gradient accumulation); activations from a per-layer count of the
   tensors the backward pass keeps (all of them without remat, the block input per layer plus one
@@ -48,22 +48,15 @@ import math
 import sys
 from collections.abc import Iterator
 
-import jax
-
 import spmd
 from meshes import AXES
-from spmd.models import flops_per_step, param_count
+from spmd.models import param_count
 from spmd.pipeline import NAMES as PIPELINE_SCHEDULES
-from spmd.pipeline import PipelineConfig, Schedule, build_tables, get_schedule
+from spmd.pipeline import PipelineConfig
 from trainers.config import Config, override
-from trainers.diagnose import Issue, diagnose, param_infos, shard_divisors
-from trainers.hardware import Hardware, collective_seconds, get_hardware, networks
-
-# rule set -> (mesh axes it needs > 1, axes it may also use): one candidate per distinct layout
-RULE_AXES = {"dp": (("data",), ()), "fsdp": (("fsdp",), ("data",)), "tp": (("tensor",), ()),
-             "dp_tp": (("data", "tensor"), ()), "fsdp_tp": (("fsdp", "tensor"), ("data",))}
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-
+from trainers.diagnose import Issue, diagnose
+from trainers.estimate import RULE_AXES, MemoryEstimate, Roofline, Traffic, comm_estimate, memory_estimate, roofline
+from trainers.hardware import Hardware, get_hardware
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -129,191 +122,6 @@ class Layout:
         if self.pipe > 1:
             pp = f" {self.schedule} M={self.microbatches}" + (f" V={self.virtual_stages}" if self.virtual_stages > 1 else "")
         return f"{self.mesh_arg} {self.rules}{pp}{' remat' if self.remat else ''}"
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryEstimate:
-    """Per-device bytes."""
-
-    params: int
-    optimizer: int
-    grads: int
-    activations: int
-    batch: int
-
-    @property
-    def state(self) -> int:
-        return self.params + self.optimizer
-
-    @property
-    def total(self) -> int:
-        return self.params + self.optimizer + self.grads + self.activations + self.batch
-
-
-@dataclasses.dataclass(frozen=True)
-class Traffic:
-    """One kind of collective on one set of axes: per device per step."""
-
-    kind: str
-    axes: tuple[str, ...]
-    count: int
-    bytes: int  # total over the step (count x full buffer)
-    network: str  # "ici" | "dcn"
-    seconds: float
-
-
-@dataclasses.dataclass(frozen=True)
-class Roofline:
-    flops_per_device: float  # executed (remat recompute included)
-    compute_s: float
-    memory_s: float
-    comm_s: float
-    step_s: float  # no overlap: max(compute, memory) + comm
-    step_s_overlap: float  # perfect overlap: max(compute, memory, comm)
-    mfu: float  # model FLOPs / (step_s x devices x peak)
-    dominant: str
-
-
-def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
-    """Analytic per-device bytes of ``cfg``'s train step on a mesh of these axis sizes."""
-    m, rules, data = cfg.model, spmd.get_rules(cfg.rules), cfg.data
-    infos = param_infos(m)
-    local = sum(math.ceil(p.size / math.prod(shard_divisors(p, rules, sizes))) * p.itemsize for p in infos)
-    optimizer = int(round(_optimizer_copies(cfg) * local))
-    grads = local * (2 if cfg.run.grad_accum > 1 else 1)
-    dt = _DTYPE_BYTES[m.dtype]
-    n_batch = math.prod(shard_divisors_for(("batch",), rules, sizes))
-    t = sizes.get("tensor", 1) if any(a == "mlp" for a, _ in rules.activations) else 1
-    b = max(data.global_batch // cfg.run.grad_accum // n_batch, 1)
-    L, D, F, H, G, K, V = data.seq_len, m.d_model, m.ff, m.n_heads, m.kv_heads, m.k, m.vocab_size
-    qkv = (H + 2 * G) * K / t
-    per_token_layer = dt * (6 * D + 2 * qkv + H * K / t + 4 * F / t) + 4 * (qkv + 3 * D) + (4 + dt) * H * L / t
-    vt = t if any(a == "vocab" for a, _ in rules.activations) else 1
-
-    def kept(rows: float, n_layers: int) -> float:  # what the backward keeps of n_layers layers on `rows` rows
-        block = rows * L * per_token_layer
-        return (n_layers * rows * L * D * dt + block) if m.remat else n_layers * block
-
-    def logits(rows: float) -> float:
-        return 3 * rows * L * V / vt * 4 + 2 * rows * L * D * 4
-
-    S, pipe = sizes.get("pipe", 1), cfg.pipeline
-    if S > 1 and pipe.enabled:
-        M, x_in = pipe.microbatches, b / pipe.microbatches * L * D * dt  # one stage input x[B/M, L, D]
-        if pipe.schedule == "gpipe":  # autodiff through the tick scan: every microbatch's residuals
-            layers = M * x_in + kept(b / M, m.n_layers // S) if pipe.remat else kept(b, m.n_layers // S)
-            acts = layers + 2 * M * x_in + logits(b)
-        else:  # stash + gradient slots of the table, one chunk's recompute, dx[M, B/M, L, D], one head
-            _, n_x, n_g = build_tables(pipeline_schedule(cfg, S))
-            acts = (n_x + n_g + 2 + M) * x_in + kept(b / M, m.n_layers // (S * pipe.virtual_stages)) + logits(b / M)
-    else:
-        acts = kept(b, m.n_layers) + logits(b)
-    # FSDP/TP: one layer's weights gathered in the compute dtype (two in flight when prefetched)
-    gathered = 0
-    if sizes.get("fsdp", 1) > 1:
-        gathered = 2 * sum(p.size // p.shape[0] * dt // math.prod(shard_divisors(p, rules, sizes, "activations"))
-                           for p in infos if p.dims and p.dims[0] == "layers")
-    batch = 2 * b * cfg.run.grad_accum * L * 4
-    return MemoryEstimate(local, optimizer, grads, int(acts + gathered), batch)
-
-
-def pipeline_schedule(cfg: Config, pipe: int) -> Schedule:
-    """The schedule table ``cfg.pipeline`` runs on a pipe axis of this size."""
-    p = cfg.pipeline
-    return get_schedule(p.schedule, pipe, p.microbatches, p.virtual_stages)
-
-
-def pipeline_bubble(cfg: Config, pipe: int) -> float:
-    """Idle fraction of the pipeline's schedule table (0 without a pipeline or with pipe=1)."""
-    if pipe <= 1 or not cfg.pipeline.enabled:
-        return 0.0
-    return pipeline_schedule(cfg, pipe).bubble_fraction
-
-
-def shard_divisors_for(dims: tuple[str, ...], rules: spmd.Rules, sizes: dict[str, int]) -> list[int]:
-    spec = rules.spec(dims, kind="activations", mesh_sizes=sizes)
-    out = []
-    for entry in list(spec) + [None] * (len(dims) - len(spec)):
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        out.append(math.prod(sizes[a] for a in axes))
-    return out
-
-
-def _optimizer_copies(cfg: Config) -> float:
-    """Optimizer state bytes per parameter byte (2 for Adam's moments), from jax.eval_shape(tx.init)."""
-    return _copies(cfg.optimizer, cfg.model)
-
-
-def _copies(opt_cfg, model) -> float:
-    from trainers.optim import make_optimizer
-
-    infos = param_infos(model)
-    params = {p.path: jax.ShapeDtypeStruct(p.shape, "float32") for p in infos}
-    state = jax.eval_shape(make_optimizer(opt_cfg, 1e-3).init, params)
-    big = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state) if len(x.shape) >= 1)
-    return big / sum(p.size * p.itemsize for p in infos)
-
-
-def comm_estimate(cfg: Config, sizes: dict[str, int], hw: Hardware, dcn_axes: tuple[str, ...] = ()) -> list[Traffic]:
-    """Analytic collectives of one step, per device: gradient reductions, FSDP gathers, TP all-reduces."""
-    m, rules, data = cfg.model, spmd.get_rules(cfg.rules), cfg.data
-    net = networks(sizes, hw, dcn_axes)
-    infos = param_infos(m)
-    dt = _DTYPE_BYTES[m.dtype]
-    d, f, t = sizes.get("data", 1), sizes.get("fsdp", 1), sizes.get("tensor", 1)
-    tp_local = sum(p.size // math.prod(shard_divisors(p, rules, {**sizes, "data": 1, "fsdp": 1})) for p in infos)
-    out = []
-
-    def add(kind, axis, count, nbytes, group):
-        if group > 1 and nbytes > 0:
-            dcn = net[axis] == "dcn"
-            out.append(Traffic(kind, (axis,), count, int(count * nbytes), net[axis],
-                               count * collective_seconds(hw, kind, nbytes, group, dcn=dcn)))
-
-    passes = 3 if m.remat else 2
-    add("all-gather", "fsdp", passes, tp_local * dt, f)  # weights, forward + backward (+ remat recompute)
-    add("reduce-scatter", "fsdp", 1, tp_local * 4, f)  # f32 gradients onto their shards
-    add("all-reduce", "data", 1, tp_local // f * 4, d)  # gradients of each shard across replicas
-    b = data.global_batch // math.prod(shard_divisors_for(("batch",), rules, sizes))
-    S, pipe = sizes.get("pipe", 1), cfg.pipeline
-    piped = S > 1 and pipe.enabled
-    recompute = m.remat or (piped and pipe.schedule != "gpipe")  # the 1F1B engines recompute each chunk
-    per_layer = (6 if recompute else 4) * m.n_layers // (S if piped else 1)  # attn-out + mlp-out, fwd + bwd
-    add("all-reduce", "tensor", per_layer, b * data.seq_len * m.d_model * dt, t)
-    if piped:
-        schedule = pipeline_schedule(cfg, S)
-        ticks = schedule.n_ticks * (2 if schedule.name != "gpipe" else 1)  # table: one send each way per tick
-        x_in = b // cfg.run.grad_accum // pipe.microbatches * data.seq_len * m.d_model * dt
-        add("collective-permute", "pipe", ticks * cfg.run.grad_accum, x_in, S)
-        if pipe.virtual_stages > 1:  # W[L_pipe] -> chunk order, and the gradients back: (S-1)/S of each
-            stage = sum(p.size // math.prod(shard_divisors(p, rules, sizes)) * p.itemsize
-                        for p in infos if p.dims and p.dims[0] == "layers")
-            add("collective-permute", "pipe", 2, stage * (S - 1) // S, S)
-    return out
-
-
-def roofline(cfg: Config, n_devices: int, hw: Hardware, mem: MemoryEstimate, traffic: list[Traffic], *,
-             pipe: int = 1) -> Roofline:
-    """Step time and MFU of ``cfg`` from its memory estimate and collectives (see module docstring);
-    on a ``pipe`` axis > 1 the compute time is stretched by ``1 / (1 - bubble)`` of the schedule."""
-    m, piped = cfg.model, pipe > 1 and cfg.pipeline.enabled
-    model_flops = flops_per_step(m, cfg.data.global_batch, cfg.data.seq_len)
-    recompute = (1 if m.remat or (piped and cfg.pipeline.remat) else 0) + (1 if piped and cfg.pipeline.schedule != "gpipe" else 0)
-    executed = model_flops / n_devices * (1 + recompute / 3)
-    peak = hw.peak(m.dtype)
-    compute = executed / peak / (1 - pipeline_bubble(cfg, pipe))
-    weights = 3 * mem.params * _DTYPE_BYTES[m.dtype] / 4
-    hbm = weights + mem.params * (3 + 2 * mem.optimizer / max(mem.params, 1)) + 2 * mem.activations
-    memory = hbm / hw.hbm_bw
-    comm = sum(x.seconds for x in traffic)
-    step = max(compute, memory) + comm
-    costs = {"compute": compute, "memory": memory}
-    for x in traffic:
-        key = f"{x.kind} {','.join(x.axes)} ({x.network})"
-        costs[key] = costs.get(key, 0.0) + x.seconds
-    dominant = max(costs, key=costs.get)
-    return Roofline(executed, compute, memory, comm, step, max(compute, memory, comm),
-                    model_flops / (step * n_devices * peak), dominant)
 
 
 @dataclasses.dataclass(frozen=True)
