@@ -6,7 +6,7 @@
 """
 
 from meshes import distributed
-from meshes.build import AXIS_TYPES, axis_sizes, make_mesh, single_device_mesh
+from meshes.build import AXIS_TYPES, axis_sizes, default_dcn, make_mesh, single_device_mesh
 from meshes.describe import describe
 from meshes.presets import PRESETS, Preset, preset
 from meshes.simulate import backend_started, simulate_cpu_devices, simulate_cpu_devices_unless_accelerator
@@ -15,6 +15,7 @@ from meshes.spec import AXES, MeshError, MeshSpec, parse_axes
 __all__ = [
     "AXES",
     "AXIS_TYPES",
+    "default_dcn",
     "MeshError",
     "MeshSpec",
     "PRESETS",

@@ -23,6 +23,7 @@ from jax.sharding import AxisType, Mesh
 from meshes.spec import MeshError, MeshSpec
 
 AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
+DCN_DEFAULT_AXES = ("data", "fsdp")  # axes laid across slices when the spec names no DCN sizes
 
 
 def _num_slices(devices: Sequence[jax.Device]) -> tuple[int, bool]:
@@ -31,6 +32,25 @@ def _num_slices(devices: Sequence[jax.Device]) -> tuple[int, bool]:
     if None not in slice_ids and len(slice_ids) > 1:
         return len(slice_ids), False
     return len({d.process_index for d in devices}), True
+
+
+def default_dcn(sizes: Mapping[str, int], num_slices: int) -> tuple[dict[str, int], dict[str, int]]:
+    """Split global axis sizes into (ici, dcn) for ``num_slices`` slices when the spec gave no DCN sizes.
+
+    The first of ``data``, ``fsdp`` whose size divides by the slice count goes across slices (the
+    slow network then carries only the once-per-step gradient reduction); every other axis stays
+    inside a slice. Raises MeshError naming the sizes when neither divides.
+    """
+    for axis in DCN_DEFAULT_AXES:
+        if sizes.get(axis, 1) % num_slices == 0 and sizes.get(axis, 1) >= num_slices:
+            ici = dict(sizes)
+            ici[axis] //= num_slices
+            return ici, {n: (num_slices if n == axis else 1) for n in sizes}
+    raise MeshError(
+        f"the devices span {num_slices} slices but neither data={sizes.get('data', 1)} nor "
+        f"fsdp={sizes.get('fsdp', 1)} divides by {num_slices}; make one of them a multiple of {num_slices} "
+        f"or give the DCN sizes explicitly (MeshSpec dcn / --dcn, e.g. data={num_slices})"
+    )
 
 
 def make_mesh(
@@ -43,7 +63,9 @@ def make_mesh(
 
     ``devices`` defaults to all devices of all processes. A spec with ``dcn`` sizes builds a hybrid
     mesh: each axis is ``ici * dcn`` long, with the DCN part outermost, so one slice (TPU) or one
-    host (GPU/CPU) holds a contiguous ICI block.
+    host (GPU/CPU) holds a contiguous ICI block. Without ``dcn`` sizes on devices that span several
+    TPU slices, ``data`` (else ``fsdp``) goes across slices (:func:`default_dcn`); GPU and CPU hosts
+    need no such default: the global device order is host by host, so the outer axes span hosts.
     """
     if not isinstance(spec, MeshSpec):
         spec = MeshSpec.of(spec)
@@ -70,7 +92,12 @@ def make_mesh(
     else:
         ici, _ = spec.resolve(len(devices))
         shape = [ici[n] for n in names]
-        if len(devices) == 1:
+        num_slices, process_is_granule = _num_slices(devices)
+        if num_slices > 1 and not process_is_granule:  # multi-slice TPU: keep ICI axes inside a slice
+            ici, dcn = default_dcn(ici, num_slices)
+            device_array = mesh_utils.create_hybrid_device_mesh(
+                [ici[n] for n in names], [dcn[n] for n in names], devices, process_is_granule=False)
+        elif len(devices) == 1:
             device_array = np.array(devices).reshape(shape)
         else:
             device_array = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)

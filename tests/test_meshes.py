@@ -269,3 +269,13 @@ def test_initialize_passes_env_settings_to_jax(clean_env, monkeypatch):
                               initialization_timeout=5)]
     assert distributed.initialize() is True  # idempotent: no second call
     assert len(clean_env) == 1
+
+
+def test_default_dcn_puts_data_then_fsdp_across_slices():
+    sizes = {"data": 4, "pipe": 1, "fsdp": 8, "seq": 1, "expert": 1, "tensor": 4}
+    ici, dcn = meshes.default_dcn(sizes, 2)
+    assert dcn["data"] == 2 and ici["data"] == 2 and ici["fsdp"] == 8 and sum(dcn.values()) == 2 + 5
+    ici, dcn = meshes.default_dcn({**sizes, "data": 1}, 4)  # data too small: fsdp crosses slices
+    assert dcn["fsdp"] == 4 and ici["fsdp"] == 2 and dcn["data"] == 1
+    with pytest.raises(meshes.MeshError, match=r"neither data=3 nor fsdp=1 divides by 2.*--dcn"):
+        meshes.default_dcn({**sizes, "data": 3, "fsdp": 1}, 2)
