@@ -1,5 +1,5 @@
 """Pipelined GPT = single-device GPT: loss and every gradient, for each schedule, S and M; also
-composed with DP x TP. Plus what the compiled step communicates and how much memory it keeps."""
+composed with DP x TP and with FSDP. Plus what the compiled step communicates and how much memory it keeps."""
 
 from __future__ import annotations
 
@@ -161,11 +161,46 @@ def test_data_parallel_gradient_is_reduced_once_per_step():
     assert_matches_reference(*c())
 
 
+FSDP_CASES = [((("fsdp", 2), ("pipe", 2), ("tensor", 2)), "fsdp_tp", "1f1b", ("pipe", "fsdp", "tensor")),
+              pytest.param((("fsdp", 2), ("pipe", 2)), "fsdp", "gpipe", ("pipe", "fsdp"), marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("sizes, rules, schedule, w_up_spec", FSDP_CASES)
+def test_pipeline_composes_with_fsdp(sizes, rules, schedule, w_up_spec):
+    c = case(sizes, rules, schedule, 4, 1)
+    # stored layout W[layers_pipe, D_fsdp, F_tensor]: the pipeline gathers it over fsdp inside
+    assert c.shardings["blocks"]["block"]["mlp"]["w_up"].spec == jax.sharding.PartitionSpec(*w_up_spec)
+    assert_matches_reference(*c())
+
+
+def test_fsdp_weights_gathered_and_gradients_reduced_once_per_step():
+    """fsdp=2 x pipe=2 x tensor=2, fsdp_tp, 1F1B M=4: every collective over ``fsdp`` runs once per
+    step (weights gathered before the tick loop, gradients reduce-scattered after it), at most one
+    gather and one reduction per parameter, not one per tick."""
+    S, M = 2, 4
+    c = case((("fsdp", 2), ("pipe", 2), ("tensor", 2)), "fsdp_tp", "1f1b", M, 1)
+    ops = spmd.hlo.collectives(c.compiled, c.mesh)
+    over_fsdp = [x for x in ops if "fsdp" in x.axes]
+    n_params = len(jax.tree.leaves(c.params))
+    gathers = [x for x in over_fsdp if x.kind == "all-gather"]
+    reductions = [x for x in over_fsdp if x.kind in ("all-reduce", "reduce-scatter")]
+    assert gathers and reductions, spmd.format_collectives(ops)
+    assert all(x.count == 1 for x in over_fsdp), spmd.format_collectives(over_fsdp)
+    assert len(gathers) <= n_params and len(reductions) <= n_params, spmd.format_collectives(over_fsdp)
+    # control: loop trip counts are read (permutes run once per tick), so per-tick traffic would show
+    ticks = get_schedule("1f1b", S, M).n_ticks
+    permutes = [x for x in ops if x.kind == "collective-permute"]
+    assert permutes and all(x.count == ticks > 1 and x.trip_count_known for x in permutes)
+
+
 def test_manual_batch_axes():
     mesh = mesh_of({"data": 2, "pipe": 2, "fsdp": 2})
     assert manual_batch_axes(mesh, spmd.get_rules("dp"), 4) == ("data",)
-    # fsdp also shards parameters (embed), so it stays automatic inside the stage
-    assert manual_batch_axes(mesh, spmd.get_rules("fsdp"), 4) == ("data",)
+    # fsdp also shards parameters (embed): manual too, its weights gathered once inside the pipeline,
+    # unless the caller keeps parameter-sharding axes automatic
+    assert manual_batch_axes(mesh, spmd.get_rules("fsdp"), 4) == ("data", "fsdp")
+    assert manual_batch_axes(mesh, spmd.get_rules("fsdp"), 4, shard_params=False) == ("data",)
+    assert manual_batch_axes(mesh, spmd.get_rules("fsdp"), 2) == ("data",)  # 2 rows: only data divides
     # rows that do not split over data, no batch rule, no rule set: nothing manual but pipe
     assert manual_batch_axes(mesh, spmd.get_rules("dp"), 3) == ()
     assert manual_batch_axes(mesh, spmd.get_rules("tp"), 4) == ()

@@ -7,13 +7,18 @@ chunks of ``L/C`` consecutive layers; chunk ``c`` runs on device ``c % S`` as it
 loss (``head_fn``) run on the device holding the last chunk.
 
 Inside the ``shard_map`` ``pipe`` is manual, and so are the batch axes (:func:`manual_batch_axes`:
-the axes the active rule set splits ``batch`` over that shard no parameter, usually ``data``);
-``fsdp``/``tensor`` stay automatic, so the blocks keep their rule-set layout (FSDP, TP) inside a
-stage, and the model's constraints are re-targeted with the manual batch axes removed. A manual
-batch axis makes each device's gradients local partial sums, ``G[..]{U_data}``, that accumulate
-over every tick and are all-reduced over ``data`` once per step, after the schedule (as Megatron
-and torchtitan reduce after the pipeline flush); with ``data`` automatic, GSPMD would all-reduce
-each backward's gradient on every tick. Loss and aux are averaged over the batch axes.
+the axes the active rule set splits ``batch`` over, ``data`` and ``fsdp``); ``tensor`` stays
+automatic, so the blocks keep their TP layout inside a stage, and the model's constraints are
+re-targeted with the manual axes removed. A manual batch axis makes each device's gradients local
+partial sums, ``G[..]{U_data}``, that accumulate over every tick and are reduced once per step,
+after the schedule (as Megatron and torchtitan reduce after the pipeline flush); with the axis
+automatic, GSPMD would reduce each backward's gradient on every tick. Loss and aux are averaged
+over the batch axes. A batch axis that also shards parameters (``fsdp``: ``W[L_pipe, D_fsdp, F]``)
+enters with that sharding; :mod:`spmd.pipeline.layout` all-gathers each stage's weights (and the
+head's) over it once before the tick loop and reduce-scatters their gradients once after it. That
+costs one stage's full weights per device (plus a gradient accumulator of the same size) for the
+whole step, instead of re-gathering weights and reducing gradients over ``fsdp`` on every tick.
+Without logical dims on the parameters (plain arrays) ``fsdp`` stays automatic, as before.
 
 Two engines:
 
@@ -52,6 +57,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmd.constraints import current, use_rules
 from spmd.rules import Rules
+from spmd.pipeline.layout import ParamLayout, axes_of, param_axes, param_layout
 from spmd.pipeline.schedules import BACKWARD, FORWARD, IDLE, Schedule
 
 StageFn = Callable[[Any, jax.Array], jax.Array]  # (chunk params [Lc, ...], x[b, L, D]) -> y
@@ -168,10 +174,6 @@ def _manual_mesh(mesh: Mesh, axes: frozenset[str]) -> Mesh:
     return Mesh(mesh.devices, mesh.axis_names, axis_types=types)
 
 
-def _axes_of(entry: Any) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _strip_axes(rules: Rules, axes: tuple[str, ...]) -> Rules:
     """``rules`` with the (manual) ``axes`` removed from every mapping: inside the shard_map a
     constraint may only name automatic axes, and a manual batch axis is already split per device."""
@@ -179,22 +181,24 @@ def _strip_axes(rules: Rules, axes: tuple[str, ...]) -> Rules:
         return rules
 
     def strip(table):
-        return tuple((dim, tuple(a for a in _axes_of(entry) if a not in axes) or None) for dim, entry in table)
+        return tuple((dim, tuple(a for a in axes_of(entry) if a not in axes) or None) for dim, entry in table)
 
     return Rules(rules.name, strip(rules.params), strip(rules.activations))
 
 
-def manual_batch_axes(mesh: Mesh, rules: Rules | None, batch_rows: int, axis: str = "pipe") -> tuple[str, ...]:
-    """Mesh axes run Manual besides ``axis``: those ``rules`` split ``batch`` over (size > 1) that
-    shard no parameter (``fsdp`` stays automatic), while ``batch_rows`` per microbatch still divides."""
+def manual_batch_axes(mesh: Mesh, rules: Rules | None, batch_rows: int, axis: str = "pipe", *,
+                      shard_params: bool = True) -> tuple[str, ...]:
+    """Mesh axes run Manual besides ``axis``: those ``rules`` split ``batch`` over (size > 1, in the
+    rule's order) while ``batch_rows`` per microbatch still divides. ``shard_params=False`` leaves
+    out the axes that also shard parameters (``fsdp``), which then stay automatic."""
     if rules is None:
         return ()
-    acts, params = dict(rules.activations), dict(rules.params)
-    param_axes = {a for entry in params.values() for a in _axes_of(entry)}
+    acts = dict(rules.activations)
+    skip = set() if shard_params else param_axes(rules)
     sizes = dict(mesh.shape)
     out, n = [], 1
-    for a in _axes_of(acts.get("batch")):
-        if a == axis or a in param_axes or sizes.get(a, 1) == 1 or batch_rows % (n * sizes[a]):
+    for a in axes_of(acts.get("batch")):
+        if a == axis or a in skip or sizes.get(a, 1) == 1 or batch_rows % (n * sizes[a]):
             continue
         out.append(a)
         n *= sizes[a]
@@ -219,16 +223,21 @@ def _with_inner_rules(fn: Callable, mesh: Mesh, axis: str, batch_axes: tuple[str
 
 
 def _gpipe_local(stage_fn: StageFn, head_fn: HeadFn, S: int, M: int, axis: str, remat: bool,
-                 batch_axes: tuple[str, ...] = ()):
+                 layout: ParamLayout, trees: tuple[Any, Any]):
     """Per-device GPipe forward: scan over M + S - 1 ticks; autodiff gives the backward.
 
-    Loss and aux are averaged over the manual ``batch_axes``; the transpose of the ``shard_map``
-    sums the parameter cotangents over them once, at its boundary (after the whole backward scan).
+    Takes the flattened stage and head leaves (``trees``: their treedefs) and gathers them once
+    before the loop; autodiff turns that all-gather into the one reduce-scatter of the gradients.
+    Loss and aux are averaged over the manual batch axes; the transpose of the ``shard_map`` sums
+    the remaining parameter cotangents over them once, at its boundary (after the backward scan).
     """
     stage = jax.checkpoint(stage_fn, prevent_cse=False) if remat else stage_fn
+    batch_axes = layout.batch_axes
 
-    def run(params, head, x_MbLD, tg_MbL):
+    def run(p_leaves, h_leaves, x_MbLD, tg_MbL):
         s = jax.lax.axis_index(axis)
+        params = jax.tree.unflatten(trees[0], layout.gather(p_leaves, layout.stage_plans))
+        head = jax.tree.unflatten(trees[1], layout.gather(h_leaves, layout.head_plans))
 
         def tick(recv, t):
             inp = jnp.where(s == 0, x_MbLD[jnp.clip(t, 0, M - 1)], recv)
@@ -252,20 +261,27 @@ def _gpipe_local(stage_fn: StageFn, head_fn: HeadFn, S: int, M: int, axis: str, 
 
 
 def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: str, train: bool,
-                 batch_axes: tuple[str, ...] = (), n_batch: int = 1):
+                 layout: ParamLayout, trees: tuple[Any, Any], n_batch: int = 1):
     """Per-device table-driven engine; returns (loss, aux) and, when ``train``, the gradients.
 
-    With manual ``batch_axes`` (``n_batch`` devices along them) each device sees its own rows: the
-    loss cotangent is ``1/(M*n_batch)``, gradients stay local partial sums through every tick and
-    are ``psum``-ed over ``batch_axes`` once after the schedule; loss and aux are averaged over them.
+    Takes the flattened stage and head leaves (``trees``: their treedefs) and gathers the ones a
+    manual batch axis shards once, before the tick loop. With manual batch axes (``n_batch``
+    devices along them) each device sees its own rows: the loss cotangent is ``1/(M*n_batch)``,
+    gradients stay local partial sums at gathered size through every tick and are reduced
+    (:meth:`ParamLayout.reduce`) once after the schedule; loss and aux are averaged over them.
     """
+    batch_axes = layout.batch_axes
     S, M, V = schedule.n_stages, schedule.n_microbatches, schedule.n_virtual
     table_np, n_x, n_g = build_tables(schedule)
     ring = V > 1
 
-    def run(params, head, x_MbLD, tg_MbL):
+    def stage(leaves, x):
+        return stage_fn(jax.tree.unflatten(trees[0], leaves), x)
+
+    def run(p_leaves, h_leaves, x_MbLD, tg_MbL):
         s = jax.lax.axis_index(axis)
-        params = jax.tree.map(lambda a: a.reshape(V, a.shape[0] // V, *a.shape[1:]), params)
+        params = [a.reshape(V, a.shape[0] // V, *a.shape[1:]) for a in layout.gather(p_leaves, layout.stage_plans)]
+        head = jax.tree.unflatten(trees[1], layout.gather(h_leaves, layout.head_plans))
         table = jnp.asarray(table_np)
         zx = jnp.zeros_like(x_MbLD[0])
         aux_shape = jax.eval_shape(lambda: head_fn(head, zx, tg_MbL[0])[1])
@@ -292,10 +308,10 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
                 return c, zx, zx
 
             def fwd(c):
-                return c, stage_fn(chunk(v), x_in), zx
+                return c, stage(chunk(v), x_in), zx
 
             def fwd_last(c):
-                y = stage_fn(chunk(v), x_in)
+                y = stage(chunk(v), x_in)
                 c = dict(c)
                 if train:
                     loss, vjp, aux = jax.vjp(lambda h, y: head_fn(h, y, tg_MbL[m]), head, y, has_aux=True)
@@ -309,7 +325,7 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
                 return c, zx, zx
 
             def bwd(c):
-                _, vjp = jax.vjp(stage_fn, chunk(v), x_in)
+                _, vjp = jax.vjp(stage, chunk(v), x_in)
                 dp, dx = vjp(c["gbuf"][gs])
                 c = dict(c)
                 c["pgrad"] = jax.tree.map(lambda acc, g: acc.at[v].add(g), c["pgrad"], dp)
@@ -328,10 +344,10 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
         if not train:
             return out
         # the one gradient reduction over the batch axes per step (dx stays per-device: its rows)
-        total = (lambda t: jax.lax.psum(t, batch_axes)) if batch_axes else (lambda t: t)
-        pgrad, hgrad = total((c["pgrad"], c["hgrad"]))
-        pgrad = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), pgrad)
-        return out, (pgrad, jax.tree.map(lambda a: a[None], hgrad), c["dx"][None])
+        pgrad = [a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]) for a in c["pgrad"]]
+        pgrad = layout.reduce(pgrad, layout.stage_plans)
+        hgrad = layout.reduce(jax.tree.leaves(c["hgrad"]), layout.head_plans)
+        return out, (pgrad, [a[None] for a in hgrad], c["dx"][None])
 
     return run
 
@@ -364,24 +380,35 @@ def pipeline_loss(
     for a in jax.tree.leaves(stage_params):
         if a.shape[0] % (S * V):
             raise ValueError(f"{a.shape[0]} layers do not split into S*V = {S}*{V} = {S * V} equal chunks")
-    rep, pip = P(), P(axis)
+    pip = P(axis)
     active = current()
-    bax = manual_batch_axes(mesh, None if active is None else active[1], x_MbLD.shape[1], axis)
+    rules = None if active is None else active[1]
+    bax = manual_batch_axes(mesh, rules, x_MbLD.shape[1], axis)
+    layout = param_layout(stage_params, head_params, rules, mesh, axis, bax)
+    if layout is None:  # a parameter layout the manual axes cannot express: keep fsdp automatic
+        bax = manual_batch_axes(mesh, rules, x_MbLD.shape[1], axis, shard_params=False)
+        layout = param_layout(stage_params, head_params, rules, mesh, axis, bax)
     n_batch = int(np.prod([mesh.shape[a] for a in bax], dtype=int))
     sm = dict(mesh=mesh, axis_names={axis, *bax}, check_vma=False)
     inner = functools.partial(_with_inner_rules, mesh=mesh, axis=axis, batch_axes=bax)
     rows = P(None, bax or None)  # x[M, B/M, ...]: the microbatch rows split over the manual batch axes
+    p_leaves, p_def = jax.tree.flatten(stage_params)
+    h_leaves, h_def = jax.tree.flatten(head_params)
+    trees = (p_def, h_def)
+    p_specs, h_specs = list(layout.stage_specs), list(layout.head_specs)
+    in_specs = (p_specs, h_specs, rows, rows)
 
     if schedule.name == "gpipe":
-        run = jax.shard_map(inner(_gpipe_local(stage_fn, head_fn, S, M, axis, remat, bax)),
-                            in_specs=(pip, rep, rows, rows), out_specs=(pip, pip), **sm)
-        loss, aux = run(stage_params, head_params, x_MbLD, targets_MbL)
+        run = jax.shard_map(inner(_gpipe_local(stage_fn, head_fn, S, M, axis, remat, layout, trees)),
+                            in_specs=in_specs, out_specs=(pip, pip), **sm)
+        loss, aux = run(p_leaves, h_leaves, x_MbLD, targets_MbL)
         return loss.sum(), jax.tree.map(lambda a: a.sum(), aux)
 
-    table = functools.partial(_table_local, stage_fn, head_fn, axis=axis, batch_axes=bax, n_batch=n_batch)
-    train_run = jax.shard_map(inner(table(schedule, train=True)), in_specs=(pip, rep, rows, rows),
-                              out_specs=((pip, pip), (pip, pip, P(axis, None, bax or None))), **sm)
-    eval_run = jax.shard_map(inner(table(schedule.forward_only(), train=False)), in_specs=(pip, rep, rows, rows),
+    table = functools.partial(_table_local, stage_fn, head_fn, axis=axis, layout=layout, trees=trees, n_batch=n_batch)
+    grad_specs = (p_specs, [P(axis, *spec) for spec in h_specs], P(axis, None, bax or None))
+    train_run = jax.shard_map(inner(table(schedule, train=True)), in_specs=in_specs,
+                              out_specs=((pip, pip), grad_specs), **sm)
+    eval_run = jax.shard_map(inner(table(schedule.forward_only(), train=False)), in_specs=in_specs,
                              out_specs=(pip, pip), **sm)
 
     def reduce(out):
@@ -394,7 +421,7 @@ def pipeline_loss(
 
     def run_fwd(params, head, x, tg):
         out, (pgrad, hgrad, dx) = train_run(_to_chunks(params, S, V), head, x, tg)
-        grads = (_from_chunks(pgrad, S, V), jax.tree.map(lambda a: a.sum(0), hgrad), dx.sum(0))
+        grads = (_from_chunks(pgrad, S, V), [a.sum(0) for a in hgrad], dx.sum(0))
         return reduce(out), grads
 
     def run_bwd(grads, cts):
@@ -402,4 +429,4 @@ def pipeline_loss(
         return (*jax.tree.map(lambda a: (a * g).astype(a.dtype), grads), None)
 
     run.defvjp(run_fwd, run_bwd)
-    return run(stage_params, head_params, x_MbLD, targets_MbL)
+    return run(p_leaves, h_leaves, x_MbLD, targets_MbL)

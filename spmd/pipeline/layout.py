@@ -1,0 +1,142 @@
+"""How the stage and head parameters enter the pipeline's ``shard_map``: specs, one gather, one reduction.
+
+Inside the pipeline ``pipe`` is manual, and so are the mesh axes the rule set splits ``batch``
+over (:func:`spmd.pipeline.engine.manual_batch_axes`). Such a batch axis may also shard
+parameters: under ``fsdp`` / ``fsdp_tp`` the stored layout is ``W[layers_pipe, D_fsdp, F_tensor]``
+and the head ``W[D_fsdp, V_tensor]``. Then each parameter enters the ``shard_map`` with the
+manual part of its stored spec (``P("pipe", "fsdp")``; automatic axes such as ``tensor`` stay
+with GSPMD), and :class:`ParamLayout` moves it exactly twice per step:
+
+- :meth:`ParamLayout.gather`: ``W[.., D_fsdp, ..] -> W[.., D, ..]`` (tiled all-gather over the
+  axes that shard each dim), once, before the schedule's tick loop; every tick then uses the
+  gathered weights. Memory cost per device: one stage's full weights (all its V chunks) and the
+  head, plus a gradient accumulator of the same (gathered) size, instead of ``1/|fsdp|`` of each.
+- :meth:`ParamLayout.reduce`: the accumulated gradients ``G[.., D, ..]{U_(data,fsdp)}`` are
+  reduce-scattered back to ``G[.., D_fsdp, ..]{U_data}`` (psum_scatter over the gathered axes),
+  then all-reduced over the remaining manual batch axes (``data``): once per step, after the
+  schedule, as in :mod:`spmd.collectives`' notation.
+
+A parameter that a manual batch axis does not shard (replicated over it) is all-reduced over that
+axis instead. Layouts the manual axes cannot express (no logical dims on a leaf, a manual axis
+sharding a dim after an automatic one, a manual axis on the ``layers`` dim) give ``None``; the
+engine then keeps those axes automatic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from spmd import collectives
+from spmd.rules import Rules, RulesError
+from spmd.sharding import spec_for, variable_dims
+
+Plan = tuple[tuple[int, tuple[str, ...]], ...]  # per leaf: (dim, manual axes sharding it), in dim order
+
+
+def axes_of(entry: Any) -> tuple[str, ...]:
+    """A PartitionSpec entry (None, an axis, or a tuple of axes) as a tuple of axes."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def param_axes(rules: Rules) -> set[str]:
+    """Every mesh axis the rule set shards some parameter dim over."""
+    return {a for _, entry in rules.params for a in axes_of(entry)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+    """Per-leaf ``shard_map`` specs and gather plans of the stage params (``[L, ...]``) and the head.
+
+    ``stage_specs[i]`` / ``head_specs[i]`` are the ``in_specs`` of the flattened leaves;
+    ``stage_plans`` / ``head_plans`` say which dims to all-gather over which manual batch axes.
+    ``batch_axes`` are all the manual batch axes (gradients are partial sums over each of them).
+    """
+
+    stage_specs: tuple[P, ...]
+    head_specs: tuple[P, ...]
+    stage_plans: tuple[Plan, ...]
+    head_plans: tuple[Plan, ...]
+    batch_axes: tuple[str, ...]
+
+    @property
+    def gathers(self) -> bool:
+        """Whether any parameter is sharded over a manual batch axis (FSDP inside the pipeline)."""
+        return any(self.stage_plans) or any(self.head_plans)
+
+    @staticmethod
+    def gather(leaves: list[jax.Array], plans: tuple[Plan, ...]) -> list[jax.Array]:
+        """``W[.., D_fsdp, ..] -> W[.., D, ..]``: tiled all-gather of each planned dim (once per step)."""
+        out = []
+        for x, plan in zip(leaves, plans, strict=True):
+            for dim, axes in plan:
+                x = collectives.all_gather(x, axes, dim=dim, tiled=True)
+            out.append(x)
+        return out
+
+    def reduce(self, grads: list[jax.Array], plans: tuple[Plan, ...]) -> list[jax.Array]:
+        """``G{U_batch}`` at gathered size -> ``G`` in the stored layout: reduce-scatter over the
+        gathered axes, all-reduce over the other manual batch axes (one reduction per step)."""
+        out = []
+        for g, plan in zip(grads, plans, strict=True):
+            used = set()
+            for dim, axes in reversed(plan):
+                g = collectives.psum_scatter(g, axes, dim=dim)
+                used.update(axes)
+            rest = tuple(a for a in self.batch_axes if a not in used)
+            out.append(collectives.psum(g, rest) if rest else g)
+        return out
+
+
+def _leaf_dims(tree: Any) -> list[tuple[str | None, ...] | None] | None:
+    variables = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    if len(variables) != len(jax.tree.leaves(tree)):
+        return None
+    return [variable_dims(v) if isinstance(v, nnx.Variable) else None for v in variables]
+
+
+def _manual_part(spec: P, ndim: int, manual: tuple[str, ...]) -> tuple[Any, ...] | None:
+    """The manual axes of each entry of ``spec`` (None where a manual axis follows an automatic one
+    in the same dim: the local block would not be contiguous)."""
+    entries = list(spec) + [None] * (ndim - len(spec))
+    out = []
+    for entry in entries:
+        axes = axes_of(entry)
+        keep = tuple(a for a in axes if a in manual)
+        if keep != axes[:len(keep)]:
+            return None
+        out.append(None if not keep else keep[0] if len(keep) == 1 else keep)
+    return tuple(out)
+
+
+def param_layout(stage_params: Any, head_params: Any, rules: Rules | None, mesh: Mesh, axis: str,
+                 batch_axes: tuple[str, ...]) -> ParamLayout | None:
+    """The layout of the parameters with ``axis`` and ``batch_axes`` manual, or None when a leaf's
+    stored sharding over a manual batch axis cannot be expressed (the caller keeps that axis automatic)."""
+    stage_leaves, head_leaves = jax.tree.leaves(stage_params), jax.tree.leaves(head_params)
+    sharding_axes = [a for a in batch_axes if rules is not None and a in param_axes(rules)]
+    if not sharding_axes:
+        return ParamLayout((P(axis),) * len(stage_leaves), (P(),) * len(head_leaves),
+                           ((),) * len(stage_leaves), ((),) * len(head_leaves), batch_axes)
+    specs: list[list[P]] = [[], []]
+    plans: list[list[Plan]] = [[], []]
+    for k, tree in enumerate((stage_params, head_params)):
+        dims = _leaf_dims(tree)
+        if dims is None or any(d is None for d in dims):
+            return None
+        for leaf, d in zip(jax.tree.leaves(tree), dims, strict=True):
+            try:
+                full = spec_for(leaf.shape, d, rules, mesh)
+            except RulesError:
+                return None
+            part = _manual_part(full, leaf.ndim, tuple(sharding_axes))
+            if part is None or (k == 0 and part and part[0] is not None):
+                return None
+            plans[k].append(tuple((i, axes_of(e)) for i, e in enumerate(part) if e is not None))
+            specs[k].append(P(axis, *part[1:]) if k == 0 else P(*part))
+    return ParamLayout(tuple(specs[0]), tuple(specs[1]), tuple(plans[0]), tuple(plans[1]), batch_axes)
