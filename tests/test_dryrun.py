@@ -225,3 +225,14 @@ def test_hardware_table():
     # 256 H100s as data=32 x fsdp=8: fsdp stays inside an 8-GPU NVLink node, data crosses InfiniBand
     assert networks({"data": 32, "fsdp": 8, "tensor": 1}, h100) == {"data": "dcn", "fsdp": "ici", "tensor": "ici"}
     assert networks({"data": 4, "fsdp": 2, "tensor": 8}, h100)["fsdp"] == "dcn"
+
+
+def test_subprocess_hand_off_is_json_and_rebuilds_only_toolkit_types():
+    import json
+
+    from trainers.dryrun import _decode, _encode
+
+    cfg = override(recipe("gpt-small", tiny=True), ["mesh.axes=data=2,tensor=4"])
+    assert _decode(json.loads(json.dumps(_encode([cfg, 8, get_hardware("h100"), 0.9])))) == [cfg, 8, get_hardware("h100"), 0.9]
+    with pytest.raises(ValueError, match="refusing to rebuild 'os:system'"):
+        _decode({"__dataclass__": "os:system", "fields": {}})

@@ -42,7 +42,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import pickle
+import importlib
+import json
 import re
 import subprocess
 import sys
@@ -200,16 +201,59 @@ def _in_subprocess(cfg: Config, devices: int, hw: Hardware, headroom: float) -> 
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
     with tempfile.TemporaryDirectory() as tmp:
-        src, dst = os.path.join(tmp, "in.pkl"), os.path.join(tmp, "out.pkl")
-        with open(src, "wb") as f:
-            pickle.dump((cfg, devices, hw, headroom), f)
+        src, dst = os.path.join(tmp, "in.json"), os.path.join(tmp, "out.json")
+        with open(src, "w") as f:
+            json.dump(_encode([cfg, devices, hw, headroom]), f)
         code = f"import sys; from trainers.dryrun import _subprocess_main; sys.exit(_subprocess_main({src!r}, {dst!r}))"
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"dry run in a subprocess with {devices} simulated CPU devices failed "
                                f"(exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-        with open(dst, "rb") as f:
-            return pickle.load(f)
+        with open(dst) as f:
+            return _decode(json.load(f))
+
+
+# The subprocess hand-off is JSON: dataclasses are named and rebuilt only from this toolkit's own
+# modules (no pickle: nothing read back can run code).
+_CODEC_MODULES = ("meshes.", "spmd.", "trainers.")
+
+
+def _encode(x):
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        kind = f"{type(x).__module__}:{type(x).__qualname__}"
+        return {"__dataclass__": kind, "fields": {f.name: _encode(getattr(x, f.name))
+                                                  for f in dataclasses.fields(x) if f.init}}
+    if isinstance(x, tuple):
+        return {"__tuple__": [_encode(v) for v in x]}
+    if isinstance(x, list):
+        return [_encode(v) for v in x]
+    if isinstance(x, dict):
+        if not all(isinstance(k, str) for k in x):
+            raise TypeError(f"cannot encode a dict with non-string keys: {list(x)[:3]}")
+        return {"__dict__": {k: _encode(v) for k, v in x.items()}}
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    raise TypeError(f"cannot encode {type(x).__name__} for the dry-run subprocess")
+
+
+def _decode(x):
+    if isinstance(x, list):
+        return [_decode(v) for v in x]
+    if not isinstance(x, dict):
+        return x
+    if "__tuple__" in x:
+        return tuple(_decode(v) for v in x["__tuple__"])
+    if "__dict__" in x:
+        return {k: _decode(v) for k, v in x["__dict__"].items()}
+    module, _, name = x["__dataclass__"].partition(":")
+    if not module.startswith(_CODEC_MODULES):
+        raise ValueError(f"refusing to rebuild {x['__dataclass__']!r}: not a type of this toolkit")
+    cls = importlib.import_module(module)
+    for part in name.split("."):
+        cls = getattr(cls, part)
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise ValueError(f"{x['__dataclass__']!r} is not a dataclass")
+    return cls(**{k: _decode(v) for k, v in x["fields"].items()})
 
 
 def abstract_state(cfg: Config, rules, mesh, tx):
@@ -304,12 +348,12 @@ def _dry_run_here(cfg: Config, devices: int, hw: Hardware, headroom: float) -> D
 
 
 def _subprocess_main(src: str, dst: str) -> int:
-    with open(src, "rb") as f:
-        cfg, devices, hw, headroom = pickle.load(f)
+    with open(src) as f:
+        cfg, devices, hw, headroom = _decode(json.load(f))
     import meshes
 
     meshes.simulate_cpu_devices(devices)
     report = _dry_run_here(cfg, devices, hw, headroom)
-    with open(dst, "wb") as f:
-        pickle.dump(report, f)
+    with open(dst, "w") as f:
+        json.dump(_encode(report), f)
     return 0
