@@ -135,29 +135,27 @@ def _perm(S: int, step: int, ring: bool) -> list[tuple[int, int]]:
     return pairs if ring else [(i, j) for i, j in pairs if 0 <= i + step < S]
 
 
-def _to_chunks(params: Any, S: int, V: int) -> Any:
-    """``W[L]`` (natural order) -> ``W[S*V*Lc]`` where device s's contiguous block is chunks s, s+S, ..."""
-    if V == 1:
+def _swap_blocks(params: Any, outer: int, inner: int) -> Any:
+    """``W[outer*inner*Lc]`` viewed as ``[outer, inner, Lc]`` -> ``[inner, outer, Lc]``, flattened back."""
+    if outer == 1 or inner == 1:
         return params
 
     def one(a):
-        lc = a.shape[0] // (S * V)
-        a = a.reshape(V, S, lc, *a.shape[1:]).swapaxes(0, 1)
-        return a.reshape(S * V * lc, *a.shape[3:])
+        lc = a.shape[0] // (outer * inner)
+        a = a.reshape(outer, inner, lc, *a.shape[1:]).swapaxes(0, 1)
+        return a.reshape(outer * inner * lc, *a.shape[3:])
 
     return jax.tree.map(one, params)
+
+
+def _to_chunks(params: Any, S: int, V: int) -> Any:
+    """``W[L]`` (natural order) -> ``W[S*V*Lc]`` where device s's contiguous block is chunks s, s+S, ..."""
+    return _swap_blocks(params, V, S)
 
 
 def _from_chunks(params: Any, S: int, V: int) -> Any:
-    if V == 1:
-        return params
-
-    def one(a):
-        lc = a.shape[0] // (S * V)
-        a = a.reshape(S, V, lc, *a.shape[1:]).swapaxes(0, 1)
-        return a.reshape(S * V * lc, *a.shape[3:])
-
-    return jax.tree.map(one, params)
+    """Inverse of :func:`_to_chunks`."""
+    return _swap_blocks(params, S, V)
 
 
 def _tree_zeros(tree: Any) -> Any:
