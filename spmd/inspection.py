@@ -108,3 +108,45 @@ def format_sharding_table(tree: Any) -> str:
         out.append(f"{r['path']:<{width}}  {str(r['shape']):<18}{r['spec']:<34}{str(r['shard']):<18}{r['bytes_per_device']:>12,}")
     out.append(f"{'total':<{width}}  {'':<18}{'':<34}{'':<18}{sum(r['bytes_per_device'] for r in rows):>12,}")
     return "\n".join(out)
+
+
+def jaxpr_flops(fn: Any, *args: Any) -> float:
+    """Matmul and convolution FLOPs of ``fn(*args)`` counted from its jaxpr (args may be abstract).
+
+    ``2 * M * N * K`` per ``dot_general`` and ``2 * out * in_features * kernel`` per convolution, with
+    a ``scan`` body counted once per iteration (what XLA's cost analysis misses), a ``cond`` by its
+    costliest branch and a ``while`` body once. Elementwise work is not counted: this is the
+    "model FLOPs" convention of MFU.
+    """
+    return float(_jaxpr_flops(jax.make_jaxpr(fn)(*args).jaxpr))
+
+
+def _sub_jaxprs(params: dict[str, Any]) -> list[Any]:
+    out = []
+    for value in params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, jax.extend.core.ClosedJaxpr):
+                out.append(v.jaxpr)
+            elif isinstance(v, jax.extend.core.Jaxpr):
+                out.append(v)
+    return out
+
+
+def _jaxpr_flops(jaxpr: Any) -> int:
+    total = 0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contract)
+        elif name == "conv_general_dilated":
+            rhs, spec = eqn.invars[1].aval.shape, eqn.params["dimension_numbers"].rhs_spec
+            total += 2 * math.prod(eqn.outvars[0].aval.shape) * rhs[spec[1]] * math.prod(rhs[d] for d in spec[2:])
+        elif name == "scan":
+            total += eqn.params["length"] * _jaxpr_flops(eqn.params["jaxpr"].jaxpr)
+        elif name == "cond":
+            total += max(_jaxpr_flops(b.jaxpr) for b in eqn.params["branches"])
+        else:
+            total += sum(_jaxpr_flops(j) for j in _sub_jaxprs(eqn.params))
+    return total

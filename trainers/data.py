@@ -30,6 +30,7 @@ every process (the usual case: hosts lie along the outer `data`/`fsdp` axes).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -39,6 +40,8 @@ import jax
 import numpy as np
 
 from trainers import corpus as corpus_lib
+
+logger = logging.getLogger(__name__)
 
 CORPORA = ("stdlib", "text", "npy", "synthetic")
 Batch = dict[str, np.ndarray]
@@ -138,13 +141,19 @@ def _grain_seed(seed: int) -> int:
     return int(np.random.SeedSequence(seed).generate_state(1, dtype=np.uint32)[0])
 
 
-class Loader(Iterator[Batch]):
-    """Iterator over this process's rows of each global batch, with checkpointable position."""
+class ExampleLoader(Iterator[Batch]):
+    """This process's rows of each global batch of a random-access source of *examples*, with an exact position.
+
+    ``source`` is a grain ``MapDataset`` or anything with ``len`` and ``[i]`` whose items are single
+    examples (pytrees of arrays without a batch dim, e.g. ``{"image": f32[8, 8, 1], "label": int}``).
+    Global batch k holds elements [k*B, (k+1)*B) of ``source`` shuffled anew every epoch (``shuffle``)
+    and repeated forever; this process reads only its block of rows and stacks them (``[b, ...]``).
+    The position is one integer, so resuming is exact and O(1) on any process count.
+    """
 
     def __init__(
         self,
-        tokens: np.ndarray,
-        seq_len: int,
+        source: Any,
         global_batch: int,
         seed: int,
         process_index: int | None = None,
@@ -153,7 +162,7 @@ class Loader(Iterator[Batch]):
     ):
         process_index = jax.process_index() if process_index is None else process_index
         process_count = jax.process_count() if process_count is None else process_count
-        if global_batch < 1:
+        if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
             raise ValueError(f"global_batch must be a positive int, got {global_batch!r}")
         if seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
@@ -164,33 +173,38 @@ class Loader(Iterator[Batch]):
                 f"global_batch={global_batch} is not divisible by process_count={process_count}; "
                 f"use a multiple of {process_count}"
             )
-        self.windows = TokenWindows(tokens, seq_len)
-        self.seq_len, self.global_batch, self.seed, self.shuffle = seq_len, global_batch, seed, shuffle
+        if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
+            raise TypeError(f"an example source needs len() and [i] (a grain MapDataset or a sequence), got "
+                            f"{type(source).__name__}")
+        if len(source) < 1:
+            raise ValueError("the example source is empty")
+        self.source = source
+        self.global_batch, self.seed, self.shuffle = global_batch, seed, shuffle
         self.process_index, self.process_count = process_index, process_count
         self.local_batch = global_batch // process_count
 
-        stream = grain.MapDataset.source(self.windows)
+        stream = source if isinstance(source, grain.MapDataset) else grain.MapDataset.source(source)
         if shuffle:
             stream = stream.shuffle(seed=_grain_seed(seed))
-        stream = stream.repeat()  # infinite; upstream shuffle reseeds each epoch
+        self._stream = stream.repeat()  # infinite; upstream shuffle reseeds each epoch
         first_row, b, B = process_index * self.local_batch, self.local_batch, global_batch
         self._batches = (
             grain.MapDataset.range(sys.maxsize)
-            .map(lambda i: stream[(i // b) * B + first_row + i % b])
+            .map(lambda i: self._stream[(i // b) * B + first_row + i % b])
             .batch(b)
         )
         self.step = 0
 
     @property
-    def windows_per_epoch(self) -> int:
-        return len(self.windows)
+    def examples_per_epoch(self) -> int:
+        return len(self.source)
 
     @property
     def epoch(self) -> float:
         """Epochs completed by the global batches consumed so far."""
-        return self.step * self.global_batch / len(self.windows)
+        return self.step * self.global_batch / len(self.source)
 
-    def __iter__(self) -> Loader:
+    def __iter__(self) -> ExampleLoader:
         return self
 
     def __next__(self) -> Batch:
@@ -200,14 +214,8 @@ class Loader(Iterator[Batch]):
 
     def get_state(self) -> dict[str, Any]:
         """JSON-serialisable position: the next global batch and what the stream depends on."""
-        return {
-            "step": self.step,
-            "seed": self.seed,
-            "seq_len": self.seq_len,
-            "global_batch": self.global_batch,
-            "num_windows": len(self.windows),
-            "shuffle": self.shuffle,
-        }
+        return {"step": self.step, "seed": self.seed, "global_batch": self.global_batch,
+                "num_examples": len(self.source), "shuffle": self.shuffle}
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Continue at state["step"]; the rest of state must match this loader's stream."""
@@ -224,6 +232,98 @@ class Loader(Iterator[Batch]):
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"loader state step must be a non-negative int, got {step!r}")
         self.step = step
+
+
+class Loader(ExampleLoader):
+    """An :class:`ExampleLoader` over the windows of a 1-D token array (``{"inputs", "targets"}`` of ``[b, L]``)."""
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        global_batch: int,
+        seed: int,
+        process_index: int | None = None,
+        process_count: int | None = None,
+        shuffle: bool = True,
+    ):
+        self.windows = TokenWindows(tokens, seq_len)
+        self.seq_len = seq_len
+        super().__init__(self.windows, global_batch, seed, process_index, process_count, shuffle)
+
+    @property
+    def windows_per_epoch(self) -> int:
+        return len(self.windows)
+
+    def get_state(self) -> dict[str, Any]:
+        state = super().get_state()
+        return {"step": state["step"], "seed": self.seed, "seq_len": self.seq_len, "global_batch": self.global_batch,
+                "num_windows": state["num_examples"], "shuffle": self.shuffle}
+
+
+class IterLoader(Iterator[Batch]):
+    """Per-process batches from a grain ``IterDataset`` or any iterable (each item: this process's rows).
+
+    The position is exact when the iterator has ``get_state``/``set_state`` (grain's iterators do);
+    otherwise a resumed run starts the iterable afresh (logged once: such data is not exactly
+    resumable).
+    """
+
+    def __init__(self, iterable: Any):
+        self.iterable = iterable
+        self._it = iter(iterable)
+        self.step = 0
+        self.resumable = hasattr(self._it, "get_state") and hasattr(self._it, "set_state")
+
+    def __iter__(self) -> IterLoader:
+        return self
+
+    def __next__(self) -> Batch:
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            raise StopIteration(f"the data iterable ran out after {self.step} batches; give an infinite "
+                                "(repeated) dataset or fewer run.steps") from None
+        self.step += 1
+        return batch
+
+    def get_state(self) -> dict[str, Any]:
+        return {"step": self.step, "iterator": self._it.get_state() if self.resumable else None}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or "step" not in state or "iterator" not in state:
+            raise ValueError(f"iterable loader state must have keys ['iterator', 'step'], got {state!r}")
+        if self.resumable and state["iterator"] is not None:
+            self._it.set_state(state["iterator"])
+        elif state["step"]:
+            logger.warning("the data iterable has no get_state/set_state: the resumed run starts it afresh, "
+                           "not at batch %d (not exactly resumable)", state["step"])
+        self.step = int(state["step"])
+
+
+def eval_batches(source: Any, global_batch: int, n_batches: int, *, process_index: int, process_count: int
+                 ) -> Iterator[tuple[Batch, np.ndarray]]:
+    """``(local batch, local mask)`` pairs for one evaluation.
+
+    A random-access source of examples: ``n_batches`` batches in order (wrapping around), or with
+    ``n_batches = -1`` one pass over the whole source, the last batch padded (mask 0 on padded rows).
+    An iterable of per-process batches: its first ``n_batches`` batches (all of them for -1), mask 1.
+    """
+    if hasattr(source, "__len__") and hasattr(source, "__getitem__"):
+        n = len(source)
+        total = -(-n // global_batch) if n_batches == -1 else n_batches
+        b = global_batch // process_count
+        for k in range(total):
+            rows = [k * global_batch + process_index * b + j for j in range(b)]
+            items = [source[r % n] for r in rows]
+            mask = np.asarray([1.0 if (n_batches != -1 or r < n) else 0.0 for r in rows], np.float32)
+            yield jax.tree.map(lambda *xs: np.stack(xs), *items), mask
+        return
+    for k, batch in enumerate(iter(source)):
+        if n_batches != -1 and k >= n_batches:
+            return
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        yield batch, np.ones((rows,), np.float32)
 
 
 def process_rows(sharding: jax.sharding.Sharding, global_batch: int) -> tuple[int, int]:
@@ -283,16 +383,20 @@ def make_loader(
     )
 
 
-def to_global(local_batch: Batch, sharding: jax.sharding.Sharding, global_batch: int) -> dict[str, jax.Array]:
-    """Assemble this process's rows (block :func:`process_rows`) into global ``[global_batch, ...]`` arrays."""
+def to_global(local_batch: Any, sharding: jax.sharding.Sharding, global_batch: int) -> Any:
+    """Assemble this process's rows (block :func:`process_rows`) of any batch pytree into global
+    ``[global_batch, ...]`` arrays."""
     block, n_blocks = process_rows(sharding, global_batch)
     rows = global_batch // n_blocks
-    out = {}
-    for name, local in local_batch.items():
+
+    def one(path, local):
+        local = np.asarray(local)
         if local.ndim < 1 or local.shape[0] != rows:
             raise ValueError(
-                f"local batch {name!r} has shape {local.shape}; expected {rows} rows "
-                f"(block {block} of {n_blocks} of global_batch={global_batch} under this batch sharding)"
+                f"local batch {jax.tree_util.keystr(path)} has shape {local.shape}; expected {rows} rows "
+                f"(block {block} of {n_blocks} of global_batch={global_batch} under this batch sharding); "
+                "every leaf of a batch needs the batch as its leading dim"
             )
-        out[name] = jax.make_array_from_process_local_data(sharding, local, (global_batch, *local.shape[1:]))
-    return out
+        return jax.make_array_from_process_local_data(sharding, local, (global_batch, *local.shape[1:]))
+
+    return jax.tree_util.tree_map_with_path(one, local_batch)

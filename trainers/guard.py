@@ -271,5 +271,5 @@ def add_window(sharded: Any, window: int, mesh: jax.sharding.Mesh) -> Any:
         raise ValueError(f"the state already has a 'guard' window; keys: {sorted(sharded.state)}")
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     window_state = jax.jit(lambda: init_state(window), out_shardings=rep)()
-    return Sharded(sharded.graphdef, {**sharded.state, "guard": window_state},
+    return Sharded(sharded.model, {**sharded.state, "guard": window_state},
                    {**sharded.shardings, "guard": jax.tree.map(lambda _: rep, window_state)})

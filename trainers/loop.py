@@ -1,6 +1,8 @@
 """The training run, as one explicit function a researcher can read in one sitting and fork.
 
-``train(cfg)`` builds the mesh and rule set, creates the state directly sharded, starts from the
+``train(cfg, task)`` trains any :class:`trainers.task.Task` (model, loss, data, eval metrics;
+``task=None`` is the built-in GPT on ``cfg``'s corpus, ``trainers.task.lm_task(cfg)``). It builds
+the mesh and rule set, creates the state directly sharded, starts from the
 newest valid checkpoint (state, data position and RNG) or from ``checkpoint.init_from`` (params
 only) or from scratch, then loops: next global batch -> train step -> guard and metrics (loss,
 grad norm, LR, tokens/s, step time, MFU) -> eval every N steps -> checkpoint every N steps and at
@@ -41,11 +43,10 @@ from flax import nnx
 
 import meshes
 import spmd
-from spmd.models import GPT, flops_per_step
 from trainers import guard as guard_lib
 from trainers.checkpoint import Checkpointer, NoUsableCheckpointError, resolve_init_from
 from trainers.config import Config
-from trainers.data import Loader, make_loader, to_global
+from trainers.data import ExampleLoader, IterLoader, eval_batches, process_rows, to_global
 from trainers.guard import DivergenceError, Guard, GuardEvent
 from trainers.logger import RunLogger, write_config
 from trainers.metrics import StepMeter, peak_flops_per_device
@@ -53,7 +54,8 @@ from trainers.optim import make_optimizer
 from trainers.preemption import PreemptionWatcher
 from trainers.schedules import make_schedule
 from trainers.state import Sharded, State, create_state
-from trainers.step import lm_loss_fn, make_eval_step, make_train_step
+from trainers.step import eval_view, loss_and_metrics, make_eval_step, make_train_step
+from trainers.task import Task, lm_task
 
 log = logging.getLogger(__name__)
 
@@ -80,12 +82,47 @@ class Result:
     state: Any = None
     preempted: bool = False
     guard_events: list[GuardEvent] = dataclasses.field(default_factory=list)
+    eval_metrics: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
 
 
-def evaluate(eval_step, params, loader, batch_sharding, global_batch: int, n_batches: int) -> float:
-    """Mean validation loss over the next ``n_batches`` batches of ``loader``."""
-    losses = [eval_step(params, to_global(next(loader), batch_sharding, global_batch)) for _ in range(n_batches)]
-    return float(np.mean(jax.device_get(losses)))
+def evaluate(eval_step, view, source, batch_sharding, global_batch: int, n_batches: int) -> dict[str, float]:
+    """Means over every real row of ``n_batches`` eval batches (-1: one pass over a finite source):
+    the loss, its metrics and the task's eval metrics, aggregated over batches and processes."""
+    block, n_blocks = process_rows(batch_sharding, global_batch)
+    sums = []
+    for local, mask in eval_batches(source, global_batch, n_batches, process_index=block, process_count=n_blocks):
+        sums.append(eval_step(view, to_global(local, batch_sharding, global_batch),
+                              to_global(mask, batch_sharding, global_batch)))
+    if not sums:
+        raise ValueError("the eval data yielded no batch")
+    totals = jax.tree.map(lambda *xs: float(np.sum(np.asarray(xs, np.float64))), *jax.device_get(sums))
+    count = totals.pop("count")
+    return {k: v / count for k, v in totals.items()}
+
+
+def _loader(source, global_batch: int, seed: int, batch_sharding) -> ExampleLoader | IterLoader:
+    """Random-access sources of examples are batched here; anything else yields per-process batches."""
+    if hasattr(source, "__len__") and hasattr(source, "__getitem__"):
+        block, n_blocks = process_rows(batch_sharding, global_batch)
+        return ExampleLoader(source, global_batch, seed, block, n_blocks)
+    if not hasattr(source, "__iter__"):
+        raise TypeError(f"task data is a {type(source).__name__}: give a grain MapDataset (or sequence) of examples, "
+                        "a grain IterDataset or an iterable of per-process batches, or a function cfg -> one of these")
+    return IterLoader(source)
+
+
+def _model_flops(task: Task, sharded: Sharded, batch, global_batch: int) -> tuple[float, str]:
+    """Model FLOPs per step (all devices) and where the number came from."""
+    if task.flops_per_example is not None:
+        return task.flops_per_example * global_batch, "the task's flops_per_example"
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (sharded.state, batch))
+
+    def forward(state, batch):
+        model = sharded.model.merge(state["params"], state.get("model_state", {}))
+        model.train()
+        return loss_and_metrics(task.loss(model, batch, nnx.Rngs(0)))[0]
+
+    return 3 * spmd.inspection.jaxpr_flops(forward, *abstract), "counted from the loss's jaxpr (3 x forward matmul FLOPs)"
 
 
 def _initial_state(cfg: Config, ckpt: Checkpointer, sharded: Sharded, logger: RunLogger) -> tuple[int, State, dict[str, Any]]:
@@ -125,7 +162,7 @@ def _without_window(state: State) -> State:
     return {k: v for k, v in state.items() if k != "guard"}
 
 
-def _next_batch(loader: Loader, skip: set[int]) -> tuple[int, dict[str, np.ndarray]]:
+def _next_batch(loader: ExampleLoader | IterLoader, skip: set[int]) -> tuple[int, dict[str, np.ndarray]]:
     """``(loader position, local batch)``, stepping over positions in ``skip`` (rolled-back bad batches)."""
     while loader.step in skip:
         next(loader)
@@ -135,14 +172,21 @@ def _next_batch(loader: Loader, skip: set[int]) -> tuple[int, dict[str, np.ndarr
 
 def train(
     cfg: Config,
+    task: Task | None = None,
     *,
     mesh: jax.sharding.Mesh | None = None,
     keep_state: bool = False,
     batch_hook: BatchHook | None = None,
     step_hook: StepHook | None = None,
 ) -> Result:
-    """Run (or resume) the training described by ``cfg``; returns losses and a summary."""
+    """Run (or resume) ``task`` (default: the built-in GPT task of ``cfg``) as ``cfg`` describes; returns losses and a summary."""
     run, data_cfg = cfg.run, cfg.data
+    task = lm_task(cfg) if task is None else task
+    if not isinstance(task, Task):
+        raise TypeError(f"task must be a trainers.Task, got {type(task).__name__}")
+    if cfg.pipeline.enabled and not task.pipelined:
+        raise ValueError(f"pipeline.schedule={cfg.pipeline.schedule!r} needs a task whose loss runs its spmd.Stack "
+                         f"through spmd.pipeline.pipelined_loss (Task.pipelined=True); task {task.name!r} does not")
     mesh = mesh or meshes.make_mesh(meshes.MeshSpec.of(cfg.mesh.axes, cfg.mesh.dcn or None), axis_type=cfg.mesh.axis_type)
     meshes.distributed.check_consistent(meshes.distributed.fingerprint(mesh, cfg.to_dict()))  # no-op on one process
     rules = spmd.get_rules(cfg.rules)
@@ -152,16 +196,16 @@ def train(
 
     schedule = make_schedule(cfg.schedule)
     tx = make_optimizer(cfg.optimizer, schedule)
-    sharded = create_state(lambda: GPT(cfg.model, rngs=nnx.Rngs(run.seed)), tx, rules, mesh, seed=run.seed)
+    sharded = create_state(lambda: task.model(nnx.Rngs(run.seed)), tx, rules, mesh, seed=run.seed,
+                           path_rules=task.path_rules)
     stepped = guard_lib.add_window(sharded, run.spike_window, mesh)  # what the step carries: state + guard window
-    batch_sharding = spmd.batch_sharding(rules, mesh)
-    loss_fn = lm_loss_fn(run.z_loss, cfg.pipeline)
+    batch_sharding = spmd.batch_sharding(rules, mesh, dims=("batch",))
     train_step = make_train_step(stepped, tx, rules, mesh, batch_sharding, schedule=schedule,
-                                 grad_accum=run.grad_accum, loss_fn=loss_fn, spike_factor=run.spike_factor)
-    eval_step = make_eval_step(sharded, rules, mesh, batch_sharding, loss_fn=loss_fn)
+                                 grad_accum=run.grad_accum, loss_fn=task.loss, spike_factor=run.spike_factor)
+    eval_source = task.eval_source(cfg) if run.eval_batches else None
+    eval_step = make_eval_step(sharded, rules, mesh, batch_sharding, loss_fn=task.loss, metrics=task.eval_metrics)
 
-    train_data = make_loader(data_cfg, "train", sharding=batch_sharding)
-    eval_data = make_loader(data_cfg, "validation", sharding=batch_sharding, shuffle=False) if run.eval_batches else None
+    train_data = _loader(task.train_source(cfg), data_cfg.global_batch, data_cfg.seed, batch_sharding)
     ckpt = Checkpointer(cfg.checkpoint.resolve_directory(run.directory), cfg.checkpoint)
     logger = RunLogger(run.directory, is_main=is_main, total_steps=run.steps,
                        use_tensorboard=run.tensorboard, progress=run.progress)
@@ -176,16 +220,18 @@ def train(
     state = {**state, "guard": guard_lib.window_from_json(data_state.get("guard"), run.spike_window, mesh)}
     skip_batches: set[int] = set(data_state.get("skip_batches", []))
 
-    logger.message(meshes.describe(mesh).splitlines()[0] + f"; rules {rules.name}; "
-                   f"{spmd.models.param_count(cfg.model):,} params")
-    peak, peak_source = peak_flops_per_device(mesh.devices.flat[0], dtype=cfg.model.dtype)
-    tokens = data_cfg.global_batch * data_cfg.seq_len
-    meter = StepMeter(tokens_per_step=tokens, model_flops_per_step=flops_per_step(cfg.model, data_cfg.global_batch, data_cfg.seq_len),
-                      n_devices=mesh.size, peak_per_device=peak)
+    n_params = sum(x.size for x in jax.tree.leaves(sharded.state["params"]))
+    logger.message(meshes.describe(mesh).splitlines()[0] + f"; rules {rules.name}; task {task.name}; {n_params:,} params")
+    if any(d.source != "annotation" and d.kind == "Param" for d in sharded.model.decisions):
+        logger.message("sharding of variables without logical dims:\n" + spmd.variables.format_decisions(
+            [d for d in sharded.model.decisions if d.source != "annotation"]))
+    peak, peak_source = peak_flops_per_device(mesh.devices.flat[0], dtype=getattr(cfg.model, "dtype", "float32"))
+    meter, flops_source = None, ""
     guard = Guard(run.guard, spike_factor=run.spike_factor, spike_window=run.spike_window,
                   max_bad_steps=run.max_bad_steps, logger=logger)
     losses: dict[int, float] = {}
     eval_losses: dict[int, float] = {}
+    eval_results: dict[int, dict[str, float]] = {}
     pending: list[tuple[int, int, dict[str, jax.Array]]] = []  # (step, batch index, metrics) not yet fetched
     preempted = False
     step = start
@@ -196,7 +242,14 @@ def train(
                 index, batch = _next_batch(train_data, skip_batches)
                 if batch_hook is not None:
                     batch = batch_hook(index, batch)
-                state, metrics = train_step(state, to_global(batch, batch_sharding, data_cfg.global_batch))
+                batch = to_global(batch, batch_sharding, data_cfg.global_batch)
+                if meter is None:
+                    flops, flops_source = _model_flops(task, sharded, batch, data_cfg.global_batch)
+                    per_example = task.tokens_per_example or 1
+                    meter = StepMeter(tokens_per_step=data_cfg.global_batch * per_example, model_flops_per_step=flops,
+                                      n_devices=mesh.size, peak_per_device=peak)
+                    logger.message(f"MFU from {flops:.3e} model FLOPs per step, {flops_source}; peak {peak_source}")
+                state, metrics = train_step(state, batch)
                 step += 1
                 steps_since += 1
                 pending.append((step, index, metrics))
@@ -233,16 +286,20 @@ def train(
                         timing = meter.record(now - t_last, steps=steps_since)
                         t_last, steps_since = now, 0
                         values = {k: float(v) for k, v in fetched[-1].items() if k not in guard_lib.FLAG_KEYS}
+                        if not task.tokens_per_example:
+                            timing["examples_per_s"] = timing.pop("tokens_per_s")
                         values.update(timing, skipped=float(jax.device_get(state["skipped"])))
                         losses[step] = values["loss"]
                         logger.log(step, values)
                     if error is not None:
                         raise error
-                if eval_data is not None and (step % run.eval_every == 0 or step == run.steps):
-                    eval_loss = evaluate(eval_step, state["params"], eval_data, batch_sharding, data_cfg.global_batch, run.eval_batches)
-                    eval_data = make_loader(data_cfg, "validation", sharding=batch_sharding, shuffle=False)  # same batches every eval
-                    eval_losses[step] = eval_loss
-                    logger.log(step, {"loss": eval_loss, "perplexity": math.exp(min(eval_loss, 50.0))}, prefix="eval")
+                if eval_source is not None and (step % run.eval_every == 0 or step == run.steps):
+                    results = evaluate(eval_step, eval_view(state), eval_source, batch_sharding, data_cfg.global_batch,
+                                       run.eval_batches)
+                    eval_losses[step], eval_results[step] = results["loss"], results
+                    if "ce" in results:  # a language model's cross-entropy: perplexity too
+                        results = {**results, "perplexity": math.exp(min(results["ce"], 50.0))}
+                    logger.log(step, results, prefix="eval")
                     t_last = time.perf_counter()  # eval time is not step time
                 if save:
                     data_state = {"train": train_data.get_state(), "skip_batches": sorted(skip_batches),
@@ -258,7 +315,8 @@ def train(
         finally:
             ckpt.close()
             logger.close()
-    summary = meter.summary() | {"peak_flops_per_device": peak, "peak_source": peak_source}
+    summary = (meter.summary() if meter is not None else {}) | {"peak_flops_per_device": peak, "peak_source": peak_source,
+                                                                "flops_source": flops_source}
     skipped = int(jax.device_get(state["skipped"]))
     return Result(run.directory, start, step, losses, eval_losses, skipped, summary,
-                  _without_window(state) if keep_state else None, preempted, list(guard.events))
+                  _without_window(state) if keep_state else None, preempted, list(guard.events), eval_results)

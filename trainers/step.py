@@ -1,27 +1,40 @@
-"""The pure, jitted train and eval steps.
+"""The pure, jitted train and eval steps, for any model, loss and batch structure.
 
 ``train_step(state, batch) -> (state, metrics)`` is one ``jax.jit`` with explicit in/out
-shardings and the state donated (updated in place, no second copy). Inside it:
+shardings and the state donated (updated in place, no second copy). ``batch`` is any pytree of
+arrays whose leading dim is the batch (``x[B_batch, ...]``, sharded like the rule set's ``batch``
+dim). Inside the step:
 
-1. **Gradient accumulation** over ``k`` microbatches with ``lax.scan``. The global batch
-   ``x[B_batch, L]`` is regrouped as ``[k, B/k, L]`` so that every device keeps its own rows (row
-   ``i`` of microbatch ``j`` is global row ``i*k + j``: no data moves), and the accumulator is
-   constrained to the parameters' shardings (sharded like the params, not a replicated buffer as
-   ``optax.MultiSteps`` keeps). The mean of k microbatch gradients equals the full-batch gradient.
-2. **Mixed precision**: parameters and optimizer state stay f32; the model casts weights to its
-   compute dtype at use (bf16 on accelerators), so gradients arrive in f32.
-3. **Pre-clip global gradient norm** is computed for logging; clipping itself is the first link
+1. **The model** is rebuilt from ``state["params"]`` and ``state["model_state"]`` (batch
+   statistics, RNG streams, any other ``nnx.Variable``), put in training mode (``model.train()``:
+   dropout on, BatchNorm on batch statistics), and handed to the loss as
+   ``loss_fn(model, batch, rngs) -> loss | (loss, metrics)``. ``rngs`` is an ``nnx.Rngs`` drawn
+   from the state's RNG for this step (and microbatch): the same on every layout and after a
+   resume. Variables the call updates (BatchNorm statistics, RNG counts) are written back to
+   ``state["model_state"]``; under GSPMD a batch statistic is a mean over the *global* batch, so
+   every layout equals one device.
+2. **Gradient accumulation** over ``k`` microbatches with ``lax.scan``. The global batch
+   ``x[B_batch, ...]`` is regrouped as ``[k, B/k, ...]`` so that every device keeps its own rows
+   (row ``i`` of microbatch ``j`` is global row ``i*k + j``: no data moves), and the accumulator is
+   constrained to the parameters' shardings. The mean of k microbatch gradients equals the
+   full-batch gradient (for models without batch statistics).
+3. **Mixed precision**: parameters and optimizer state stay f32; models cast weights to their
+   compute dtype at use, so gradients arrive in f32.
+4. **Pre-clip global gradient norm** is computed for logging; clipping itself is the first link
    of the optimizer chain.
-4. **Guard** (``trainers.guard``): if the loss or the gradient norm is not finite, or (when the
+5. **Guard** (``trainers.guard``): if the loss or the gradient norm is not finite, or (when the
    state carries a ``"guard"`` window and ``spike_factor > 0``) either spikes above
-   ``spike_factor x`` its running median, parameters and optimizer state are left unchanged (one
-   ``lax.cond`` around the update), ``skipped`` and ``bad_streak`` count it, and the window only
-   takes accepted values. The loop applies the run's policy (skip, rollback, stop) on the host.
+   ``spike_factor x`` its running median, parameters, model state and optimizer state are left
+   unchanged (one ``lax.cond`` around the update), ``skipped`` and ``bad_streak`` count it.
+
+``eval_step(state, batch, mask) -> sums`` runs the model in evaluation mode (``model.eval()``) and
+returns sums over the real rows of the batch (``mask`` 0 marks padding): ``count``, the loss and
+its metrics weighted by the batch's real rows, and every eval metric's per-example values.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -37,8 +50,9 @@ from trainers import guard
 from trainers.optim import global_norm
 from trainers.state import Sharded, State
 
-Batch = dict[str, jax.Array]
-LossFn = Callable[[nnx.Module, Batch], tuple[jax.Array, dict[str, jax.Array]]]
+Batch = Any  # a pytree of arrays with a leading batch dim
+LossFn = Callable[[nnx.Module, Batch, nnx.Rngs], "jax.Array | tuple[jax.Array, dict[str, jax.Array]]"]
+MetricFn = Callable[[nnx.Module, Batch], jax.Array]
 
 
 def lm_loss_fn(z_loss: float = 0.0, pipeline: PipelineConfig | None = None) -> LossFn:
@@ -46,7 +60,7 @@ def lm_loss_fn(z_loss: float = 0.0, pipeline: PipelineConfig | None = None) -> L
     with an enabled ``pipeline`` config, ``model.loss(..., pipeline=pipeline)`` runs the blocks as a
     pipeline over the ``pipe`` axis."""
 
-    def loss_fn(model: nnx.Module, batch: Batch):
+    def loss_fn(model: nnx.Module, batch: Batch, rngs: nnx.Rngs | None = None):
         if pipeline is not None and pipeline.enabled:
             return model.loss(batch["inputs"], batch["targets"], z_loss=z_loss, pipeline=pipeline)
         return lm_loss(model(batch["inputs"]), batch["targets"], z_loss=z_loss)
@@ -54,10 +68,32 @@ def lm_loss_fn(z_loss: float = 0.0, pipeline: PipelineConfig | None = None) -> L
     return loss_fn
 
 
+def loss_and_metrics(out: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """A loss function's result as ``(scalar loss, {name: scalar})``, or a clear error."""
+    if isinstance(out, tuple):
+        if len(out) != 2 or not isinstance(out[1], Mapping):
+            raise TypeError(f"the loss function returned a tuple of {len(out)} items "
+                            f"({', '.join(type(x).__name__ for x in out)}); return a scalar loss or (loss, dict of metrics)")
+        loss, metrics = out
+    else:
+        loss, metrics = out, {}
+    if not hasattr(loss, "shape") or loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise TypeError(f"the loss function must return a float scalar loss, got {type(loss).__name__} of shape "
+                        f"{getattr(loss, 'shape', None)} and dtype {getattr(loss, 'dtype', None)} (take a mean over the batch)")
+    for name, value in metrics.items():
+        if not isinstance(name, str) or jnp.shape(value) != ():
+            raise TypeError(f"loss metric {name!r} has shape {jnp.shape(value)}; metrics must be scalars keyed by str")
+    return loss, dict(metrics)
+
+
 def _microbatches(x: jax.Array, k: int) -> jax.Array:
     """``[B, ...] -> [k, B/k, ...]`` with microbatch j = rows j, j+k, j+2k, ... (local to each device)."""
     x = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
     return spmd.constrain(x, (None, "batch") + (None,) * (x.ndim - 2))
+
+
+def _step_rngs(key: jax.Array, micro: int | jax.Array | None = None) -> nnx.Rngs:
+    return nnx.Rngs(key if micro is None else jax.random.fold_in(key, micro))
 
 
 def make_train_step(
@@ -82,54 +118,60 @@ def make_train_step(
     if spike_factor > 0 and "guard" not in sharded.state:
         raise ValueError(f"spike_factor={spike_factor} needs a 'guard' window in the state (trainers.guard.init_state); "
                          f"state keys: {sorted(sharded.state)}")
-    graphdef, param_shardings = sharded.graphdef, sharded.shardings["params"]
+    model_vars, param_shardings = sharded.model, sharded.shardings["params"]
     loss_fn = loss_fn or lm_loss_fn()
     rules = spmd.get_rules(rules)
 
-    def loss_of(params, batch):
-        model = nnx.merge(graphdef, params)
-        loss, aux = loss_fn(model, batch)
-        return loss, aux
+    def loss_of(params, other, batch, rngs):
+        model = model_vars.merge(params, other)
+        model.train()
+        loss, metrics = loss_and_metrics(loss_fn(model, batch, rngs))
+        return loss, (metrics, model_vars.split(model)[1])
 
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
 
     def step(state: State, batch: Batch):
-        params = state["params"]
+        params, other = state["params"], state.get("model_state", {})
+        key, step_key = jax.random.split(jax.random.wrap_key_data(state["rng"]))
         with spmd.use_rules(rules, mesh):
             if grad_accum == 1:
-                (loss, aux), grads = grad_fn(params, batch)
+                (loss, (aux, new_other)), grads = grad_fn(params, other, batch, _step_rngs(step_key))
             else:
                 micro = jax.tree.map(lambda x: _microbatches(x, grad_accum), batch)
 
-                def body(acc, mb):
-                    (l, aux), g = grad_fn(params, mb)
+                def body(carry, xs):
+                    acc, other = carry
+                    mb, j = xs
+                    (l, (aux, other)), g = grad_fn(params, other, mb, _step_rngs(step_key, j))
                     acc = jax.tree.map(jnp.add, acc, g)
-                    return jax.lax.with_sharding_constraint(acc, param_shardings), (l, aux)
+                    return (jax.lax.with_sharding_constraint(acc, param_shardings), other), (l, aux)
 
                 zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), param_shardings)
-                grads, (losses, auxs) = jax.lax.scan(body, zeros, micro)
+                (grads, new_other), (losses, auxs) = jax.lax.scan(body, (zeros, other), (micro, jnp.arange(grad_accum)))
                 grads = jax.tree.map(lambda g: g / grad_accum, grads)
                 loss, aux = losses.mean(), jax.tree.map(jnp.mean, auxs)
         grad_norm = global_norm(grads)
         flags = guard.check(state["guard"], loss, grad_norm, spike_factor) if "guard" in state else None
         ok = flags["ok"] if flags is not None else jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
-        def update(grads, opt_state, params):
+        def update(grads, opt_state, params, other, new_other):
             updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
+            return optax.apply_updates(params, updates), opt_state, new_other
 
         # one cond, not a jnp.where per leaf: a per-leaf select keeps both old and new moments alive
         # and makes XLA copy the donated optimizer state every step
-        new_params, opt_state = jax.lax.cond(ok, update, lambda g, o, p: (p, o), grads, state["opt_state"], params)
-        key = jax.random.wrap_key_data(state["rng"])
+        new_params, opt_state, new_other = jax.lax.cond(
+            ok, update, lambda g, o, p, other, _: (p, o, other), grads, state["opt_state"], params, other, new_other)
         new_state = {
             "params": new_params,
             "opt_state": opt_state,
             "step": state["step"] + 1,
-            "rng": jax.random.key_data(jax.random.split(key)[0]),
+            "rng": jax.random.key_data(key),
             "skipped": state["skipped"] + (~ok).astype(jnp.int32),
             "bad_streak": jnp.where(ok, 0, state["bad_streak"] + 1),
         }
+        if "model_state" in state:
+            new_state["model_state"] = new_other
         metrics = {"loss": loss, "grad_norm": grad_norm, "finite": ok, **aux}
         if flags is not None:
             new_state["guard"] = guard.update(state["guard"], loss, grad_norm, ok)
@@ -138,30 +180,51 @@ def make_train_step(
             metrics["lr"] = schedule(state["step"])
         return new_state, metrics
 
-    batch_shardings = {"inputs": batch_sharding, "targets": batch_sharding}
     return jax.jit(
         step,
-        in_shardings=(sharded.shardings, batch_shardings),
+        in_shardings=(sharded.shardings, batch_sharding),
         out_shardings=(sharded.shardings, spmd.replicated(mesh)),
         donate_argnums=(0,) if donate else (),
     )
 
 
+EVAL_KEYS = ("params", "model_state")
+
+
+def eval_view(state: State) -> State:
+    """What the eval step reads of the train state: params and the other model variables."""
+    return {k: state[k] for k in EVAL_KEYS if k in state}
+
+
 def make_eval_step(
-    sharded: Sharded, rules: spmd.Rules | str, mesh: Mesh, batch_sharding: NamedSharding, *, loss_fn: LossFn | None = None
-) -> Callable[[dict[str, Any], Batch], jax.Array]:
-    """``eval_step(params, batch) -> mean loss`` (cross-entropy only, no z-loss)."""
-    graphdef = sharded.graphdef
+    sharded: Sharded, rules: spmd.Rules | str, mesh: Mesh, batch_sharding: NamedSharding, *,
+    loss_fn: LossFn | None = None, metrics: Mapping[str, MetricFn] | None = None,
+) -> Callable[[State, Batch, jax.Array], dict[str, jax.Array]]:
+    """``eval_step(eval_view(state), batch, mask) -> sums`` (see the module docstring).
+
+    ``metrics`` maps a name to ``fn(model, batch) -> per-example values [B]`` (e.g. accuracy as
+    ``argmax == label``); they are summed over real rows here and averaged over all eval rows of
+    all batches and processes by the loop (:func:`trainers.loop.evaluate`).
+    """
+    model_vars = sharded.model
     loss_fn = loss_fn or lm_loss_fn()
+    metrics = dict(metrics or {})
     rules = spmd.get_rules(rules)
 
-    def step(params, batch):
+    def step(view, batch, mask_B):
         with spmd.use_rules(rules, mesh):
-            loss, aux = loss_fn(nnx.merge(graphdef, params), batch)
-        return aux.get("ce", loss)
+            model = model_vars.merge(view["params"], view.get("model_state", {}))
+            model.eval()
+            loss, aux = loss_and_metrics(loss_fn(model, batch, nnx.Rngs(0)))
+            count = jnp.sum(mask_B)
+            out = {"count": count, "loss": loss * count, **{k: v * count for k, v in aux.items()}}
+            for name, fn in metrics.items():
+                values = jnp.asarray(fn(model, batch))
+                if values.shape != mask_B.shape:
+                    raise TypeError(f"eval metric {name!r} returned shape {values.shape}; it must return one value "
+                                    f"per example, shape {mask_B.shape} (e.g. (logits.argmax(-1) == labels))")
+                out[name] = jnp.sum(values.astype(jnp.float32) * mask_B)
+        return out
 
-    return jax.jit(
-        step,
-        in_shardings=(sharded.shardings["params"], {"inputs": batch_sharding, "targets": batch_sharding}),
-        out_shardings=spmd.replicated(mesh),
-    )
+    shardings = {k: sharded.shardings[k] for k in EVAL_KEYS if k in sharded.shardings}
+    return jax.jit(step, in_shardings=(shardings, batch_sharding, batch_sharding), out_shardings=spmd.replicated(mesh))

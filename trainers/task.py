@@ -1,0 +1,126 @@
+"""What to train: a :class:`Task` carries the model, the loss, the data and the eval metrics.
+
+``trainers.train(cfg, task)`` trains any task with every feature of the run (directly sharded
+state, warmup and decay, clipping, accumulation, the loss-spike guard, preemption, exact resume,
+eval, MFU, JSONL and TensorBoard). The built-in GPT is one task among others (:func:`lm_task`),
+built through the same seam. The contract:
+
+- ``model(rngs) -> nnx.Module``: built directly sharded. Any ``nnx.Variable`` kind is welcome:
+  params, batch statistics, RNG streams, your own. Dims come from flax metadata
+  (``nnx.with_partitioning``, ``out_sharding=``), else from ``path_rules`` (``((regex, dims), ...)``,
+  see ``spmd.variables``), else the documented default.
+- ``loss(model, batch, rngs) -> loss`` or ``(loss, {name: scalar})``: called in training mode
+  (``model.train()``); ``rngs`` is an ``nnx.Rngs`` for this step (dropout keys are the same on
+  every layout and after a resume). Metrics are averaged and logged with the loss.
+- ``data``: a grain ``MapDataset`` (or any ``len``/``[i]`` sequence) of single examples, which the
+  toolkit shuffles per epoch, repeats, cuts into global batches of ``data.global_batch`` rows and
+  reads per process, resuming exactly; or a grain ``IterDataset`` / any iterable of *per-process*
+  batches (exactly resumable when its iterator has ``get_state``/``set_state``). Either may be
+  given as a function ``cfg -> data`` (built when the run starts). A batch is any pytree of arrays
+  whose leading dim is the batch.
+- ``eval_data`` likewise, and ``eval_metrics``: ``{name: fn(model, batch) -> values[B]}``, one value
+  per example (e.g. ``logits.argmax(-1) == label``), averaged over every real eval row of every
+  batch and process. ``run.eval_batches = -1`` evaluates one full pass over a finite eval set.
+- ``flops_per_example``: model FLOPs of one example's forward and backward pass, for MFU; without
+  it the run counts them from the loss's jaxpr (3 x the forward pass's matmul FLOPs, scanned
+  bodies counted once per iteration) and says so in the log.
+- ``config``: the default :class:`trainers.config.Config` of ``spmd-train module:task``.
+- ``pipelined``: set when the loss runs its ``spmd.Stack`` through ``spmd.pipeline.pipelined_loss``
+  under ``cfg.pipeline`` (the LM task does); a pipelined config with a task that does not is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from flax import nnx
+
+from trainers.config import Config
+from trainers.data import TokenWindows, load_corpus
+from trainers.step import LossFn, MetricFn, lm_loss_fn
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """A model, its loss, its data and its eval metrics: everything a run needs that is not config."""
+
+    model: Callable[[nnx.Rngs], nnx.Module]
+    loss: LossFn
+    data: Any
+    eval_data: Any = None
+    eval_metrics: Mapping[str, MetricFn] = dataclasses.field(default_factory=dict)
+    flops_per_example: float | None = None
+    tokens_per_example: int | None = None  # tokens/s in the log (e.g. seq_len of an LM); None logs examples/s
+    path_rules: tuple = ()
+    config: Config | None = None
+    name: str = "task"
+    pipelined: bool = False
+
+    def __post_init__(self) -> None:
+        for field in ("model", "loss"):
+            if not callable(getattr(self, field)):
+                raise TypeError(f"Task.{field} must be callable, got {type(getattr(self, field)).__name__}")
+        if self.data is None:
+            raise TypeError("Task.data is required: a grain MapDataset of examples, an iterable of batches, or cfg -> one")
+        if not isinstance(self.eval_metrics, Mapping) or not all(callable(f) for f in self.eval_metrics.values()):
+            raise TypeError(f"Task.eval_metrics must map names to functions (model, batch) -> values[B], "
+                            f"got {self.eval_metrics!r}")
+        if self.flops_per_example is not None and not self.flops_per_example > 0:
+            raise ValueError(f"Task.flops_per_example must be > 0 or None, got {self.flops_per_example!r}")
+        if self.config is not None and not isinstance(self.config, Config):
+            raise TypeError(f"Task.config must be a trainers.Config, got {type(self.config).__name__}")
+
+    def train_source(self, cfg: Config) -> Any:
+        return _build(self.data, cfg)
+
+    def eval_source(self, cfg: Config) -> Any:
+        return None if self.eval_data is None else _build(self.eval_data, cfg)
+
+
+def _build(data: Any, cfg: Config) -> Any:
+    """``data``, or ``data(cfg)`` when it is a factory (a callable that is not itself a dataset)."""
+    is_dataset = hasattr(data, "__getitem__") or hasattr(data, "__iter__")
+    return data(cfg) if callable(data) and not is_dataset else data
+
+
+def lm_task(cfg: Config) -> Task:
+    """The built-in task: ``spmd.models.GPT(cfg.model)`` on ``cfg.data``'s token corpus, next-token loss."""
+    from spmd.models import GPT, flops_per_step
+
+    model_cfg = cfg.model
+    return Task(
+        model=lambda rngs: GPT(model_cfg, rngs=rngs),
+        loss=lm_loss_fn(cfg.run.z_loss, cfg.pipeline),
+        data=lambda c: TokenWindows(load_corpus(c.data, "train"), c.data.seq_len),
+        eval_data=lambda c: TokenWindows(load_corpus(c.data, "validation"), c.data.seq_len),
+        flops_per_example=flops_per_step(model_cfg, 1, cfg.data.seq_len),
+        tokens_per_example=cfg.data.seq_len,
+        config=cfg,
+        name="lm",
+        pipelined=True,
+    )
+
+
+def load_task(target: str) -> Task:
+    """The :class:`Task` named ``"package.module:attribute"`` (a Task, or a function of no arguments returning one)."""
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"task {target!r} is not of the form package.module:attribute")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"task {target!r}: cannot import module {module_name!r} ({exc})") from None
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            names = sorted(n for n in dir(module) if not n.startswith("_"))
+            raise ValueError(f"task {target!r}: module {module_name!r} has no attribute {attr!r}; it has: {', '.join(names)}")
+        obj = getattr(obj, part)
+    if not isinstance(obj, Task) and callable(obj):
+        obj = obj()
+    if not isinstance(obj, Task):
+        raise ValueError(f"task {target!r} is a {type(obj).__name__}, not a trainers.Task (or a function returning one)")
+    return obj
