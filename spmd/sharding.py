@@ -167,15 +167,18 @@ def init_params(
     so each device only ever allocates its own shards. ``params`` is a pure dict of arrays;
     ``nnx.merge(graphdef, params)`` rebuilds the model inside a step.
     """
-    abstract = nnx.eval_shape(make)
+    with nnx.use_eager_sharding(False):  # the toolkit shards from the metadata, not flax at construction
+        abstract = nnx.eval_shape(make)
     graphdef, abstract_params, rest = nnx.split(abstract, nnx.Param, ...)
     if jax.tree.leaves(rest):
         kinds = sorted({type(v).__name__ for _, v in _variables(rest)})
-        raise RulesError(f"model has non-parameter state ({', '.join(kinds)}); only nnx.Param state is supported")
+        raise RulesError(f"model has non-parameter state ({', '.join(kinds)}); init_params takes nnx.Param state only: "
+                         "use spmd.init_model, which shards and returns every variable kind")
     shardings = param_shardings(abstract_params, rules, mesh, on_indivisible=on_indivisible)
 
     def init() -> dict[str, Any]:
-        return nnx.to_pure_dict(nnx.state(make(), nnx.Param))
+        with nnx.use_eager_sharding(False):
+            return nnx.to_pure_dict(nnx.state(make(), nnx.Param))
 
     params = jax.jit(init, out_shardings=shardings)()
     return graphdef, params, shardings

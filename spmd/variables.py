@@ -48,7 +48,7 @@ from spmd.rules import Rules, RulesError, get_rules
 from spmd.sharding import path_str, spec_for, variable_dims
 
 PathRules = Sequence[tuple[str, Any]]
-MIN_DEFAULT_SIZE = 1 << 12  # elements; smaller unannotated variables stay replicated
+MIN_DEFAULT_SIZE = 1 << 10  # elements; smaller unannotated variables stay replicated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,8 +120,11 @@ def decide(abstract_state: nnx.State, rules: Rules | str, mesh: Mesh, *, path_ru
         if match is not None:
             _, d, text = match
             if isinstance(d, P):
-                spec = d
-                _check_direct(path, shape, spec, sizes, text)
+                entries = list(d)
+                while entries and entries[-1] is None:
+                    entries.pop()
+                spec = P(*entries)
+                _check_direct(path, shape, d, sizes, text)
                 out.append(Decision(path, kind, shape, None, spec, f"path rule {text!r}"))
             else:
                 if len(d) != len(shape):
