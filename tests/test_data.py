@@ -311,3 +311,73 @@ def test_process_rows_single_process_and_bad_blocks():
     with pytest.raises(ValueError, match="either sharding or process_index"):
         make_loader(DataConfig(seq_len=4, global_batch=8, max_tokens=2000), "train", process_index=0,
                     sharding=NamedSharding(mesh, P("data")))
+
+
+# ----------------------------------------------------------------------------- any task's data
+def _examples(n=10):
+    return [{"image": np.full((2, 2), i, np.float32), "label": np.int32(i)} for i in range(n)]
+
+
+def test_example_loader_batches_any_pytree_and_resumes_exactly():
+    from trainers.data import ExampleLoader
+
+    a = ExampleLoader(_examples(), 4, seed=3, process_index=0, process_count=1)
+    first = [next(a) for _ in range(5)]  # crosses an epoch boundary: 20 rows of 10 examples
+    assert first[0]["image"].shape == (4, 2, 2) and first[0]["label"].dtype == np.int32
+    epoch = np.concatenate([b["label"] for b in first])[:10]
+    assert sorted(epoch) == list(range(10)) and list(epoch) != list(range(10))  # a permutation, shuffled
+    b = ExampleLoader(_examples(), 4, seed=3, process_index=0, process_count=1)
+    b.set_state(ExampleLoader(_examples(), 4, seed=3, process_index=0, process_count=1).get_state() | {"step": 3})
+    np.testing.assert_array_equal(next(b)["label"], first[3]["label"])
+    halves = [next(ExampleLoader(_examples(), 4, seed=3, process_index=p, process_count=2))["label"] for p in (0, 1)]
+    np.testing.assert_array_equal(np.concatenate(halves), first[0]["label"])  # processes read disjoint rows
+    with pytest.raises(ValueError, match="num_examples=10 but this loader has num_examples=9"):
+        ExampleLoader(_examples(9), 4, seed=3, process_index=0, process_count=1).set_state(a.get_state())
+    with pytest.raises(TypeError, match="needs len"):
+        ExampleLoader(iter(_examples()), 4, seed=3, process_index=0, process_count=1)
+
+
+def test_iter_loader_resumes_a_grain_iterator_exactly_and_warns_otherwise(caplog):
+    import grain
+
+    from trainers.data import IterLoader
+
+    ds = grain.MapDataset.source(_examples(12)).batch(3).to_iter_dataset()
+    a = IterLoader(ds)
+    assert a.resumable
+    next(a), next(a)
+    state = a.get_state()
+    expected = next(a)["label"]
+    b = IterLoader(ds)
+    b.set_state(state)
+    np.testing.assert_array_equal(next(b)["label"], expected)
+    plain = IterLoader([{"label": np.arange(3)}] * 4)
+    assert not plain.resumable
+    with caplog.at_level("WARNING"):
+        plain.set_state({"step": 2, "iterator": None})
+    assert "not exactly resumable" in caplog.text
+    with pytest.raises(RuntimeError, match="ran out after 6 batches"):
+        for _ in range(5):
+            next(plain)
+
+
+def test_eval_batches_cover_the_set_once_with_a_mask():
+    from trainers.data import eval_batches
+
+    got = list(eval_batches(_examples(10), 4, -1, process_index=0, process_count=1))
+    assert len(got) == 3
+    labels = np.concatenate([b["label"] for b, _ in got])
+    masks = np.concatenate([m for _, m in got])
+    assert list(labels[masks == 1]) == list(range(10)) and masks.sum() == 10  # each example once, padding masked
+    two = list(eval_batches(_examples(10), 4, 2, process_index=1, process_count=2))
+    assert [list(b["label"]) for b, _ in two] == [[2, 3], [6, 7]] and all(m.all() for _, m in two)
+
+
+def test_to_global_takes_any_pytree():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharding = NamedSharding(mesh, P("data"))
+    local = {"image": np.zeros((8, 2, 2), np.float32), "meta": (np.arange(8), np.ones((8,), bool))}
+    batch = to_global(local, sharding, 8)
+    assert batch["image"].shape == (8, 2, 2) and batch["meta"][1].dtype == bool
+    with pytest.raises(ValueError, match=r"local batch 'meta/0' has shape \(4,\)"):
+        to_global({"meta": (np.arange(4),)}, sharding, 8)

@@ -1,5 +1,6 @@
 """The loss-spike and divergence guard: in-step flags, and each policy on planted NaN and spike batches."""
 
+import dataclasses
 import math
 import os
 
@@ -20,16 +21,15 @@ STEPS = 8
 
 
 # ----------------------------------------------------------------------------- planted bad batches
-def spiky_lm_loss_fn(*args, **kwargs):
-    """The real LM loss, times 1000 on a planted batch (every row starts with byte 0, which Python source never has)."""
-    real = step_lib.lm_loss_fn(*args, **kwargs)
+def spiky(loss_fn):
+    """A loss, times 1000 on a planted batch (every row starts with byte 0, which Python source never has)."""
 
-    def loss_fn(model, batch):
-        loss, aux = real(model, batch)
+    def loss(model, batch, rngs):
+        value, aux = loss_fn(model, batch, rngs)
         planted = jnp.all(batch["inputs"][:, 0] == 0)
-        return loss * jnp.where(planted, 1000.0, 1.0), aux
+        return value * jnp.where(planted, 1000.0, 1.0), aux
 
-    return loss_fn
+    return loss
 
 
 def plant(nan=(), spike=()):
@@ -47,9 +47,11 @@ def plant(nan=(), spike=()):
     return hook
 
 
-@pytest.fixture
-def spiky(monkeypatch):
-    monkeypatch.setattr(loop, "lm_loss_fn", spiky_lm_loss_fn)
+@pytest.fixture(name="spiky")
+def spiky_task(monkeypatch):
+    """The run's built-in LM task with the spiky loss, through the task seam."""
+    real = loop.lm_task
+    monkeypatch.setattr(loop, "lm_task", lambda cfg: dataclasses.replace(real(cfg), loss=spiky(real(cfg).loss)))
 
 
 def _params_at(run_dir, steps, like):

@@ -48,7 +48,7 @@ class RunConfig:
     grad_accum: int = 1  # microbatches per step (the global batch is split k ways)
     z_loss: float = 0.0
     eval_every: int = 100
-    eval_batches: int = 4
+    eval_batches: int = 4  # batches per evaluation; -1: one full pass over a finite eval set; 0: no eval
     log_every: int = 10
     seed: int = 0
     max_bad_steps: int = 5  # consecutive bad steps (skip) or rollbacks in all (rollback) before the run stops
@@ -67,8 +67,10 @@ class RunConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"run.{name} must be >= 1, got {getattr(self, name)}")
         validate(self.guard, self.spike_factor, self.spike_window)
-        if self.eval_batches < 0 or self.z_loss < 0:
-            raise ValueError(f"run.eval_batches and run.z_loss must be >= 0, got {self.eval_batches}, {self.z_loss}")
+        if self.eval_batches < -1:
+            raise ValueError(f"run.eval_batches must be >= 0, or -1 for one full pass over the eval set; got {self.eval_batches}")
+        if self.z_loss < 0:
+            raise ValueError(f"run.z_loss must be >= 0, got {self.z_loss}")
 
     @property
     def directory(self) -> str:

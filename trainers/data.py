@@ -39,6 +39,7 @@ import grain
 import jax
 import numpy as np
 
+from spmd.sharding import path_str
 from trainers import corpus as corpus_lib
 
 logger = logging.getLogger(__name__)
@@ -282,7 +283,7 @@ class IterLoader(Iterator[Batch]):
         try:
             batch = next(self._it)
         except StopIteration:
-            raise StopIteration(f"the data iterable ran out after {self.step} batches; give an infinite "
+            raise RuntimeError(f"the data iterable ran out after {self.step} batches; give an infinite "
                                 "(repeated) dataset or fewer run.steps") from None
         self.step += 1
         return batch
@@ -393,7 +394,7 @@ def to_global(local_batch: Any, sharding: jax.sharding.Sharding, global_batch: i
         local = np.asarray(local)
         if local.ndim < 1 or local.shape[0] != rows:
             raise ValueError(
-                f"local batch {jax.tree_util.keystr(path)} has shape {local.shape}; expected {rows} rows "
+                f"local batch {path_str(path) or '<root>'!r} has shape {local.shape}; expected {rows} rows "
                 f"(block {block} of {n_blocks} of global_batch={global_batch} under this batch sharding); "
                 "every leaf of a batch needs the batch as its leading dim"
             )
