@@ -111,6 +111,19 @@ def _loader(source, global_batch: int, seed: int, batch_sharding) -> ExampleLoad
     return IterLoader(source)
 
 
+def _check_pipelined(cfg: Config, task: Task) -> None:
+    """A pipelined config needs a task whose loss pipelines its ``spmd.Stack``: say what is missing."""
+    if not cfg.pipeline.enabled or task.pipelined:
+        return
+    model = spmd.variables.abstract_model(lambda: task.model(nnx.Rngs(cfg.run.seed)))
+    stacks = ["/".join(map(str, path)) or "<root>" for path, node in nnx.iter_graph(model) if isinstance(node, spmd.Stack)]
+    found = (f"its model has spmd.Stack blocks at {stacks}: run them in the loss with "
+             "spmd.pipeline.pipelined_loss(cfg.pipeline, stage_fn, head_fn, stack_state, head_state, x, targets) "
+             "(see spmd.models.GPT.loss) and set Task(pipelined=True)") if stacks else \
+        "its model has no spmd.Stack: put the repeated blocks in one, pipeline them in the loss, and set Task(pipelined=True)"
+    raise ValueError(f"pipeline.schedule={cfg.pipeline.schedule!r} cannot run task {task.name!r}: {found}")
+
+
 def _model_flops(task: Task, sharded: Sharded, batch, global_batch: int) -> tuple[float, str]:
     """Model FLOPs per step (all devices) and where the number came from."""
     if task.flops_per_example is not None:
@@ -184,9 +197,7 @@ def train(
     task = lm_task(cfg) if task is None else task
     if not isinstance(task, Task):
         raise TypeError(f"task must be a trainers.Task, got {type(task).__name__}")
-    if cfg.pipeline.enabled and not task.pipelined:
-        raise ValueError(f"pipeline.schedule={cfg.pipeline.schedule!r} needs a task whose loss runs its spmd.Stack "
-                         f"through spmd.pipeline.pipelined_loss (Task.pipelined=True); task {task.name!r} does not")
+    _check_pipelined(cfg, task)
     mesh = mesh or meshes.make_mesh(meshes.MeshSpec.of(cfg.mesh.axes, cfg.mesh.dcn or None), axis_type=cfg.mesh.axis_type)
     meshes.distributed.check_consistent(meshes.distributed.fingerprint(mesh, cfg.to_dict()))  # no-op on one process
     rules = spmd.get_rules(cfg.rules)

@@ -1,0 +1,92 @@
+"""The task seam: any model, loss and data through ``train(cfg, task)``, and clear errors at its edges."""
+
+import dataclasses
+import json
+import os
+
+import grain
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from test_variables import Plain
+from trainers import Config, Task, lm_task, load_task, override, recipe, train
+from trainers.logger import read_metrics
+
+
+def _examples(n=64, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 16)).astype(np.float32)
+    return [{"x": x[i], "y": np.int32(int(x[i, 0] > 0) + 2 * int(x[i, 1] > 0))} for i in range(n)]
+
+
+def _loss(model, batch, rngs):  # a scalar loss: no metrics dict needed
+    return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"]).mean()
+
+
+TASK = Task(model=lambda rngs: Plain(rngs, rate=0.1), loss=_loss, data=_examples(), eval_data=_examples(20, seed=1),
+            eval_metrics={"accuracy": lambda m, b: m(b["x"]).argmax(-1) == b["y"]}, name="plain")
+
+
+def _cfg(run_dir, steps=4, *sets):
+    return override(Config(), [f"run.run_dir={run_dir}", f"run.steps={steps}", f"schedule.total_steps={steps}",
+                               "schedule.warmup_steps=1", "mesh.axes=data=2,fsdp=2,tensor=2", "data.global_batch=16",
+                               "run.progress=false", "run.tensorboard=false", "run.log_every=1", "run.eval_every=2",
+                               "run.eval_batches=-1", "checkpoint.every_steps=2", "checkpoint.async_save=false", *sets])
+
+
+def test_a_user_task_trains_evaluates_and_logs(tmp_path):
+    result = train(_cfg(tmp_path), TASK)
+    assert sorted(result.losses) == [1, 2, 3, 4] and sorted(result.eval_metrics) == [2, 4]
+    assert 0.0 <= result.eval_metrics[4]["accuracy"] <= 1.0
+    rows = read_metrics(str(tmp_path))
+    assert any(r.get("split") == "eval" and "accuracy" in r for r in rows) or \
+        any("eval/accuracy" in json.dumps(r) for r in rows)
+    text = open(os.path.join(tmp_path, "metrics.jsonl")).read() + "".join(
+        open(os.path.join(tmp_path, f)).read() for f in os.listdir(tmp_path) if f.endswith(".log"))
+    assert "examples_per_s" in text
+    assert "flops_source" in result.summary and "jaxpr" in result.summary["flops_source"]
+
+
+def test_per_process_batches_from_a_grain_iter_dataset(tmp_path):
+    ds = grain.MapDataset.source(_examples()).repeat().batch(16).to_iter_dataset()
+    whole = train(_cfg(tmp_path / "a", 4, "run.eval_batches=0"), dataclasses.replace(TASK, data=ds))
+    train(_cfg(tmp_path / "b", 2, "run.eval_batches=0"), dataclasses.replace(TASK, data=ds))
+    resumed = train(_cfg(tmp_path / "b", 4, "run.eval_batches=0"), dataclasses.replace(TASK, data=ds))
+    assert resumed.start_step == 2
+    assert [resumed.losses[s] for s in (3, 4)] == [whole.losses[s] for s in (3, 4)]  # iterator position restored
+
+
+def test_contract_errors_name_what_is_wrong(tmp_path):
+    with pytest.raises(TypeError, match="Task.model must be callable"):
+        Task(model=None, loss=_loss, data=[])
+    with pytest.raises(TypeError, match="one value per example|eval_metrics must map"):
+        Task(model=TASK.model, loss=_loss, data=[], eval_metrics={"acc": 1})
+    with pytest.raises(TypeError, match="give a grain MapDataset"):
+        train(_cfg(tmp_path), dataclasses.replace(TASK, data=lambda cfg: 42))
+    bad_batch = [{"x": np.zeros((3,), np.float32), "y": np.int32(0)}] * 32
+    with pytest.raises(Exception, match="16|3"):
+        train(_cfg(tmp_path / "shape", 1), dataclasses.replace(TASK, data=bad_batch))
+
+
+def test_pipelined_config_names_what_the_task_lacks(tmp_path):
+    cfg = recipe("gpt-small-pp", tiny=True)
+    with pytest.raises(ValueError, match=r"spmd.Stack blocks at \['blocks'\]"):
+        train(cfg, dataclasses.replace(lm_task(cfg), pipelined=False))
+    plain = override(cfg, [f"run.run_dir={tmp_path}"])
+    with pytest.raises(ValueError, match="has no spmd.Stack"):
+        train(plain, TASK)
+
+
+def test_load_task_errors():
+    assert load_task("test_task:TASK") is TASK
+    with pytest.raises(ValueError, match="package.module:attribute"):
+        load_task("test_task")
+    with pytest.raises(ValueError, match="cannot import module 'no_such_module'"):
+        load_task("no_such_module:task")
+    with pytest.raises(ValueError, match="has no attribute 'nope'"):
+        load_task("test_task:nope")
+    with pytest.raises(ValueError, match="not a trainers.Task"):
+        load_task("test_task:_examples")
