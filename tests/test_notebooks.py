@@ -44,6 +44,7 @@ EXPECTED_FIGURES = {
     "04_pipelines": 4,  # schedule Gantt charts; bubble vs M against theory; stash depth vs M; pipelined loss curve
     "05_train_a_gpt": 2,  # LR schedule; train/eval loss and gradient norm curves
     "06_from_notebook_to_pod": 1,  # loss curve of the 2-process run
+    "07_bring_your_own_model": 2,  # one digit per class; loss and accuracy curves with the resume marked
 }
 CELL_TIMEOUT_S = 300
 KERNEL = "python3"
