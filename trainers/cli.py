@@ -1,4 +1,11 @@
-"""``spmd-train RECIPE [--tiny] [--set key=value ...]``: the command every host of a pod runs.
+"""``spmd-train TARGET [--tiny] [--set key=value ...]``: the command every host of a pod runs.
+
+TARGET is a recipe (the built-in GPT: ``gpt-small``, ``gpt-125m``, ...) or a task,
+``package.module:attribute`` naming a :class:`trainers.task.Task` (or a function of no arguments
+returning one). A task's base config is its ``Task.config`` (``trainers.Config()`` named after the
+task when it has none); ``--tiny`` makes it a 2-step smoke run (:func:`trainers.recipes.tiny_run`:
+steps, schedule, eval, checkpoints; the model and data stay the task's). Every other flag works
+the same for both.
 
 Examples::
 
@@ -6,9 +13,12 @@ Examples::
     spmd-train gpt-small --tiny --simulate-devices 8           # a 2-step smoke run
     spmd-train gpt-125m --mesh fsdp=8 --set run.steps=2000     # one 8-GPU node
     spmd-train gpt-350m --mesh data=-1,fsdp=8 --dcn data=4     # 4 nodes / slices
+    spmd-train trainers.examples.digits:task --simulate-devices 8     # your own model, loss and data
+    spmd-train my_project.tasks:task --dry-run --devices 256 --hardware h100
 
-The device count for ``--simulate-devices`` must be set before jax starts, so this module
-imports jax-using packages only after parsing arguments.
+The device count for ``--simulate-devices`` must be set before jax starts, and a task's module
+may use jax when it is imported, so this module imports jax-using packages only after parsing
+arguments, and a task's module only after ``jax.distributed`` and the simulated devices are set up.
 """
 
 from __future__ import annotations
@@ -21,9 +31,12 @@ import sys
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from trainers.recipes import RECIPES
 
-    p = argparse.ArgumentParser(prog="spmd-train", description="Train a recipe on this host's (or every host's) devices.")
-    p.add_argument("recipe", help=f"one of: {', '.join(RECIPES)}")
-    p.add_argument("--tiny", action="store_true", help="the recipe's tiny variant (2 steps, small model)")
+    p = argparse.ArgumentParser(prog="spmd-train",
+                                description="Train a recipe or a task on this host's (or every host's) devices.")
+    p.add_argument("target", metavar="TARGET",
+                   help=f"a recipe ({', '.join(RECIPES)}) or a task as package.module:attribute")
+    p.add_argument("--tiny", action="store_true",
+                   help="a 2-step smoke run (a recipe's tiny variant also shrinks its model)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set model.d_model=256 (repeatable)")
     p.add_argument("--mesh", help="mesh axis sizes, e.g. data=2,tensor=4 (-1 infers one axis)")
@@ -48,11 +61,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_config(args: argparse.Namespace):
-    from trainers.config import override
-    from trainers.recipes import recipe
+def is_task_target(target: str) -> bool:
+    """Whether TARGET names a task (``package.module:attribute``) rather than a recipe."""
+    return ":" in target
 
-    cfg = recipe(args.recipe, tiny=args.tiny)
+
+def load_target(target: str):
+    """The :class:`trainers.task.Task` a ``package.module:attribute`` TARGET names (ValueError with
+    what was given and what is valid otherwise)."""
+    from trainers.recipes import RECIPES
+    from trainers.task import load_task
+
+    try:
+        return load_task(target)
+    except ValueError as e:
+        raise ValueError(f"{e} (TARGET is a recipe, one of {', '.join(RECIPES)}, or a task as package.module:attribute "
+                         "naming a trainers.Task or a function returning one)") from None
+
+
+def base_config(target: str, task=None, *, tiny: bool = False):
+    """The config TARGET starts from: a recipe's (tiny variant with ``tiny``), or the task's."""
+    from trainers.config import Config, RunConfig
+    from trainers.recipes import RECIPES, recipe, tiny_run
+
+    if task is None:
+        if target not in RECIPES:
+            raise ValueError(f"unknown recipe {target!r}; TARGET is a recipe ({', '.join(RECIPES)}) or a task as "
+                             "package.module:attribute")
+        return recipe(target, tiny=tiny)
+    cfg = task.config if task.config is not None else Config(run=RunConfig(name=task.name))
+    return tiny_run(cfg) if tiny else cfg
+
+
+def build_config(args: argparse.Namespace, task=None):
+    """The resolved config of TARGET (``task``: the loaded task when TARGET names one) and the flags."""
+    from trainers.config import override
+
+    cfg = base_config(args.target, task, tiny=args.tiny)
     sets = list(args.overrides)
     if args.mesh:
         sets.append(f"mesh.axes={args.mesh}")
@@ -69,46 +114,73 @@ def build_config(args: argparse.Namespace):
     return override(cfg, sets)
 
 
+def _error(message: object, code: int = 2) -> int:
+    print(f"spmd-train: error: {message}", file=sys.stderr)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        cfg = build_config(args)
-    except ValueError as e:
-        print(f"spmd-train: error: {e}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        import json
+    is_task = is_task_target(args.target)
+    if args.dry_run or args.print_config:
+        task = None
+        if is_task:
+            import meshes
 
-        print(json.dumps(dataclasses.asdict(cfg), indent=2))
-        return 0
-    if args.dry_run:
+            devices = args.devices or args.simulate_devices
+            if args.dry_run and devices and not meshes.backend_started():
+                meshes.simulate_cpu_devices(devices)  # what dry_run does itself, before the task's module can start jax
+            try:
+                task = load_target(args.target)
+            except ValueError as e:
+                return _error(e)
+        try:
+            cfg = build_config(args, task)
+        except ValueError as e:
+            return _error(e)
+        if args.print_config:
+            import json
+
+            print(json.dumps(dataclasses.asdict(cfg), indent=2))
+            return 0
         from trainers.dryrun import dry_run
 
         try:
-            report = dry_run(cfg, devices=args.devices or args.simulate_devices or None, hardware=args.hardware)
+            report = dry_run(cfg, args.target if is_task else None, devices=args.devices or args.simulate_devices or None,
+                             hardware=args.hardware)
         except ValueError as e:
-            print(f"spmd-train: error: {e}", file=sys.stderr)
-            return 2
+            return _error(e)
         print(report.format())
         return 0 if report.fits else 1
+
+    task = None
+    if not is_task:  # a recipe's config is checked before any jax or network work
+        try:
+            cfg = build_config(args)
+        except ValueError as e:
+            return _error(e)
 
     import meshes
 
     try:  # before any other jax call; a no-op on one host
         meshes.distributed.initialize(args.coordinator, args.num_processes, args.process_id, timeout_s=args.init_timeout)
     except ValueError as e:
-        print(f"spmd-train: error: {e}", file=sys.stderr)
-        return 2
+        return _error(e)
     if args.simulate_devices:
         meshes.simulate_cpu_devices(args.simulate_devices)
+    if is_task:  # imported only now: its module may start jax
+        try:
+            task = load_target(args.target)
+            cfg = build_config(args, task)
+        except ValueError as e:
+            return _error(e)
 
     from trainers.loop import train
 
     try:
-        result = train(cfg)
+        result = train(cfg, task)
     except (meshes.distributed.ConsistencyError, meshes.distributed.DistributedError) as e:
-        print(f"spmd-train: error: {e}", file=sys.stderr)
-        return 1
+        return _error(e, 1)
     if result.eval_losses:
         first, last = min(result.eval_losses), max(result.eval_losses)
         print(f"eval loss {result.eval_losses[first]:.3f} (step {first}) -> {result.eval_losses[last]:.3f} (step {last}); "

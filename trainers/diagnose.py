@@ -9,7 +9,10 @@ Checks:
 
 - :func:`check_divisibility`: a parameter dim whose size does not divide by the product of the
   mesh axes its rule maps it to (the error ``spmd.spec_for`` raises at state creation, found here
-  before any compile, for every parameter at once);
+  before any compile, for every parameter at once); for the built-in GPT the fix names the
+  ``model.*`` field that sets the size, for any other model the dim and the mesh axes;
+- :func:`check_layout`: any model's variables on a layout, decided exactly as the run's state
+  builder decides them (:func:`spmd.variables.decide`: annotations, path rules, the FSDP default);
 - :func:`check_batch`: the global batch (per microbatch) does not divide by the batch axes;
 - :func:`check_pipeline`: a pipelined run (``pipeline.schedule != "none"``) whose layers do not
   split into ``pipe x virtual_stages`` equal chunks, whose batch does not split into
@@ -18,11 +21,18 @@ Checks:
   runs it when built, so a bad ``--set`` fails before any compile;
 - :func:`check_replicated`: a large parameter left replicated although the rule set shards
   parameters (each device holds a full copy);
+- :func:`check_activation_split`: compiled temporaries that look like every device holds the
+  activations of the whole batch (an unconstrained model under FSDP), from a task's estimate;
 - :func:`check_collectives`: all-to-alls in a compiled step (GSPMD resharding between layouts
   that disagree, usually a missing ``constrain``), traced to the jax operation that emitted them;
 - :func:`parse_remat_warnings`: XLA's "Involuntary full rematerialization" warnings (the
   partitioner could not convert between two shardings without materialising the whole tensor),
   read from the compiler's log, which :func:`capture_stderr` collects around a compile.
+
+The model is read abstractly (no allocation): the built-in GPT from its ``GPTConfig``
+(:func:`param_infos`), any task's model through :func:`model_variables` (``make -> nnx.Module``
+and the task's path rules), whose :class:`ModelVariables` hold every variable kind, their
+logical dims and where those came from.
 """
 
 from __future__ import annotations
@@ -39,12 +49,15 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 
 import spmd
+from meshes import AXES
 from spmd.models import GPT, GPTConfig
 from spmd.pipeline import PipelineConfig
+from spmd.variables import Decision, PathRules, abstract_model, decide
 
-# Which config field sets the size of each logical dim (for "use X a multiple of N" fixes).
+# Which config field sets the size of each logical dim of the built-in GPT (for "use X a multiple of N" fixes).
 CONFIG_FIELD = {
     "mlp": "model.d_ff", "heads": "model.n_heads", "kv_heads": "model.n_kv_heads", "vocab": "model.vocab_size",
     "embed": "model.d_model", "layers": "model.n_layers", "head_dim": "model.head_dim", "batch": "data.global_batch",
@@ -55,7 +68,7 @@ CONFIG_FIELD = {
 class Issue:
     """One diagnosed problem: what (kind), where (path, dim), and the suggested fix."""
 
-    kind: str  # "indivisible" | "batch" | "pipeline" | "replicated" | "all-to-all" | "remat"
+    kind: str  # "indivisible" | "rules" | "batch" | "pipeline" | "replicated" | "all-to-all" | "remat" | "config" | "profile"
     path: str
     dim: str | None
     message: str
@@ -68,29 +81,94 @@ class Issue:
 
 @dataclasses.dataclass(frozen=True)
 class ParamInfo:
+    """One variable of a model: path, shape, logical dims (from its annotation or a path rule; None
+    when it has none), bytes per element of its stored form, its kind and where its dims came from."""
+
     path: str
     shape: tuple[int, ...]
     dims: tuple[str | None, ...] | None
     itemsize: int
+    kind: str = "Param"
+    source: str = "annotation"
 
     @property
     def size(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.itemsize
+
+
+class _AxisSizes:
+    """What ``spmd.variables.decide`` reads of a mesh, its axis names and sizes, without devices:
+    the planning layer decides layouts for meshes larger than this machine."""
+
+    def __init__(self, sizes: Mapping[str, int]):
+        self.axis_names = tuple(sizes)
+        self.devices = np.broadcast_to(np.uint8(0), tuple(max(int(s), 1) for s in sizes.values()))
+
+
+def _storage(x) -> tuple[tuple[int, ...], int]:
+    """Shape and item size of a variable as the train state stores it (RNG keys as uint32 key data)."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
+        return tuple(data.shape), np.dtype(data.dtype).itemsize
+    return tuple(x.shape), np.dtype(x.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModelVariables:
+    """Every variable of a model, abstract (shapes, dtypes, metadata; nothing allocated): what the
+    planning layer reads of any task's model. ``params`` / ``other`` are the abstract ``nnx.State``
+    of the ``nnx.Param`` variables and of every other kind (batch statistics, RNG streams, ...)."""
+
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    other: nnx.State
+    path_rules: tuple
+    infos: tuple[ParamInfo, ...]  # the parameters, in tree order
+    other_infos: tuple[ParamInfo, ...]
+
+    @property
+    def param_count(self) -> int:
+        return sum(p.size for p in self.infos)
+
+    def decisions(self, rules: spmd.Rules | str, sizes: Mapping[str, int], *,
+                  on_indivisible: str = "error") -> list[Decision]:
+        """How every variable (parameters first) is sharded on a mesh of these axis sizes: the same
+        :func:`spmd.variables.decide` the run's state builder calls (raises ``spmd.RulesError``)."""
+        mesh = _AxisSizes({a: sizes.get(a, 1) for a in AXES})
+        return (decide(self.params, rules, mesh, path_rules=self.path_rules, on_indivisible=on_indivisible)
+                + decide(self.other, rules, mesh, path_rules=self.path_rules, on_indivisible=on_indivisible))
+
+
+def model_variables(make, path_rules: PathRules = ()) -> ModelVariables:
+    """The :class:`ModelVariables` of ``make()`` (a function returning an ``nnx.Module``), traced abstractly."""
+    graphdef, params, other = nnx.split(abstract_model(make), nnx.Param, ...)
+    path_rules = tuple(path_rules)
+    unit = _AxisSizes({a: 1 for a in AXES})
+
+    def infos(state) -> tuple[ParamInfo, ...]:
+        leaves = {spmd.path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]}
+        out = []
+        for d in decide(state, "none", unit, path_rules=path_rules):
+            shape, itemsize = _storage(leaves[d.path])
+            out.append(ParamInfo(d.path, shape, d.dims, itemsize, d.kind, d.source))
+        return tuple(out)
+
+    return ModelVariables(graphdef, params, other, path_rules, infos(params), infos(other))
+
 
 @functools.lru_cache(maxsize=32)
-def param_infos(model: GPTConfig) -> tuple[ParamInfo, ...]:
-    """Path, shape, logical dims and item size of every parameter, from an abstract model (no allocation)."""
-    from flax import nnx
+def _gpt_variables(model: GPTConfig) -> ModelVariables:
+    return model_variables(lambda: GPT(model, rngs=nnx.Rngs(0)))
 
-    abstract = nnx.eval_shape(lambda: GPT(model, rngs=nnx.Rngs(0)))
-    _, params, _ = nnx.split(abstract, nnx.Param, ...)
-    dims = spmd.logical_dims(params)
-    out = []
-    for path, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(params))[0]:
-        name = spmd.path_str(path)
-        out.append(ParamInfo(name, tuple(x.shape), dims.get(name), np.dtype(x.dtype).itemsize))
-    return tuple(out)
+
+def param_infos(model: GPTConfig | ModelVariables) -> tuple[ParamInfo, ...]:
+    """Path, shape, logical dims and item size of every parameter of the built-in GPT of a
+    ``GPTConfig``, or of any model's :class:`ModelVariables` (from an abstract model, no allocation)."""
+    return (_gpt_variables(model) if isinstance(model, GPTConfig) else model).infos
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -112,8 +190,13 @@ def _alternative(dim: str, axes: Sequence[str]) -> str:
     return "rules dp_tp or a smaller fsdp axis"
 
 
-def check_divisibility(params: Sequence[ParamInfo], rules: spmd.Rules | str, sizes: Mapping[str, int]) -> list[Issue]:
-    """Every parameter dim that does not divide by its mesh axes (state creation would fail)."""
+def check_divisibility(params: Sequence[ParamInfo], rules: spmd.Rules | str, sizes: Mapping[str, int], *,
+                       fields: Mapping[str, str] = CONFIG_FIELD) -> list[Issue]:
+    """Every parameter dim that does not divide by its mesh axes (state creation would fail).
+
+    The fix names the config field that sets the dim's size where ``fields`` has one (the built-in
+    GPT's ``model.*``); for any other model it names the parameter's dim and the mesh axes.
+    """
     rules = spmd.get_rules(rules)
     issues = []
     for info in params:
@@ -121,17 +204,37 @@ def check_divisibility(params: Sequence[ParamInfo], rules: spmd.Rules | str, siz
             continue
         spec = rules.spec(info.dims, kind="params", mesh_sizes=sizes, what=info.path)
         entries = list(spec) + [None] * (len(info.shape) - len(spec))
-        for size, dim, entry in zip(info.shape, info.dims, entries):
+        for i, (size, dim, entry) in enumerate(zip(info.shape, info.dims, entries)):
             axes = _axes(entry)
             n = math.prod(sizes[a] for a in axes)
             if n > 1 and size % n:
                 where = " x ".join(f"{a}={sizes[a]}" for a in axes)
-                field = CONFIG_FIELD.get(dim or "", f"the {dim} size")
-                issues.append(Issue(
-                    "indivisible", info.path, dim,
-                    f"{info.path} dim {dim}={size} does not divide by {where}",
-                    f"use {field} a multiple of {n}, or {_alternative(dim or '', axes)}", fatal=True))
+                if dim in fields:
+                    fix = f"use {fields[dim]} a multiple of {n}, or {_alternative(dim or '', axes)}"
+                else:
+                    fix = (f"make dim {i} ({dim}) of {info.path} a multiple of {n} in the model, or keep {dim} off "
+                           f"mesh axis {' x '.join(axes)} (rules that do not shard {dim}, or a smaller {' x '.join(axes)})")
+                issues.append(Issue("indivisible", info.path, dim, f"{info.path} dim {dim}={size} does not divide by {where}",
+                                    fix, fatal=True))
     return issues
+
+
+def check_layout(variables: ModelVariables, rules: spmd.Rules | str, sizes: Mapping[str, int]
+                 ) -> tuple[list[Decision] | None, list[Issue]]:
+    """Any model's variables on a layout: ``(decisions, issues)``; decisions are None when it cannot be built.
+
+    Dims from annotations and path rules are checked for every variable at once
+    (:func:`check_divisibility`, fixes naming the dim and the mesh axes); anything else
+    :func:`spmd.variables.decide` refuses (a path rule's ``PartitionSpec`` that does not divide, an
+    unknown dim, one axis for two dims) becomes a fatal issue with its message.
+    """
+    issues = check_divisibility(variables.infos + variables.other_infos, rules, sizes, fields={})
+    if issues:
+        return None, issues
+    try:
+        return variables.decisions(rules, sizes), []
+    except spmd.RulesError as e:
+        return None, [Issue("rules", "variables", None, str(e), "", fatal=True)]
 
 
 def check_batch(global_batch: int, grad_accum: int, rules: spmd.Rules | str, sizes: Mapping[str, int]) -> list[Issue]:
@@ -200,38 +303,79 @@ def check_pipeline(model: GPTConfig, pipeline: PipelineConfig, rules: spmd.Rules
 
 
 def check_replicated(params: Sequence[ParamInfo], rules: spmd.Rules | str, sizes: Mapping[str, int], *,
-                     fraction: float = 0.05) -> list[Issue]:
+                     fraction: float = 0.05, decisions: Sequence[Decision] | None = None) -> list[Issue]:
     """Parameters of more than ``fraction`` of all parameter bytes held whole on every device,
-    under a layout that shards parameters (a mesh axis > 1 that the parameter rules use)."""
+    under a layout that shards parameters (a mesh axis > 1 that the parameter rules use).
+
+    Whether a parameter is sharded comes from its logical dims, or from ``decisions`` when given
+    (any model: annotations, path rules and the FSDP default, :meth:`ModelVariables.decisions`).
+    """
     rules = spmd.get_rules(rules)
     param_axes = {a for _, axes in rules.params for a in _axes(axes) if sizes.get(a, 1) > 1}
     if not param_axes:
         return []  # pure data parallelism replicates everything by design
-    total = sum(p.size * p.itemsize for p in params)
+    specs = {d.path: d.spec for d in decisions} if decisions is not None else None
+    total = sum(p.nbytes for p in params)
     issues = []
     for info in params:
-        nbytes = info.size * info.itemsize
-        if math.prod(shard_divisors(info, rules, sizes)) == 1 and nbytes > fraction * total:
+        nbytes = info.nbytes
+        if specs is not None:
+            replicated = not any(sizes.get(a, 1) > 1 for e in specs[info.path] for a in _axes(e))
+        else:
+            replicated = math.prod(shard_divisors(info, rules, sizes)) == 1
+        if replicated and nbytes > fraction * total:
+            why = f"dims {info.dims}" if info.dims is not None else info.source
             issues.append(Issue(
                 "replicated", info.path, None,
                 f"{info.path} {info.shape} ({nbytes / 2**20:.1f} MiB, {nbytes / total:.0%} of the parameters) is replicated "
-                f"on every device under rules {rules.name!r} (dims {info.dims})",
-                f"map one of its dims to {' or '.join(sorted(param_axes))} (e.g. rules.replace(params={{...}}))"))
+                f"on every device under rules {rules.name!r} ({why})",
+                f"map one of its dims to {' or '.join(sorted(param_axes))} (e.g. rules.replace(params={{...}}), "
+                "an annotation or a path rule)"))
     return issues
 
 
 def check_collectives(ops: Sequence[spmd.Collective]) -> list[Issue]:
-    """All-to-alls in a compiled step: a reshard between disagreeing layouts, traced to its jax op."""
-    issues = []
+    """All-to-alls in a compiled step: a reshard between disagreeing layouts, traced to its jax op
+    (one issue per op and axes, however many times the program runs it)."""
+    grouped: dict[tuple[str, tuple[str, ...]], list] = {}
     for op in ops:
         if op.kind == "all-to-all":
-            where = op.op_name or op.name
-            issues.append(Issue(
-                "all-to-all", where, None,
-                f"unexpected all-to-all over {','.join(op.axes)} ({op.bytes:,} bytes x {op.count}) from {where}",
-                "the activation layouts on either side disagree: add spmd.constrain(x, dims) at this op, "
-                "or use a rule set that keeps the dim on one axis"))
+            row = grouped.setdefault((op.op_name or op.name, op.axes), [0, 0, set()])
+            row[0] += op.count
+            row[1] += op.total_bytes
+            row[2].add(op.bytes)
+    issues = []
+    for (where, axes), (count, total, sizes) in grouped.items():
+        each = f"{next(iter(sizes)):,} bytes x {count}" if len(sizes) == 1 else f"{total:,} bytes in {count}"
+        issues.append(Issue(
+            "all-to-all", where, None,
+            f"unexpected all-to-all over {','.join(axes)} ({each}) from {where}",
+            "the activation layouts on either side disagree: add spmd.constrain(x, dims) at this op, "
+            "or use a rule set that keeps the dim on one axis"))
     return issues
+
+
+def check_activation_split(compiled_temp: int, split: int, whole: int, fixed: int, rows: int,
+                           batch_axes: Sequence[str]) -> list[Issue]:
+    """Compiled temporaries that look like every device holds the whole batch's activations.
+
+    ``split`` / ``whole``: the activations estimated for this device's ``rows`` and for the whole
+    (micro)batch; ``fixed``: temporaries that do not scale with the batch (gradients, the update's
+    copy of the state). Flagged when the batch is split (``batch_axes``), the compiled temporaries
+    reach half of ``whole``, and the gap between ``whole`` and ``split`` is too large for ``fixed``
+    to explain. The usual cause: a model without activation constraints under FSDP, where GSPMD
+    lays activations out like the weights (split on ``embed``) instead of on the batch.
+    """
+    if not batch_axes or whole <= split or compiled_temp < whole / 2 or whole - split < 2 * fixed:
+        return []
+    axes = " x ".join(batch_axes)
+    return [Issue(
+        "activations", "activations", "batch",
+        f"compiled temporaries {compiled_temp / 2**20:.1f} MiB per device are near the activations of the whole batch "
+        f"({whole / 2**20:.1f} MiB), not of this device's {rows} rows ({split / 2**20:.1f} MiB): the activations are "
+        f"probably not split over {axes}",
+        f"constrain them to the batch, spmd.constrain(x, ('batch', ...)) at each block's input and output, or use "
+        f"rules that shard no weight dim over {axes} (e.g. dp)")]
 
 
 _REMAT = re.compile(r"Involuntary full rematerialization[^\n]*?from sharding (?P<src>.+?) to (?P<dst>.+?) without[^\n]*")
@@ -277,11 +421,18 @@ def capture_stderr() -> Iterator[list[str]]:
                 sys.stderr.write(text)
 
 
-def diagnose(model: GPTConfig, rules: spmd.Rules | str, sizes: Mapping[str, int], *, global_batch: int,
+def diagnose(model: GPTConfig | ModelVariables, rules: spmd.Rules | str, sizes: Mapping[str, int], *, global_batch: int,
              grad_accum: int = 1, pipeline: PipelineConfig | None = None) -> list[Issue]:
-    """The static checks (no compile) of one layout: divisibility, batch split, pipeline split, large replicated params."""
+    """The static checks (no compile) of one layout: divisibility, batch split, pipeline split (the
+    built-in GPT), large replicated params. ``model`` is the built-in GPT's config or any model's
+    :class:`ModelVariables`."""
+    batch = check_batch(global_batch, grad_accum, rules, sizes)
+    if isinstance(model, ModelVariables):
+        decisions, issues = check_layout(model, rules, sizes)
+        if decisions is None:
+            return issues + batch
+        return batch + check_replicated(model.infos, rules, sizes, decisions=decisions)
     params = param_infos(model)
     piped = check_pipeline(model, pipeline, rules, sizes, global_batch=global_batch, grad_accum=grad_accum) \
         if pipeline is not None else []
-    return (check_divisibility(params, rules, sizes) + check_batch(global_batch, grad_accum, rules, sizes) + piped
-            + check_replicated(params, rules, sizes))
+    return check_divisibility(params, rules, sizes) + batch + piped + check_replicated(params, rules, sizes)

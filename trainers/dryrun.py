@@ -1,21 +1,29 @@
 """Dry run: compile the real train step for N devices on any machine, and say whether it fits and how fast.
 
-``dry_run(cfg, devices=256, hardware="h100") -> DryRunReport`` (CLI: ``spmd-train RECIPE --dry-run
---devices 256 --hardware h100``) builds the mesh and rule set exactly as ``trainers.loop.train``
-does, creates the train state *abstractly* (``nnx.eval_shape`` / ``jax.eval_shape``: shapes,
-dtypes and shardings, no memory), and compiles ``trainers.step.make_train_step`` (the same code
-the real run executes) with ``.lower(abstract_state, abstract_batch).compile()``. The report puts
-side by side, per device:
+``dry_run(cfg, task=None, devices=256, hardware="h100") -> DryRunReport`` (CLI: ``spmd-train
+TARGET --dry-run --devices 256 --hardware h100``, TARGET a recipe or ``package.module:task``)
+builds the mesh and rule set exactly as ``trainers.loop.train`` does, creates the train state
+*abstractly* with the run's own state builder (``trainers.state.create_state(..., abstract=True)``:
+shapes, dtypes and shardings, no memory), and compiles ``trainers.step.make_train_step`` (the same
+code the real run executes) with ``.lower(abstract_state, abstract_batch).compile()``. ``task`` is
+a :class:`trainers.task.Task`, its ``"package.module:attribute"`` name, or None for the built-in
+GPT of ``cfg``; a task's abstract batch is ``[data.global_batch, ...]`` of one row of its train data
+(:func:`trainers.profile.example_of`). The report puts side by side, per device:
 
-- parameter / gradient / optimizer / activation bytes from analytic formulas
-  (:func:`trainers.estimate.memory_estimate`) and from the compiled program's memory analysis
-  (arguments = the state and batch; temporaries = gradients, activations, gathered weights);
+- parameter / gradient / optimizer / activation bytes from the analytic estimate and from the
+  compiled program's memory analysis (arguments = the state and batch; temporaries = gradients,
+  activations, gathered weights). The built-in GPT's estimate is its formulas
+  (:func:`trainers.estimate.memory_estimate`); any other task's is read off its variables and its
+  loss's jaxpr (:func:`trainers.estimate.task_memory_estimate`: state exact, activations the
+  values autodiff keeps for the backward pass, an estimate that errs high);
 - whether the compiled footprint fits ``headroom x`` the hardware's HBM;
 - every collective per mesh axis with its bytes (:func:`spmd.hlo.collectives`) and its time on
   the target's fast or slow network;
 - model FLOPs per step, and a roofline step time and MFU (:func:`trainers.estimate.roofline`; no
   compute/communication overlap assumed, the perfect-overlap time alongside);
-- sharding diagnostics (:mod:`trainers.diagnose`) traced to parameter paths, with fixes;
+- sharding diagnostics (:mod:`trainers.diagnose`) traced to parameter paths, with fixes (for a
+  task also: compiled temporaries near the whole batch's activations, i.e. activations that are
+  not split over the batch axes);
 - with ``cfg.pipeline`` enabled on a ``pipe`` axis > 1: the step compiled is the pipelined one
   (the trainer's ``lm_loss_fn(z_loss, cfg.pipeline)``), and the report adds the schedule, its
   bubble fraction (idle share of the schedule table, which stretches the roofline's compute time)
@@ -25,7 +33,9 @@ side by side, per device:
 **Devices.** The compile runs on N devices of this machine's backend when it has exactly N (a
 GPU node compiling for itself), otherwise on N simulated CPU devices: set in-process when jax has
 not started yet, or in a subprocess (``XLA_FLAGS=--xla_force_host_platform_device_count=N``,
-``JAX_PLATFORMS=cpu``) when it has started with another count.
+``JAX_PLATFORMS=cpu``) when it has started with another count. The subprocess rebuilds the task
+from its ``"module:attribute"`` name; a :class:`~trainers.task.Task` object given without one
+cannot cross that boundary (pass the name, or the backend's device count).
 
 **What a CPU compile tells about a GPU/TPU compile.** The SPMD partitioner is the same on every
 backend, so the sharding of every array, the shard shapes, the state bytes per device and which
@@ -40,10 +50,10 @@ TPU rematerialisation pass for programs over the HBM limit. Timings are a roofli
 from __future__ import annotations
 
 import dataclasses
-import math
-import os
 import importlib
 import json
+import math
+import os
 import re
 import subprocess
 import sys
@@ -52,6 +62,7 @@ import time
 
 from trainers.config import Config
 from trainers.hardware import Hardware, collective_seconds, get_hardware, networks
+from trainers.task import Task, lm_task, load_task
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,12 +122,15 @@ class DryRunReport:
                f"target {hw.name} x {self.devices}; compiled on {self.backend} in {self.compile_s:.1f} s", ""]
         a, c = self.analytic, self.compiled
         if a is not None:
-            rows = [("params", a.params, None), ("optimizer", a.optimizer, None),
-                    ("state (params + optimizer)", a.state, c.argument - self.batch_bytes if c else None),
-                    ("grads", a.grads, None), ("activations", a.activations, None),
-                    ("temporaries (grads + activations + ...)", a.grads + a.activations, c.temp if c else None),
-                    ("batch", a.batch, self.batch_bytes if c else None),
-                    ("total", a.total, c.total if c else None)]
+            rows = [("params", a.params, None), ("optimizer", a.optimizer, None)]
+            if a.other:
+                rows.append(("model variables (batch stats, RNG, ...)", a.other, None))
+            state = "state (params + optimizer" + (" + variables)" if a.other else ")")
+            rows += [(state, a.state, c.argument - self.batch_bytes if c else None),
+                     ("grads", a.grads, None), ("activations", a.activations, None),
+                     ("temporaries (grads + activations + ...)", a.grads + a.activations, c.temp if c else None),
+                     ("batch", a.batch, self.batch_bytes if c else None),
+                     ("total", a.total, c.total if c else None)]
             out.append(f"{'per device':<42}{'analytic':>14}{'compiled':>14}")
             out += [f"{k:<42}{_b(x):>14}{_b(y) if y is not None else '':>14}" for k, x, y in rows]
             verdict = "fits" if self.fits else "does NOT fit" if c is not None else "not compiled"
@@ -172,9 +186,10 @@ def resolve_mesh(cfg: Config, devices: int) -> tuple[dict[str, int], tuple[str, 
     return sizes, tuple(a for a, s in dcn_sizes.items() if s > 1)
 
 
-def dry_run(cfg: Config, *, devices: int | None = None, hardware: str | Hardware = "h100",
-            headroom: float = 0.9) -> DryRunReport:
-    """Compile ``cfg``'s train step for ``devices`` devices (default: this backend's) and report."""
+def dry_run(cfg: Config, task: Task | str | None = None, *, devices: int | None = None,
+            hardware: str | Hardware = "h100", headroom: float = 0.9) -> DryRunReport:
+    """Compile the train step of ``task`` (default: ``cfg``'s built-in GPT) under ``cfg`` for ``devices``
+    devices (default: this backend's) and report."""
     import meshes
 
     hw = get_hardware(hardware)
@@ -182,6 +197,9 @@ def dry_run(cfg: Config, *, devices: int | None = None, hardware: str | Hardware
         raise ValueError(f"headroom must be in (0, 1], got {headroom!r}")
     if devices is not None and (not isinstance(devices, int) or isinstance(devices, bool) or devices < 1):
         raise ValueError(f"devices must be a positive integer, got {devices!r}")
+    if task is not None and not isinstance(task, (str, Task)):
+        raise TypeError(f"task must be a trainers.Task, its 'package.module:attribute' name or None, "
+                        f"got {type(task).__name__}")
     if devices is None:
         import jax
 
@@ -192,18 +210,26 @@ def dry_run(cfg: Config, *, devices: int | None = None, hardware: str | Hardware
     import jax
 
     if jax.device_count() != devices:
-        return _in_subprocess(cfg, devices, hw, headroom)
-    return _dry_run_here(cfg, devices, hw, headroom)
+        if isinstance(task, Task):
+            raise ValueError(f"a dry run for {devices} devices on a backend that started with {jax.device_count()} "
+                             f"runs in a subprocess, which must rebuild task {task.name!r}: pass its "
+                             "'package.module:attribute' name instead of the Task object, or devices="
+                             f"{jax.device_count()}")
+        return _in_subprocess(cfg, task, devices, hw, headroom)
+    return _dry_run_here(cfg, load_task(task) if isinstance(task, str) else task, devices, hw, headroom)
 
 
-def _in_subprocess(cfg: Config, devices: int, hw: Hardware, headroom: float) -> DryRunReport:
+def _in_subprocess(cfg: Config, target: str | None, devices: int, hw: Hardware, headroom: float) -> DryRunReport:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    root = _import_root(target) if target is not None else None
+    if root is not None:  # the child imports the task's module from where this process found it
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = os.path.join(tmp, "in.json"), os.path.join(tmp, "out.json")
         with open(src, "w") as f:
-            json.dump(_encode([cfg, devices, hw, headroom]), f)
+            json.dump(_encode([cfg, target, devices, hw, headroom]), f)
         code = f"import sys; from trainers.dryrun import _subprocess_main; sys.exit(_subprocess_main({src!r}, {dst!r}))"
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -211,6 +237,21 @@ def _in_subprocess(cfg: Config, devices: int, hw: Hardware, headroom: float) -> 
                                f"(exit {proc.returncode}):\n{proc.stderr[-4000:]}")
         with open(dst) as f:
             return _decode(json.load(f))
+
+
+def _import_root(target: str) -> str | None:
+    """The sys.path entry this process imports ``target``'s top-level package (or module) from."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(target.partition(":")[0].split(".")[0])
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    if spec.submodule_search_locations:
+        return os.path.dirname(list(spec.submodule_search_locations)[0])
+    return os.path.dirname(spec.origin) if spec.origin else None
 
 
 # The subprocess hand-off is JSON: dataclasses are named and rebuilt only from this toolkit's own
@@ -256,57 +297,49 @@ def _decode(x):
     return cls(**{k: _decode(v) for k, v in x["fields"].items()})
 
 
-def abstract_state(cfg: Config, rules, mesh, tx):
-    """A ``trainers.state.Sharded`` whose state leaves are ``ShapeDtypeStruct``s: ``create_state`` without memory."""
+def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, headroom: float) -> DryRunReport:
     import jax
-    import jax.numpy as jnp
     from flax import nnx
-
-    import spmd
-    from spmd.models import GPT
-    from trainers.state import Sharded
-
-    model = nnx.eval_shape(lambda: GPT(cfg.model, rngs=nnx.Rngs(cfg.run.seed)))
-    graphdef, params_state, _ = nnx.split(model, nnx.Param, ...)
-    param_sh = spmd.param_shardings(params_state, rules, mesh)
-    params = nnx.to_pure_dict(params_state)
-    opt = jax.eval_shape(tx.init, params)
-    opt_sh = spmd.optimizer_shardings(tx, opt, param_sh, mesh)
-
-    def counters():
-        zero = jnp.zeros((), jnp.int32)
-        return {"step": zero, "rng": jax.random.key_data(jax.random.key(cfg.run.seed)), "skipped": zero,
-                "bad_streak": zero}
-
-    extra = jax.eval_shape(counters)
-    rep = spmd.replicated(mesh)
-    shardings = {"params": param_sh, "opt_state": opt_sh, **{k: rep for k in extra}}
-    state = {"params": params, "opt_state": opt, **extra}
-    return Sharded(graphdef, state, shardings)
-
-
-def _dry_run_here(cfg: Config, devices: int, hw: Hardware, headroom: float) -> DryRunReport:
-    import jax
 
     import meshes
     import spmd
     from spmd.models import flops_per_step, param_count
     from trainers import diagnose as dg
+    from trainers.estimate import (Traffic, batch_axes, comm_estimate, memory_estimate, pipeline_bubble, roofline,
+                                   rows_per_device, task_comm_estimate, task_memory_estimate, task_roofline)
     from trainers.optim import make_optimizer
-    from trainers.estimate import Traffic, comm_estimate, memory_estimate, pipeline_bubble, roofline
+    from trainers.profile import abstract_batch, profile_task
     from trainers.schedules import make_schedule
-    from trainers.step import lm_loss_fn, make_train_step
+    from trainers.state import create_state
+    from trainers.step import make_train_step
 
     sizes, dcn_axes = resolve_mesh(cfg, devices)
     rules = spmd.get_rules(cfg.rules)
-    issues = dg.diagnose(cfg.model, rules, sizes, global_batch=cfg.data.global_batch, grad_accum=cfg.run.grad_accum,
-                         pipeline=cfg.pipeline)
-    flops = flops_per_step(cfg.model, cfg.data.global_batch, cfg.data.seq_len)
     pipe = sizes.get("pipe", 1)
     piped = pipe > 1 and cfg.pipeline.enabled
     p = cfg.pipeline
-    common = dict(name=cfg.run.name, devices=devices, mesh=tuple(sizes.items()), dcn_axes=dcn_axes, rules=rules.name,
-                  hardware=hw, headroom=headroom, params=param_count(cfg.model), model_flops=flops,
+    run = lm_task(cfg) if task is None else task
+    if task is None:  # the built-in GPT: its config's formulas
+        profile = None
+        issues = dg.diagnose(cfg.model, rules, sizes, global_batch=cfg.data.global_batch,
+                             grad_accum=cfg.run.grad_accum, pipeline=cfg.pipeline)
+        n_params, flops = param_count(cfg.model), flops_per_step(cfg.model, cfg.data.global_batch, cfg.data.seq_len)
+        name = cfg.run.name
+    else:
+        profile = profile_task(task, cfg)
+        issues = dg.diagnose(profile.variables, rules, sizes, global_batch=cfg.data.global_batch,
+                             grad_accum=cfg.run.grad_accum)
+        if cfg.pipeline.enabled and not task.pipelined:
+            issues.append(dg.Issue("config", "pipeline", None, f"pipeline.schedule={cfg.pipeline.schedule!r} needs a task "
+                                   f"whose loss runs its spmd.Stack through spmd.pipeline.pipelined_loss; task "
+                                   f"{task.name!r} does not (Task.pipelined=False)", "set pipeline.schedule=none",
+                                   fatal=True))
+        if profile.note:
+            issues.append(dg.Issue("profile", "loss", None, profile.note, ""))
+        n_params, flops = profile.variables.param_count, profile.model_flops(cfg.data.global_batch)
+        name = cfg.run.name if cfg.run.name == task.name else f"{cfg.run.name} (task {task.name})"
+    common = dict(name=name, devices=devices, mesh=tuple(sizes.items()), dcn_axes=dcn_axes, rules=rules.name,
+                  hardware=hw, headroom=headroom, params=n_params, model_flops=flops,
                   pipeline=f"{p.schedule} S={pipe} M={p.microbatches} V={p.virtual_stages}" if piped else "",
                   bubble=pipeline_bubble(cfg, pipe))
     backend = f"{jax.devices()[0].platform} ({devices} {'simulated ' if jax.devices()[0].platform == 'cpu' else ''}devices)"
@@ -317,12 +350,16 @@ def _dry_run_here(cfg: Config, devices: int, hw: Hardware, headroom: float) -> D
     mesh = meshes.make_mesh(meshes.MeshSpec.of(sizes), devices=jax.devices()[:devices], axis_type=cfg.mesh.axis_type)
     schedule = make_schedule(cfg.schedule)
     tx = make_optimizer(cfg.optimizer, schedule)
-    sharded = abstract_state(cfg, rules, mesh, tx)
-    batch_sharding = spmd.batch_sharding(rules, mesh)
+    sharded = create_state(lambda: run.model(nnx.Rngs(cfg.run.seed)), tx, rules, mesh, seed=cfg.run.seed,
+                           path_rules=run.path_rules, abstract=True)
+    batch_sharding = spmd.batch_sharding(rules, mesh, dims=("batch",))
     step = make_train_step(sharded, tx, rules, mesh, batch_sharding, schedule=schedule, grad_accum=cfg.run.grad_accum,
-                           loss_fn=lm_loss_fn(cfg.run.z_loss, cfg.pipeline))
-    tokens = jax.ShapeDtypeStruct((cfg.data.global_batch, cfg.data.seq_len), jax.numpy.int32, sharding=batch_sharding)
-    batch = {"inputs": tokens, "targets": tokens}
+                           loss_fn=run.loss)
+    if profile is None:
+        tokens = jax.ShapeDtypeStruct((cfg.data.global_batch, cfg.data.seq_len), jax.numpy.int32, sharding=batch_sharding)
+        batch = {"inputs": tokens, "targets": tokens}
+    else:
+        batch = abstract_batch(profile.example, cfg.data.global_batch, batch_sharding)
     t0 = time.perf_counter()
     with dg.capture_stderr() as log:
         compiled = step.lower(sharded.abstract, batch).compile()
@@ -336,24 +373,34 @@ def _dry_run_here(cfg: Config, devices: int, hw: Hardware, headroom: float) -> D
         dcn = any(net.get(a) == "dcn" for a in axes)
         traffic.append(Traffic(kind, axes, row["count"], row["bytes"], "dcn" if dcn else "ici",
                                collective_seconds(hw, kind, row["bytes"], group, dcn=dcn)))
-    analytic = memory_estimate(cfg, sizes)
+    if profile is None:
+        analytic = memory_estimate(cfg, sizes)
+        analytic_traffic = comm_estimate(cfg, sizes, hw, dcn_axes)
+        roof = roofline(cfg, devices, hw, analytic, traffic, pipe=pipe)
+    else:
+        analytic = task_memory_estimate(profile, cfg, sizes)
+        analytic_traffic = task_comm_estimate(profile, cfg, sizes, hw, dcn_axes)
+        roof = task_roofline(profile, cfg, sizes, hw, analytic, traffic)
+        rows = rows_per_device(cfg, sizes)
+        issues += dg.check_activation_split(spmd.memory(compiled).temp, analytic.activations,
+                                            profile.activations(cfg.data.global_batch // cfg.run.grad_accum),
+                                            analytic.grads + analytic.state, rows, batch_axes(rules, sizes))
     issues += dg.check_collectives(ops) + dg.parse_remat_warnings(log[0] if log else "")
     return DryRunReport(
         **common, analytic=analytic, compiled=spmd.memory(compiled),
         state_bytes=spmd.tree_bytes_per_device(sharded.abstract),
         batch_bytes=spmd.tree_bytes_per_device(batch), collectives=tuple(ops), traffic=tuple(traffic),
-        analytic_traffic=tuple(comm_estimate(cfg, sizes, hw, dcn_axes)),
-        roofline=roofline(cfg, devices, hw, analytic, traffic, pipe=pipe), issues=tuple(issues), compile_s=compile_s,
+        analytic_traffic=tuple(analytic_traffic), roofline=roof, issues=tuple(issues), compile_s=compile_s,
         backend=backend)
 
 
 def _subprocess_main(src: str, dst: str) -> int:
     with open(src) as f:
-        cfg, devices, hw, headroom = _decode(json.load(f))
+        cfg, target, devices, hw, headroom = _decode(json.load(f))
     import meshes
 
     meshes.simulate_cpu_devices(devices)
-    report = _dry_run_here(cfg, devices, hw, headroom)
+    report = _dry_run_here(cfg, load_task(target) if target is not None else None, devices, hw, headroom)
     with open(dst, "w") as f:
         json.dump(_encode(report), f)
     return 0

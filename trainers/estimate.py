@@ -5,6 +5,11 @@ No compile, milliseconds per layout: what :mod:`trainers.plan` ranks layouts by 
 state exactly from the rule set's shard shapes; gradients, activations with and without remat,
 pipeline stashes; ring-algorithm bytes per mesh axis; max(compute, memory) + communication) are
 described in :mod:`trainers.plan`'s docstring.
+
+The built-in GPT (a ``Config`` alone) is estimated from its config with the formulas below; any
+other task from its :class:`trainers.profile.TaskProfile` (``task_memory_estimate``,
+``task_comm_estimate``, ``task_roofline``): state exactly from its variables' shard shapes,
+activations and FLOPs from its loss's jaxpr, collectives from how each parameter is sharded.
 """
 
 from __future__ import annotations
@@ -13,13 +18,15 @@ import dataclasses
 import math
 
 import jax
+from flax import nnx
 
 import spmd
 from spmd.models import flops_per_step
 from spmd.pipeline import Schedule, build_tables, get_schedule
 from trainers.config import Config
-from trainers.diagnose import param_infos, shard_divisors
+from trainers.diagnose import ParamInfo, param_infos, shard_divisors
 from trainers.hardware import Hardware, collective_seconds, networks
+from trainers.profile import TaskProfile, at
 
 # rule set -> (mesh axes it needs > 1, axes it may also use): one candidate per distinct layout
 RULE_AXES = {"dp": (("data",), ()), "fsdp": (("fsdp",), ("data",)), "tp": (("tensor",), ()),
@@ -36,14 +43,15 @@ class MemoryEstimate:
     grads: int
     activations: int
     batch: int
+    other: int = 0  # model variables that are not parameters (batch statistics, RNG streams)
 
     @property
     def state(self) -> int:
-        return self.params + self.optimizer
+        return self.params + self.optimizer + self.other
 
     @property
     def total(self) -> int:
-        return self.params + self.optimizer + self.grads + self.activations + self.batch
+        return self.state + self.grads + self.activations + self.batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,17 +145,16 @@ def shard_divisors_for(dims: tuple[str, ...], rules: spmd.Rules, sizes: dict[str
 
 def _optimizer_copies(cfg: Config) -> float:
     """Optimizer state bytes per parameter byte (2 for Adam's moments), from jax.eval_shape(tx.init)."""
-    return _copies(cfg.optimizer, cfg.model)
+    return _copies(cfg.optimizer, {p.path: jax.ShapeDtypeStruct(p.shape, "float32") for p in param_infos(cfg.model)})
 
 
-def _copies(opt_cfg, model) -> float:
+def _copies(opt_cfg, params) -> float:
+    """Bytes of the optimizer state's parameter-shaped leaves per parameter byte (abstract ``params``)."""
     from trainers.optim import make_optimizer
 
-    infos = param_infos(model)
-    params = {p.path: jax.ShapeDtypeStruct(p.shape, "float32") for p in infos}
     state = jax.eval_shape(make_optimizer(opt_cfg, 1e-3).init, params)
     big = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state) if len(x.shape) >= 1)
-    return big / sum(p.size * p.itemsize for p in infos)
+    return big / max(sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params)), 1)
 
 
 def comm_estimate(cfg: Config, sizes: dict[str, int], hw: Hardware, dcn_axes: tuple[str, ...] = ()) -> list[Traffic]:
@@ -196,9 +203,16 @@ def roofline(cfg: Config, n_devices: int, hw: Hardware, mem: MemoryEstimate, tra
     model_flops = flops_per_step(m, cfg.data.global_batch, cfg.data.seq_len)
     recompute = (1 if m.remat or (piped and cfg.pipeline.remat) else 0) + (1 if piped and cfg.pipeline.schedule != "gpipe" else 0)
     executed = model_flops / n_devices * (1 + recompute / 3)
-    peak = hw.peak(m.dtype)
-    compute = executed / peak / (1 - pipeline_bubble(cfg, pipe))
-    weights = 3 * mem.params * _DTYPE_BYTES[m.dtype] / 4
+    return _roofline(model_flops, executed, m.dtype, n_devices, hw, mem, traffic, pipeline_bubble(cfg, pipe))
+
+
+def _roofline(model_flops: float, executed: float, dtype: str, n_devices: int, hw: Hardware, mem: MemoryEstimate,
+              traffic: list[Traffic], bubble: float = 0.0) -> Roofline:
+    """compute = executed FLOPs per device / peak (/ (1 - bubble)); memory = HBM traffic / bandwidth;
+    communication = the collectives' times; see the module docstring."""
+    peak = hw.peak(dtype)
+    compute = executed / peak / (1 - bubble)
+    weights = 3 * mem.params * _DTYPE_BYTES[dtype] / 4
     hbm = weights + mem.params * (3 + 2 * mem.optimizer / max(mem.params, 1)) + 2 * mem.activations
     memory = hbm / hw.hbm_bw
     comm = sum(x.seconds for x in traffic)
@@ -209,4 +223,141 @@ def roofline(cfg: Config, n_devices: int, hw: Hardware, mem: MemoryEstimate, tra
         costs[key] = costs.get(key, 0.0) + x.seconds
     dominant = max(costs, key=costs.get)
     return Roofline(executed, compute, memory, comm, step, max(compute, memory, comm),
-                    model_flops / (step * n_devices * peak), dominant)
+                    model_flops / (step * n_devices * peak) if step > 0 else 0.0, dominant)
+
+
+# ---------------------------------------------------------------------------------------------
+# Any task (trainers.profile.TaskProfile): the same three estimates, read off its variables and jaxpr
+# ---------------------------------------------------------------------------------------------
+
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def batch_axes(rules: spmd.Rules | str, sizes: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes (size > 1) the rule set splits the batch over."""
+    spec = spmd.get_rules(rules).spec(("batch",), kind="activations", mesh_sizes=sizes)
+    return _axes(spec[0]) if len(spec) else ()
+
+
+def rows_per_device(cfg: Config, sizes: dict[str, int]) -> int:
+    """Rows of one microbatch each device holds."""
+    n = math.prod(sizes[a] for a in batch_axes(cfg.rules, sizes))
+    return max(cfg.data.global_batch // cfg.run.grad_accum // n, 1)
+
+
+def _local_bytes(info: ParamInfo, spec, sizes: dict[str, int]) -> int:
+    shape = list(info.shape)
+    for i, entry in enumerate(spec):
+        shape[i] = math.ceil(shape[i] / math.prod(sizes.get(a, 1) for a in _axes(entry)))
+    return math.prod(shape) * info.itemsize
+
+
+def _decided(profile: TaskProfile, cfg: Config, sizes: dict[str, int]) -> list[tuple[ParamInfo, object, int]]:
+    """``(info, spec, bytes per device)`` of every variable, parameters first, as the run shards them."""
+    variables = profile.variables
+    decisions = variables.decisions(cfg.rules, sizes)
+    return [(info, d.spec, _local_bytes(info, d.spec, sizes))
+            for info, d in zip(variables.infos + variables.other_infos, decisions)]
+
+
+def task_memory_estimate(profile: TaskProfile, cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
+    """Per-device bytes of any task's train step: parameters, optimizer state (moments sharded like the
+    parameters, copies from ``jax.eval_shape(tx.init)``) and other model variables exactly from the
+    variables' shard shapes; gradients like the parameters (twice with accumulation); activations:
+    the bytes autodiff keeps for the backward pass at this device's rows (:mod:`trainers.profile`:
+    an estimate that errs high, all the more under tensor-style layouts, whose split activations it
+    does not credit; 0 when the loss could not be traced); the batch's rows."""
+    decided = _decided(profile, cfg, sizes)
+    n = len(profile.variables.infos)
+    params, other = sum(x[2] for x in decided[:n]), sum(x[2] for x in decided[n:])
+    optimizer = int(round(_copies(cfg.optimizer, nnx.to_pure_dict(profile.variables.params)) * params))
+    grads = params * (2 if cfg.run.grad_accum > 1 else 1)
+    b = rows_per_device(cfg, sizes)
+    return MemoryEstimate(params, optimizer, grads, profile.activations(b),
+                          profile.example_bytes * b * cfg.run.grad_accum, other)
+
+
+def _tensor_matmuls(profile: TaskProfile, decided, sizes: dict[str, int], batch: tuple[str, ...]):
+    """``(matmul, operand side, sharded dim, axes)`` of each matmul against a weight split over mesh axes
+    that do not split the batch (tensor-style), the weight recognised by its shape."""
+    sharded = {}
+    for info, spec, _ in decided[:len(profile.variables.infos)]:
+        for k, entry in enumerate(spec):
+            axes = tuple(a for a in _axes(entry) if sizes.get(a, 1) > 1 and a not in batch)
+            if axes:
+                sharded.setdefault(info.shape, (k, axes))
+                break
+    out = []
+    for mm in profile.matmuls:
+        for side in (0, 1):
+            if mm.fixed[side] and mm.shapes[side] in sharded:
+                out.append((mm, side, *sharded[mm.shapes[side]]))
+                break
+    return out
+
+
+def task_comm_estimate(profile: TaskProfile, cfg: Config, sizes: dict[str, int], hw: Hardware,
+                       dcn_axes: tuple[str, ...] = ()) -> list[Traffic]:
+    """Any task's collectives per device per step, from how each parameter is sharded:
+
+    - sharded over batch axes (FSDP): all-gathered over them in the forward and the backward pass,
+      its gradient reduce-scattered onto the shards; the gradient of each shard (or of a replicated
+      parameter) all-reduced over the remaining batch axes;
+    - sharded over other axes (tensor-style), for each matmul against it in the forward pass
+      (weights recognised by their shape in the jaxpr): a weight split on a contracting dim leaves
+      partial sums, all-reduced in the forward pass (the output's bytes); one split on an output dim
+      needs its input's gradient all-reduced in the backward pass (the input's bytes).
+
+    Approximate in the same ways as the GPT estimate (ring bandwidth, no latency, collectives per
+    parameter before XLA combines them) and in one more: a tensor-style layout the model does not
+    constrain may be partitioned otherwise by GSPMD; the dry run shows what the compiler chose.
+    """
+    net = networks(sizes, hw, dcn_axes)
+    decided = _decided(profile, cfg, sizes)
+    batch = batch_axes(cfg.rules, sizes)
+    totals: dict[tuple[str, tuple[str, ...]], list[float]] = {}
+
+    def add(kind: str, axes: tuple[str, ...], count: int, nbytes: float) -> None:
+        if axes and nbytes > 0:
+            row = totals.setdefault((kind, axes), [0, 0.0])
+            row[0] += count
+            row[1] += count * nbytes
+
+    for info, spec, local in decided[:len(profile.variables.infos)]:
+        on = {a for e in spec for a in _axes(e) if sizes.get(a, 1) > 1}
+        gather = tuple(a for a in batch if a in on)
+        if gather:
+            full = local * math.prod(sizes[a] for a in gather)
+            add("all-gather", gather, 2, full)
+            add("reduce-scatter", gather, 1, full)
+        add("all-reduce", tuple(a for a in batch if a not in on), 1, local)
+    b = rows_per_device(cfg, sizes)
+    for mm, side, k, axes in _tensor_matmuls(profile, decided, sizes, batch):
+        if k in mm.contracting[side]:
+            add("all-reduce", axes, 1, at(mm.out_bytes, b))
+        else:
+            add("all-reduce", axes, 1, at(mm.rhs_bytes if side == 0 else mm.lhs_bytes, b))
+    out = []
+    for (kind, axes), (count, nbytes) in totals.items():
+        dcn = any(net.get(a) == "dcn" for a in axes)
+        group = math.prod(sizes[a] for a in axes)
+        out.append(Traffic(kind, axes, int(count), int(nbytes), "dcn" if dcn else "ici",
+                           collective_seconds(hw, kind, nbytes, group, dcn=dcn)))
+    return out
+
+
+def task_roofline(profile: TaskProfile, cfg: Config, sizes: dict[str, int], hw: Hardware, mem: MemoryEstimate,
+                  traffic: list[Traffic]) -> Roofline:
+    """Any task's step time and MFU: the model FLOPs (the task's figure or 3 x the jaxpr's forward) split
+    over the batch axes, and the FLOPs of matmuls against tensor-style weights also over their axes
+    (a mesh axis that splits neither repeats the work); peak FLOP/s of the matmuls' dtype."""
+    decided = _decided(profile, cfg, sizes)
+    batch = batch_axes(cfg.rules, sizes)
+    rows = cfg.data.global_batch
+    total = sum(at(m.flops, rows) for m in profile.matmuls)
+    saved = sum(at(mm.flops, rows) * (1 - 1 / math.prod(sizes[a] for a in axes))
+                for mm, _, _, axes in _tensor_matmuls(profile, decided, sizes, batch))
+    model_flops = profile.model_flops(rows)
+    executed = model_flops / math.prod(sizes[a] for a in batch) * (1 - saved / total if total else 1)
+    return _roofline(model_flops, executed, profile.compute_dtype, math.prod(sizes.values()), hw, mem, traffic)

@@ -1,7 +1,9 @@
-"""``spmd-plan RECIPE --devices N --hardware H``: which layout to run, decided before the pod.
+"""``spmd-plan TARGET --devices N --hardware H``: which layout to run, decided before the pod.
 
-The planner enumerates layouts, estimates each analytically (no compile, milliseconds each),
-drops those that cannot be built or do not fit, and ranks the rest by estimated step time:
+TARGET is a recipe (the built-in GPT) or a task (``package.module:attribute``, as for
+``spmd-train``). The planner enumerates layouts, estimates each analytically (no compile,
+milliseconds each), drops those that cannot be built or do not fit, and ranks the rest by
+estimated step time:
 
 - **candidates**: every factorisation of N over ``data x pipe x fsdp x tensor``, with each rule set
   that uses exactly the non-pipe axes (``dp``, ``fsdp``, ``tp``, ``dp_tp``, ``fsdp_tp``), remat on
@@ -36,6 +38,17 @@ drops those that cannot be built or do not fit, and ranks the rest by estimated 
   1F1B / interleaved, per tick of the forward and the backward scan for GPipe), and interleaved
   moves ``(S-1)/S`` of the block parameters (and their gradients) to its chunk order each step.
 
+**Any other task** (``plan(cfg, devices, hardware, task=...)``) is read once, abstractly
+(:func:`trainers.profile.profile_task`), and every ``data x fsdp x tensor`` factorisation with its
+matching rule set is estimated from that profile (:mod:`trainers.estimate`'s ``task_*``): no pipe
+axis (a task's pipelining is its own code) and no remat toggle (the model decides); state bytes
+exactly from each variable's shard shape as :func:`spmd.variables.decide` gives it on that mesh;
+activations from the values autodiff keeps for the backward pass at the device's rows (an
+estimate that errs high); FLOPs the task's ``flops_per_example`` or 3 x the jaxpr's forward
+matmuls, split over the batch axes and, for matmuls against tensor-sharded weights, over their
+axes; communication from how each parameter is sharded (FSDP gathers and reduce-scatters,
+data-parallel all-reduces, tensor-style all-reduces of the activations those matmuls leave).
+
 ``--verify`` confirms the chosen layout with a real dry-run compile (:mod:`trainers.dryrun`).
 """
 
@@ -55,17 +68,21 @@ from spmd.pipeline import NAMES as PIPELINE_SCHEDULES
 from spmd.pipeline import PipelineConfig
 from trainers.config import Config, override
 from trainers.diagnose import Issue, diagnose
-from trainers.estimate import RULE_AXES, MemoryEstimate, Roofline, Traffic, comm_estimate, memory_estimate, roofline
+from trainers.estimate import (RULE_AXES, MemoryEstimate, Roofline, Traffic, comm_estimate, memory_estimate, roofline,
+                               task_comm_estimate, task_memory_estimate, task_roofline)
 from trainers.hardware import Hardware, get_hardware
+from trainers.profile import TaskProfile, profile_task
+from trainers.task import Task, load_task
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """One way to run a config: mesh axis sizes (outermost first), rule set, remat, and with a
-    ``pipe`` axis > 1 the pipeline schedule, microbatches M and virtual stages V."""
+    """One way to run a config: mesh axis sizes (outermost first), rule set, remat (None: not a
+    choice, a task's model decides), and with a ``pipe`` axis > 1 the pipeline schedule,
+    microbatches M and virtual stages V."""
 
     mesh: tuple[tuple[str, int], ...]
     rules: str
-    remat: bool
+    remat: bool | None
     schedule: str = "none"
     microbatches: int = 1
     virtual_stages: int = 1
@@ -101,8 +118,8 @@ class Layout:
         return ",".join(f"{n}={s}" for n, s in self.mesh if s > 1) or "data=1"
 
     def overrides(self) -> list[str]:
-        return [f"mesh.axes={self.mesh_arg}", f"rules={self.rules}", f"model.remat={str(self.remat).lower()}",
-                *self._pipeline_sets()]
+        remat = [] if self.remat is None else [f"model.remat={str(self.remat).lower()}"]
+        return [f"mesh.axes={self.mesh_arg}", f"rules={self.rules}", *remat, *self._pipeline_sets()]
 
     def apply(self, cfg: Config) -> Config:
         """``cfg`` run with this layout."""
@@ -110,7 +127,9 @@ class Layout:
 
     def command(self, base: Config | None = None) -> str:
         """The ``spmd-train`` flags of this layout (pipeline settings when it pipelines, or when ``base`` does)."""
-        out = f"--mesh {self.mesh_arg} --rules {self.rules} --set model.remat={str(self.remat).lower()}"
+        out = f"--mesh {self.mesh_arg} --rules {self.rules}"
+        if self.remat is not None:
+            out += f" --set model.remat={str(self.remat).lower()}"
         if self.pipe > 1:
             out += "".join(f" --set {s}" for s in self._pipeline_sets())
         elif base is not None and base.pipeline.enabled:
@@ -150,8 +169,10 @@ class Estimate:
         return f"dominant cost: {self.roofline.dominant}"
 
 
-def estimate(cfg: Config, layout: Layout, hardware: str | Hardware, *, headroom: float = 0.9) -> Estimate:
-    """The analytic estimate of ``cfg`` run with ``layout`` on ``hardware``."""
+def estimate(cfg: Config, layout: Layout, hardware: str | Hardware, *, headroom: float = 0.9,
+             task: Task | TaskProfile | None = None) -> Estimate:
+    """The analytic estimate of ``cfg`` run with ``layout`` on ``hardware``: the built-in GPT's
+    formulas, or with ``task`` (a Task or its :class:`~trainers.profile.TaskProfile`) any model's."""
     hw = get_hardware(hardware)
     sizes = {a: layout.sizes.get(a, 1) for a in ("data", "pipe", "fsdp", "seq", "expert", "tensor")}
     budget = headroom * hw.hbm_bytes
@@ -159,6 +180,16 @@ def estimate(cfg: Config, layout: Layout, hardware: str | Hardware, *, headroom:
         run = layout.apply(cfg)
     except ValueError as e:  # the config's own checks (e.g. a pipeline microbatch that does not split)
         return Estimate(layout, None, (), None, budget, (Issue("config", "config", None, str(e), "", fatal=True),))
+    if task is not None:
+        profile = task if isinstance(task, TaskProfile) else profile_task(task, cfg)
+        issues = diagnose(profile.variables, run.rules, sizes, global_batch=run.data.global_batch,
+                          grad_accum=run.run.grad_accum)
+        if any(i.fatal for i in issues):
+            return Estimate(layout, None, (), None, budget, tuple(issues))
+        mem = task_memory_estimate(profile, run, sizes)
+        traffic = task_comm_estimate(profile, run, sizes, hw)
+        return Estimate(layout, mem, tuple(traffic), task_roofline(profile, run, sizes, hw, mem, traffic), budget,
+                        tuple(issues))
     issues = diagnose(run.model, run.rules, sizes, global_batch=run.data.global_batch, grad_accum=run.run.grad_accum,
                       pipeline=run.pipeline)
     if any(i.fatal for i in issues):
@@ -194,7 +225,7 @@ def pipeline_options(pipe: int, n_layers: int, batch: int) -> list[tuple[str, in
     return out
 
 
-def candidates(devices: int, *, remat: tuple[bool, ...] = (False, True), n_layers: int | None = None,
+def candidates(devices: int, *, remat: tuple[bool | None, ...] = (False, True), n_layers: int | None = None,
                batch: int | None = None) -> list[Layout]:
     """Every (data, pipe, fsdp, tensor) factorisation of ``devices`` with each rule set using exactly the
     non-pipe axes; pipe > 1 only with ``n_layers`` (a divisor of it) and ``batch`` (M must divide it)."""
@@ -250,13 +281,24 @@ class Plan:
         return "\n".join(lines)
 
 
-def plan(cfg: Config, devices: int, hardware: str | Hardware, *, headroom: float = 0.9) -> Plan:
-    """Estimate every candidate layout; the fitting ones ranked by estimated step time."""
+def plan(cfg: Config, devices: int, hardware: str | Hardware, *, headroom: float = 0.9,
+         task: Task | str | TaskProfile | None = None) -> Plan:
+    """Estimate every candidate layout; the fitting ones ranked by estimated step time.
+
+    ``task`` (a Task, its ``"package.module:attribute"`` name or its profile; None: ``cfg``'s
+    built-in GPT) is profiled once and estimated on ``data x fsdp x tensor`` layouts (see the
+    module docstring)."""
     hw = get_hardware(hardware)
     if not 0 < headroom <= 1:
         raise ValueError(f"headroom must be in (0, 1], got {headroom!r}")
-    layouts = candidates(devices, n_layers=cfg.model.n_layers, batch=cfg.data.global_batch // cfg.run.grad_accum)
-    estimates = [estimate(cfg, layout, hw, headroom=headroom) for layout in layouts]
+    if task is None:
+        profile = None
+        layouts = candidates(devices, n_layers=cfg.model.n_layers, batch=cfg.data.global_batch // cfg.run.grad_accum)
+    else:
+        profile = task if isinstance(task, TaskProfile) else profile_task(
+            load_task(task) if isinstance(task, str) else task, cfg)
+        layouts = candidates(devices, remat=(None,))
+    estimates = [estimate(cfg, layout, hw, headroom=headroom, task=profile) for layout in layouts]
     ranked = sorted((e for e in estimates if e.fits), key=lambda e: (e.roofline.step_s, e.memory.total))
     rejected = sorted((e for e in estimates if not e.fits), key=lambda e: e.memory.total if e.memory else math.inf)
     return Plan(devices, hw, tuple(ranked), tuple(rejected))
@@ -271,35 +313,45 @@ def _ms(s: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trainers.recipes import RECIPES, recipe
+    from trainers.cli import base_config, is_task_target, load_target
+    from trainers.recipes import RECIPES
 
-    p = argparse.ArgumentParser(prog="spmd-plan", description="Rank layouts of a recipe for N devices of a hardware.")
-    p.add_argument("recipe", help=f"one of: {', '.join(RECIPES)}")
+    p = argparse.ArgumentParser(prog="spmd-plan", description="Rank layouts of a recipe or task for N devices of a hardware.")
+    p.add_argument("target", metavar="TARGET",
+                   help=f"a recipe ({', '.join(RECIPES)}) or a task as package.module:attribute")
     p.add_argument("--devices", type=int, required=True, help="number of devices (GPUs, TPU chips)")
     p.add_argument("--hardware", default="h100", help="h100, h200, a100, tpu-v4, tpu-v5e, tpu-v5p, cpu")
-    p.add_argument("--tiny", action="store_true", help="the recipe's tiny variant")
+    p.add_argument("--tiny", action="store_true", help="the recipe's tiny variant (a task's: 2 steps)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--top", type=int, default=5, help="how many layouts to show")
     p.add_argument("--headroom", type=float, default=0.9, help="fraction of HBM a layout may use")
     p.add_argument("--verify", action="store_true", help="confirm the chosen layout with a dry-run compile")
     args = p.parse_args(argv)
+    is_task = is_task_target(args.target)
     try:
-        cfg = override(recipe(args.recipe, tiny=args.tiny), args.overrides)
-        result = plan(cfg, args.devices, args.hardware, headroom=args.headroom)
-        print(f"{args.recipe}: {param_count(cfg.model):,} params, global batch {cfg.data.global_batch} x "
-              f"{cfg.data.seq_len} tokens")
+        task = load_target(args.target) if is_task else None
+        cfg = override(base_config(args.target, task, tiny=args.tiny), args.overrides)
+        profile = profile_task(task, cfg) if is_task else None
+        result = plan(cfg, args.devices, args.hardware, headroom=args.headroom, task=profile)
+        if profile is None:
+            print(f"{args.target}: {param_count(cfg.model):,} params, global batch {cfg.data.global_batch} x "
+                  f"{cfg.data.seq_len} tokens")
+        else:
+            print(f"{args.target} (task {task.name}): {profile.variables.param_count:,} params, global batch "
+                  f"{cfg.data.global_batch}, {profile.model_flops(1):.3e} FLOPs per example"
+                  + (f"; {profile.note}" if profile.note else ""))
         print(result.format(args.top))
         best = result.best
     except ValueError as e:
         print(f"spmd-plan: error: {e}", file=sys.stderr)
         return 2
-    print(f"spmd-train {args.recipe}{' --tiny' if args.tiny else ''} {best.layout.command(cfg)}"
+    print(f"spmd-train {args.target}{' --tiny' if args.tiny else ''} {best.layout.command(cfg)}"
           + "".join(f" --set {s}" for s in args.overrides))
     if args.verify:
         from trainers.dryrun import dry_run
 
-        report = dry_run(best.layout.apply(cfg), devices=args.devices, hardware=result.hardware,
-                         headroom=args.headroom)
+        report = dry_run(best.layout.apply(cfg), args.target if is_task else None, devices=args.devices,
+                         hardware=result.hardware, headroom=args.headroom)
         print("\nverified with a dry-run compile:\n" + report.format())
     return 0
 

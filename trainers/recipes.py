@@ -18,16 +18,25 @@ from trainers.optim import OptimizerConfig
 from trainers.schedules import ScheduleConfig
 
 
+def tiny_run(cfg: Config) -> Config:
+    """Any config as a 2-step smoke run: 2 steps (warmup 1), eval of 1 batch at the end, a synchronous
+    checkpoint every step, logs every step; model and data untouched (``spmd-train module:task --tiny``)."""
+    return dataclasses.replace(
+        cfg,
+        schedule=dataclasses.replace(cfg.schedule, warmup_steps=1, total_steps=2),
+        checkpoint=dataclasses.replace(cfg.checkpoint, every_steps=1, async_save=False),
+        run=dataclasses.replace(cfg.run, name=cfg.run.name + "-tiny", steps=2, eval_every=2, eval_batches=1, log_every=1),
+    )
+
+
 def _tiny(cfg: Config) -> Config:
     """Shrink any recipe to a 2-step smoke run on a small model."""
+    cfg = tiny_run(cfg)
     return dataclasses.replace(
         cfg,
         model=dataclasses.replace(cfg.model, d_model=32, n_layers=2, n_heads=4, n_kv_heads=None, d_ff=64, dtype="float32"),
         data=dataclasses.replace(cfg.data, seq_len=16, global_batch=8, max_tokens=50_000),
-        schedule=dataclasses.replace(cfg.schedule, warmup_steps=1, total_steps=2),
-        checkpoint=dataclasses.replace(cfg.checkpoint, every_steps=1, async_save=False),
-        run=dataclasses.replace(cfg.run, name=cfg.run.name + "-tiny", steps=2, eval_every=2, eval_batches=1, log_every=1,
-                                grad_accum=1),
+        run=dataclasses.replace(cfg.run, grad_accum=1),
     )
 
 
