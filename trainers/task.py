@@ -122,5 +122,5 @@ def load_task(target: str) -> Task:
     if not isinstance(obj, Task) and callable(obj):
         obj = obj()
     if not isinstance(obj, Task):
-        raise ValueError(f"task {target!r} is a {type(obj).__name__}, not a trainers.Task (or a function returning one)")
+        raise ValueError(f"task {target!r} is of type {type(obj).__name__}, not a trainers.Task (or a function returning one)")
     return obj
