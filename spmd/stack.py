@@ -53,5 +53,16 @@ class Stack(nnx.Module):
         return apply, state
 
     def __call__(self, x: jax.Array, *args: Any) -> jax.Array:
-        apply, state = self.split()
-        return apply(state, x, *args)
+        """Scan the blocks over ``x``; variables the blocks update (batch statistics, RNG counts) are
+        carried out of the scan and written back, one slice per layer."""
+        graphdef, params, rest = nnx.split(self.block, nnx.Param, ...)
+
+        def body(carry, layer):
+            block = nnx.merge(graphdef, *layer)
+            return block(carry, *args), nnx.state(block, nnx.Not(nnx.Param))
+
+        if self.remat:
+            body = jax.checkpoint(body, prevent_cse=False)
+        y, rest = jax.lax.scan(body, x, (params, rest))
+        nnx.update(self.block, rest)
+        return y

@@ -73,7 +73,7 @@ def test_task_config_is_the_base_and_flags_apply():
 @pytest.mark.parametrize("argv, needles", [
     (["tests.byom_task:nope"], ["'tests.byom_task:nope'", "has no attribute 'nope'", "make_task", "gpt-small"]),
     (["tests.no_such_module:task"], ["cannot import module 'tests.no_such_module'", "package.module:attribute"]),
-    (["tests.byom_task:not_a_task"], ["is a int, not a trainers.Task"]),
+    (["tests.byom_task:not_a_task"], ["is of type int, not a trainers.Task"]),
     (["tests.byom_task:"], ["not of the form package.module:attribute"]),
     (["gpt-huge"], ["unknown recipe 'gpt-huge'", "gpt-small", "package.module:attribute"]),
 ])

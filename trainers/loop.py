@@ -326,7 +326,10 @@ def train(
         finally:
             ckpt.close()
             logger.close()
-    summary = (meter.summary() if meter is not None else {}) | {"peak_flops_per_device": peak, "peak_source": peak_source,
+    summary = meter.summary() if meter is not None else {}
+    if not task.tokens_per_example and "tokens_per_s" in summary:
+        summary["examples_per_s"] = summary.pop("tokens_per_s")
+    summary = summary | {"peak_flops_per_device": peak, "peak_source": peak_source,
                                                                 "flops_source": flops_source}
     skipped = int(jax.device_get(state["skipped"]))
     return Result(run.directory, start, step, losses, eval_losses, skipped, summary,

@@ -92,10 +92,6 @@ def _microbatches(x: jax.Array, k: int) -> jax.Array:
     return spmd.constrain(x, (None, "batch") + (None,) * (x.ndim - 2))
 
 
-def _step_rngs(key: jax.Array, micro: int | jax.Array | None = None) -> nnx.Rngs:
-    return nnx.Rngs(key if micro is None else jax.random.fold_in(key, micro))
-
-
 def make_train_step(
     sharded: Sharded,
     tx: optax.GradientTransformation,
@@ -122,10 +118,11 @@ def make_train_step(
     loss_fn = loss_fn or lm_loss_fn()
     rules = spmd.get_rules(rules)
 
-    def loss_of(params, other, batch, rngs):
+    def loss_of(params, other, batch, key):
         model = model_vars.merge(params, other)
         model.train()
-        loss, metrics = loss_and_metrics(loss_fn(model, batch, rngs))
+        # the Rngs are made here, inside the differentiated function: a loss may draw from them
+        loss, metrics = loss_and_metrics(loss_fn(model, batch, nnx.Rngs(key)))
         return loss, (metrics, model_vars.split(model)[1])
 
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
@@ -135,14 +132,14 @@ def make_train_step(
         key, step_key = jax.random.split(jax.random.wrap_key_data(state["rng"]))
         with spmd.use_rules(rules, mesh):
             if grad_accum == 1:
-                (loss, (aux, new_other)), grads = grad_fn(params, other, batch, _step_rngs(step_key))
+                (loss, (aux, new_other)), grads = grad_fn(params, other, batch, step_key)
             else:
                 micro = jax.tree.map(lambda x: _microbatches(x, grad_accum), batch)
 
                 def body(carry, xs):
                     acc, other = carry
                     mb, j = xs
-                    (l, (aux, other)), g = grad_fn(params, other, mb, _step_rngs(step_key, j))
+                    (l, (aux, other)), g = grad_fn(params, other, mb, jax.random.fold_in(step_key, j))
                     acc = jax.tree.map(jnp.add, acc, g)
                     return (jax.lax.with_sharding_constraint(acc, param_shardings), other), (l, aux)
 

@@ -19,10 +19,11 @@ Parameters name logical dims (``nnx.with_partitioning``); under the ``fsdp_tp`` 
 - MLP ``W_in[layers, D_fsdp, F_tensor]``, ``W_out[layers, F_tensor, D_fsdp]`` (one all-reduce over
   ``tensor``); FSDP all-gathers each weight over ``fsdp`` for use and reduce-scatters its gradient.
 
-Dropout keys come from the model's own RNG stream (``self.rngs``, a model variable: replicated,
-stepped, checkpointed and restored like the parameters; the same on every layout and after a
-resume), or from a key the caller passes; they travel through the scan in the carry, split once
-per layer.
+Dropout keys come from the key the loss passes (the step's ``rngs.dropout()``: the same on every
+layout and after a resume), or else from the model's own RNG stream (``self.rngs``, a model
+variable: replicated, stepped, checkpointed and restored like the parameters); they travel through
+the scan in the carry, split once per layer. Block outputs are constrained to ``x[B_batch, L, D]``
+(``spmd.constrain``) so activations follow the batch, not the weights' layout.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import optax
 from flax import nnx
 
 import meshes
-from spmd.stack import Stack
+from spmd import Stack, constrain
 from trainers.checkpoint import CheckpointConfig
 from trainers.config import Config, MeshConfig, RunConfig
 from trainers.data import DataConfig, TokenWindows, load_corpus
@@ -104,7 +105,7 @@ class ParallelBlock(nnx.Module):
         key, attn_key, mlp_key = jax.random.split(key, 3)
         h_BLD = self.norm(x_BLD)
         x_BLD = x_BLD + self.dropout(self.attention(h_BLD), rngs=attn_key) + self.dropout(self.mlp(h_BLD), rngs=mlp_key)
-        return x_BLD, key
+        return constrain(x_BLD, ("batch", "length", "embed")), key  # activations follow the batch, not the weights
 
 
 class Decoder(nnx.Module):
@@ -125,6 +126,7 @@ class Decoder(nnx.Module):
         key = self.rngs.dropout() if key is None else key
         key, embed_key = jax.random.split(key)
         x_BLD = jnp.take(self.tokens[...], tokens_BL, axis=0) + self.positions[: tokens_BL.shape[1]]
+        x_BLD = constrain(x_BLD, ("batch", "length", "embed"))
         x_BLD, _ = self.blocks((self.dropout(x_BLD, rngs=embed_key), key))
         return self.norm(x_BLD) @ self.head[...]
 
@@ -134,7 +136,7 @@ MODEL = DecoderConfig()
 
 
 def loss(model, batch, rngs):
-    logits_BLV = model(batch["inputs"])  # dropout keys from the model's own stream
+    logits_BLV = model(batch["inputs"], rngs.dropout())  # this step's dropout key, the same on every layout
     return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch["targets"]).mean()
 
 
