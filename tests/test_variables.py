@@ -192,3 +192,37 @@ def test_jaxpr_flops_counts_scanned_layers():
     g1, p1, _ = spmd.init_params(lambda: GPT(one_layer, rngs=nnx.Rngs(0)), "dp", _mesh(data=1))
     single = 3 * spmd.inspection.jaxpr_flops(lambda p, t: nnx.merge(g1, p)(t), p1, tokens)
     assert counted > 2.5 * single  # the scan body counted once per layer, not once
+
+
+def test_a_loss_may_draw_keys_from_rngs_with_accumulation():
+    """The step's rngs are made inside the differentiated function, per microbatch."""
+    mesh = _mesh(data=2)
+
+    def noisy(model, batch, rngs):
+        keep = jax.random.bernoulli(rngs.dropout(), 0.5, batch["x"].shape)
+        return _loss(model, {**batch, "x": batch["x"] * keep}, rngs)
+
+    tx = optax.sgd(0.1)
+    sharded = create_state(lambda: Plain(nnx.Rngs(0), 0.0), tx, "dp", mesh)
+    bs = spmd.batch_sharding("dp", mesh, dims=("batch",))
+    step = make_train_step(sharded, tx, "dp", mesh, bs, loss_fn=noisy, grad_accum=2, donate=False)
+    batch = jax.device_put(_batch(0), bs)
+    s1, m1 = step(sharded.state, batch)
+    _, m2 = step(sharded.state, batch)
+    _, m3 = step(s1, batch)
+    assert float(m1["loss"]) == float(m2["loss"])  # same state, same keys: reproducible
+    assert float(m3["loss"]) != float(m1["loss"])  # the next step draws other keys
+
+
+def test_stack_blocks_update_their_batch_statistics():
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.bn = nnx.BatchNorm(8, rngs=rngs)
+
+        def __call__(self, x):
+            return self.bn(x)
+
+    stack = spmd.Stack(lambda r: Block(r), 3, rngs=nnx.Rngs(0))
+    stack(jnp.arange(32.0).reshape(4, 8))
+    mean = np.asarray(stack.block.bn.mean[...])
+    assert mean.shape == (3, 8) and np.all(np.abs(mean[0]) > 0.1)  # written back per layer, not dropped
