@@ -4,8 +4,9 @@
 ``nnx.vmap`` (each with its own init RNG), so every parameter gets a leading ``layers`` dim
 (``W[layers, D, F]``) and the logical-dims metadata gains ``"layers"`` in front. The forward pass
 is ``jax.lax.scan`` over that dim: one block's code is traced and compiled once, whatever the
-depth. ``remat=True`` rematerialises each block in the backward pass (activation memory of one
-block boundary per layer instead of all intermediates).
+depth. ``remat`` names what each block keeps for the backward pass (``spmd.remat``: ``True`` or
+``"full"`` keeps one block boundary per layer and recomputes the rest; ``False`` or ``"none"`` keeps
+every intermediate).
 
 Keeping the stack as one array per parameter is also what lets a later layout cut it into
 pipeline stages along ``layers``.
@@ -19,11 +20,14 @@ from typing import Any
 import jax
 from flax import nnx
 
+from spmd import remat as remat_lib
+
 
 class Stack(nnx.Module):
     """n identical blocks; ``stack(x, *args)`` applies them in order: ``x = block_i(x, *args)``."""
 
-    def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], n: int, *, rngs: nnx.Rngs, remat: bool = False):
+    def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], n: int, *, rngs: nnx.Rngs,
+                 remat: bool | str = False):
         if n < 1:
             raise ValueError(f"a stack needs at least one block, got n={n}")
         keys = jax.random.split(rngs.params(), n)
@@ -33,7 +37,7 @@ class Stack(nnx.Module):
             return make_block(nnx.Rngs(params=key))
 
         self.block = create(keys)
-        self.n, self.remat = n, remat
+        self.n, self.remat = n, remat_lib.resolve(remat)  # a policy name (spmd.remat)
 
     def split(self) -> tuple[Callable[..., jax.Array], nnx.State]:
         """``(apply, state)``: ``state`` holds the stacked params ``[layers, ...]``;
@@ -46,9 +50,7 @@ class Stack(nnx.Module):
             def body(carry, layer_state):
                 return nnx.merge(graphdef, layer_state)(carry, *args), None
 
-            if remat:
-                body = jax.checkpoint(body, prevent_cse=False)
-            return jax.lax.scan(body, x, layers_state)[0]
+            return jax.lax.scan(remat_lib.wrap(body, remat), x, layers_state)[0]
 
         return apply, state
 
@@ -61,8 +63,6 @@ class Stack(nnx.Module):
             block = nnx.merge(graphdef, *layer)
             return block(carry, *args), nnx.state(block, nnx.Not(nnx.Param))
 
-        if self.remat:
-            body = jax.checkpoint(body, prevent_cse=False)
-        y, rest = jax.lax.scan(body, x, (params, rest))
+        y, rest = jax.lax.scan(remat_lib.wrap(body, self.remat), x, (params, rest))
         nnx.update(self.block, rest)
         return y

@@ -56,12 +56,12 @@ MetricFn = Callable[[nnx.Module, Batch], jax.Array]
 
 
 def lm_loss_fn(z_loss: float = 0.0, pipeline: PipelineConfig | None = None) -> LossFn:
-    """Next-token loss of a language model: ``model(batch["inputs"])`` vs ``batch["targets"]``;
-    with an enabled ``pipeline`` config, ``model.loss(..., pipeline=pipeline)`` runs the blocks as a
-    pipeline over the ``pipe`` axis."""
+    """Next-token loss of a language model: ``model.loss(inputs, targets, z_loss=, pipeline=)`` when the
+    model has one (``spmd.models.GPT``: chunked cross-entropy, and the blocks run as a pipeline over
+    the ``pipe`` axis under an enabled ``pipeline`` config), else ``lm_loss(model(inputs), targets)``."""
 
     def loss_fn(model: nnx.Module, batch: Batch, rngs: nnx.Rngs | None = None):
-        if pipeline is not None and pipeline.enabled:
+        if hasattr(model, "loss"):
             return model.loss(batch["inputs"], batch["targets"], z_loss=z_loss, pipeline=pipeline)
         return lm_loss(model(batch["inputs"]), batch["targets"], z_loss=z_loss)
 

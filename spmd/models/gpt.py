@@ -17,7 +17,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from spmd import remat as remat_lib
 from spmd.constraints import constrain
+from spmd.models import attention as attention_lib
+from spmd.models.loss import chunked_lm_loss
 from spmd.models.layers import Attention, GatedMLP, RMSNorm, param, weight
 from spmd.pipeline import PipelineConfig, pipelined_loss
 from spmd.stack import Stack
@@ -37,7 +40,11 @@ class GPTConfig:
     rope_theta: float = 10_000.0
     tie_embeddings: bool = False
     dtype: str = "float32"  # compute dtype: "float32" | "bfloat16"
-    remat: bool = False
+    remat: bool = False  # shorthand for remat_policy "full" (True) / "none" (False)
+    remat_policy: str = ""  # a spmd.remat policy name; "" takes it from remat
+    attention: str = "auto"  # a spmd.models.attention implementation
+    attention_block: int = 512  # query/key block of the blockwise attention paths
+    loss_chunk: int = 0  # cross-entropy over this many positions at a time (0: all at once)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads"):
@@ -49,6 +56,18 @@ class GPTConfig:
             raise ValueError(f"d_model {self.d_model} does not divide by n_heads {self.n_heads}; set head_dim")
         if self.n_heads % self.kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.kv_heads}")
+        if self.remat_policy and self.remat_policy not in remat_lib.POLICIES:
+            raise ValueError(f"GPTConfig.remat_policy {self.remat_policy!r} is not one of {remat_lib.POLICIES}")
+        if self.attention not in attention_lib.IMPLS:
+            raise ValueError(f"GPTConfig.attention {self.attention!r} is not one of {attention_lib.IMPLS}")
+        if self.attention_block < 1 or self.loss_chunk < 0:
+            raise ValueError(f"GPTConfig.attention_block must be >= 1 and loss_chunk >= 0, got "
+                             f"{self.attention_block}, {self.loss_chunk}")
+
+    @property
+    def policy(self) -> str:
+        """The remat policy name in effect."""
+        return self.remat_policy or remat_lib.resolve(self.remat)
 
     @property
     def kv_heads(self) -> int:
@@ -73,7 +92,8 @@ class Block(nnx.Module):
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.d_model, rngs=rngs)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.k, rngs=rngs,
-                              rope_theta=cfg.rope_theta, dtype=cfg.compute_dtype)
+                              rope_theta=cfg.rope_theta, dtype=cfg.compute_dtype, impl=cfg.attention,
+                              block=cfg.attention_block)
         self.mlp_norm = RMSNorm(cfg.d_model, rngs=rngs)
         self.mlp = GatedMLP(cfg.d_model, cfg.ff, rngs=rngs, dtype=cfg.compute_dtype)
 
@@ -89,28 +109,39 @@ class GPT(nnx.Module):
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = param(rngs, nnx.initializers.normal(stddev=1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
-        self.blocks = Stack(lambda r: Block(cfg, rngs=r), cfg.n_layers, rngs=rngs, remat=cfg.remat)
+        self.blocks = Stack(lambda r: Block(cfg, rngs=r), cfg.n_layers, rngs=rngs, remat=cfg.policy)
         self.final_norm = RMSNorm(cfg.d_model, rngs=rngs)
         if not cfg.tie_embeddings:
             self.head = param(rngs, nnx.initializers.truncated_normal(stddev=cfg.d_model**-0.5),
                               (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 
-    def __call__(self, tokens_BL: jax.Array) -> jax.Array:
-        cfg, dt = self.cfg, self.cfg.compute_dtype
+    def hidden(self, tokens_BL: jax.Array) -> jax.Array:
+        """The final-normed hidden states ``x[B, L, D]`` the head reads."""
+        dt = self.cfg.compute_dtype
         x_BLD = constrain(jnp.take(weight(self.embed, dt), tokens_BL, axis=0), ("batch", "length", "embed"))
         positions_L = jnp.arange(tokens_BL.shape[1])
-        x_BLD = self.final_norm(self.blocks(x_BLD, positions_L))
+        return self.final_norm(self.blocks(x_BLD, positions_L))
+
+    def logits(self, x_BLD: jax.Array) -> jax.Array:
+        """The head: ``x[B, L, D] -> logits[B, L, V]`` in f32."""
+        cfg, dt = self.cfg, self.cfg.compute_dtype
         if cfg.tie_embeddings:
             logits_BLV = jnp.einsum("bld,vd->blv", x_BLD, weight(self.embed, dt)) * cfg.d_model**-0.5
         else:
             logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, weight(self.head, dt))
         return constrain(logits_BLV.astype(jnp.float32), ("batch", "length", "vocab"))
 
+    def __call__(self, tokens_BL: jax.Array) -> jax.Array:
+        return self.logits(self.hidden(tokens_BL))
+
     def loss(self, tokens_BL: jax.Array, targets_BL: jax.Array, *, z_loss: float = 0.0,
              pipeline: PipelineConfig | None = None) -> tuple[jax.Array, dict]:
         """``lm_loss(self(tokens), targets)``; with a ``pipeline`` config the blocks run as a pipeline
         over the ``pipe`` axis (embedding before it; final norm, head and loss on its last stage)."""
         if pipeline is None or not pipeline.enabled:
+            if self.cfg.loss_chunk:
+                return chunked_lm_loss(self.hidden(tokens_BL), self.logits, targets_BL, chunk=self.cfg.loss_chunk,
+                                       z_loss=z_loss)
             return lm_loss(self(tokens_BL), targets_BL, z_loss=z_loss)
         cfg, dt = self.cfg, self.cfg.compute_dtype
         x_BLD = constrain(jnp.take(weight(self.embed, dt), tokens_BL, axis=0), ("batch", "length", "embed"))

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmd.constraints import constrain
+from spmd.models.attention import attend
 
 Init = Callable[..., jax.Array]
 
@@ -88,7 +89,7 @@ class Attention(nnx.Module):
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *, rngs: nnx.Rngs,
-                 rope_theta: float = 10_000.0, dtype: jnp.dtype = jnp.float32):
+                 rope_theta: float = 10_000.0, dtype: jnp.dtype = jnp.float32, impl: str = "auto", block: int = 512):
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads {n_heads} must be a multiple of n_kv_heads {n_kv_heads}")
         init = fan_in_init(d_model)
@@ -97,6 +98,7 @@ class Attention(nnx.Module):
         self.w_v = param(rngs, init, (d_model, n_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"))
         self.w_o = param(rngs, fan_in_init(n_heads * head_dim), (n_heads, head_dim, d_model), ("heads", "head_dim", "embed"))
         self.n_kv_heads, self.rope_theta, self.dtype = n_kv_heads, rope_theta, dtype
+        self.impl, self.block = impl, block  # spmd.models.attention
 
     def __call__(self, x_BLD: jax.Array, positions_L: jax.Array) -> jax.Array:
         dt = self.dtype
@@ -105,15 +107,8 @@ class Attention(nnx.Module):
         v_BLGK = jnp.einsum("bld,dgk->blgk", x_BLD, weight(self.w_v, dt))
         q_BLHK = constrain(rope(q_BLHK, positions_L, self.rope_theta), ("batch", "length", "heads", "head_dim"))
         k_BLGK = rope(k_BLGK, positions_L, self.rope_theta)
-        b, l, h, k = q_BLHK.shape
-        g = self.n_kv_heads
-        q_BLGRK = q_BLHK.reshape(b, l, g, h // g, k)
-        scores_BGRLL = jnp.einsum("bqgrk,bsgk->bgrqs", q_BLGRK, k_BLGK).astype(jnp.float32) * k**-0.5
-        causal_LL = jnp.tril(jnp.ones((l, l), dtype=bool))
-        scores_BGRLL = jnp.where(causal_LL, scores_BGRLL, jnp.finfo(jnp.float32).min)
-        probs_BGRLL = jax.nn.softmax(scores_BGRLL, axis=-1).astype(dt)
-        out_BLGRK = jnp.einsum("bgrqs,bsgk->bqgrk", probs_BGRLL, v_BLGK)
-        out_BLHK = constrain(out_BLGRK.reshape(b, l, h, k), ("batch", "length", "heads", "head_dim"))
+        out_BLHK = attend(q_BLHK, k_BLGK, v_BLGK, impl=self.impl, block=self.block)
+        out_BLHK = constrain(out_BLHK, ("batch", "length", "heads", "head_dim"))
         return jnp.einsum("blhk,hkd->bld", out_BLHK, weight(self.w_o, dt))
 
 
