@@ -30,6 +30,7 @@ step is dispatched.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -62,7 +63,7 @@ log = logging.getLogger(__name__)
 BatchHook = Callable[[int, dict[str, np.ndarray]], dict[str, np.ndarray]]
 StepHook = Callable[[int], None]
 
-__all__ = ["DivergenceError", "Result", "evaluate", "train"]
+__all__ = ["DivergenceError", "Result", "TaskError", "describe_batch", "evaluate", "train"]
 
 
 @dataclasses.dataclass
@@ -109,6 +110,29 @@ def _loader(source, global_batch: int, seed: int, batch_sharding) -> ExampleLoad
         raise TypeError(f"task data is a {type(source).__name__}: give a grain MapDataset (or sequence) of examples, "
                         "a grain IterDataset or an iterable of per-process batches, or a function cfg -> one of these")
     return IterLoader(source)
+
+
+class TaskError(ValueError):
+    """The task's model, loss or metrics failed on the first batch (a contract violation)."""
+
+
+def describe_batch(batch: Any) -> str:
+    """``{'image': float32[64, 8, 8, 1], 'label': int32[64]}``: a batch's structure, shapes and dtypes."""
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    return "{" + ", ".join(f"{spmd.path_str(p) or '<root>'!r}: {np.dtype(x.dtype).name}{list(x.shape)}"
+                           for p, x in leaves) + "}"
+
+
+@contextlib.contextmanager
+def _first_batch(task: Task, batch: Any, what: str):
+    """Errors raised while tracing the task on its first batch name the task, the batch and the contract."""
+    try:
+        yield
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+        raise TaskError(f"task {task.name!r}: {what} failed on the first batch {describe_batch(batch)}: "
+                        f"{type(exc).__name__}: {exc}. The contract: loss(model, batch, rngs) -> scalar or "
+                        "(scalar, {name: scalar}); eval metrics (model, batch) -> one value per example; every "
+                        "batch leaf has the batch as its leading dim") from exc
 
 
 def _check_pipelined(cfg: Config, task: Task) -> None:
@@ -255,12 +279,14 @@ def train(
                     batch = batch_hook(index, batch)
                 batch = to_global(batch, batch_sharding, data_cfg.global_batch)
                 if meter is None:
-                    flops, flops_source = _model_flops(task, sharded, batch, data_cfg.global_batch)
+                    with _first_batch(task, batch, "tracing the loss"):
+                        flops, flops_source = _model_flops(task, sharded, batch, data_cfg.global_batch)
                     per_example = task.tokens_per_example or 1
                     meter = StepMeter(tokens_per_step=data_cfg.global_batch * per_example, model_flops_per_step=flops,
                                       n_devices=mesh.size, peak_per_device=peak)
                     logger.message(f"MFU from {flops:.3e} model FLOPs per step, {flops_source}; peak {peak_source}")
-                state, metrics = train_step(state, batch)
+                with _first_batch(task, batch, "the train step") if step == start else contextlib.nullcontext():
+                    state, metrics = train_step(state, batch)  # contract errors surface at its trace, before any compile
                 step += 1
                 steps_since += 1
                 pending.append((step, index, metrics))
