@@ -53,7 +53,7 @@ from flax import nnx
 
 import spmd
 from meshes import AXES
-from spmd.models import GPT, GPTConfig
+from spmd.models import GPTConfig
 from spmd.pipeline import PipelineConfig
 from spmd.variables import Decision, PathRules, abstract_model, decide
 
@@ -162,7 +162,9 @@ def model_variables(make, path_rules: PathRules = ()) -> ModelVariables:
 
 @functools.lru_cache(maxsize=32)
 def _gpt_variables(model: GPTConfig) -> ModelVariables:
-    return model_variables(lambda: GPT(model, rngs=nnx.Rngs(0)))
+    from trainers.task import lm_model  # the built-in task's model, as the run builds it
+
+    return model_variables(lambda: lm_model(model)(nnx.Rngs(0)))
 
 
 def param_infos(model: GPTConfig | ModelVariables) -> tuple[ParamInfo, ...]:

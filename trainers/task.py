@@ -86,13 +86,21 @@ def _build(data: Any, cfg: Config) -> Any:
     return data(cfg) if callable(data) and not is_dataset else data
 
 
+def lm_model(model_cfg: Any) -> Callable[[nnx.Rngs], nnx.Module]:
+    """The built-in model of a ``spmd.models.GPTConfig``, as a task's ``rngs -> module`` (the one place
+    the trainer layer names the GPT class)."""
+    from spmd.models import GPT
+
+    return lambda rngs: GPT(model_cfg, rngs=rngs)
+
+
 def lm_task(cfg: Config) -> Task:
     """The built-in task: ``spmd.models.GPT(cfg.model)`` on ``cfg.data``'s token corpus, next-token loss."""
-    from spmd.models import GPT, flops_per_step
+    from spmd.models import flops_per_step
 
     model_cfg = cfg.model
     return Task(
-        model=lambda rngs: GPT(model_cfg, rngs=rngs),
+        model=lm_model(model_cfg),
         loss=lm_loss_fn(cfg.run.z_loss, cfg.pipeline),
         data=lambda c: TokenWindows(load_corpus(c.data, "train"), c.data.seq_len),
         eval_data=lambda c: TokenWindows(load_corpus(c.data, "validation"), c.data.seq_len),
