@@ -2,24 +2,75 @@
 
 ``chunked_lm_loss(x_BLD, logits_fn, targets_BL, chunk=C)`` computes the same mean cross-entropy
 (and z-loss) as ``lm_loss(logits_fn(x_BLD), targets_BL)``, ``C`` sequence positions at a time.
+
+The logits of a language model are the largest activation of its step: ``[B, L, V]`` in f32 is
+256 MiB for one sequence of 2048 tokens over a 32768-token vocabulary, and the backward pass holds
+them (and the softmax) again. Here the sequence is cut into ``ceil(L / C)`` chunks (the last one
+padded; padded positions are dropped before the mean) and a ``jax.lax.scan`` computes, per chunk,
+``logits[B, C, V] -> logsumexp[B, C]`` and the target's logit. The per-chunk function is wrapped in
+``jax.checkpoint``, so autodiff keeps only each chunk's hidden states ``x[B, C, D]`` and the
+backward pass recomputes that chunk's logits: at most one chunk's ``[B, C, V]`` lives at a time,
+forward or backward. The price is one more head matmul per chunk (the recomputation).
+
+Sharding: chunking cuts the length dim only, so each chunk's logits keep the layout ``logits_fn``
+gives them, e.g. ``logits[B_(data,fsdp), C, V_tensor]``. The logsumexp and the target pick (a
+one-hot product, which partitions like the logsumexp where a gather on vocab-sharded logits may
+not) reduce over ``V``: an all-reduce over ``tensor`` of a ``[B, C]`` array per chunk. The head
+weight's gradient is accumulated across chunks by the scan's backward pass.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import optax
 
 
 def chunked_lm_loss(x_BLD: jax.Array, logits_fn: Callable[[jax.Array], jax.Array], targets_BL: jax.Array, *,
                     chunk: int, z_loss: float = 0.0) -> tuple[jax.Array, dict]:
-    """Mean next-token cross-entropy (+ z-loss) of ``logits_fn(x_BLD)`` against ``targets_BL``."""
-    logits_BLV = logits_fn(x_BLD).astype(jnp.float32)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
+    """Mean next-token cross-entropy (+ ``z_loss * mean(logsumexp^2)``) of ``logits_fn(x_BLD)``
+    against ``targets_BL``, computed ``chunk`` positions at a time; aux ``{"ce"[, "z_loss"]}``.
+
+    ``logits_fn`` maps hidden states ``x[B, C, D]`` to logits ``[B, C, V]`` (any float dtype;
+    the loss is taken in f32) and is called once per chunk, inside a scan and a checkpoint: it may
+    read module parameters, which then receive gradients, but must not update state.
+    """
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunked_lm_loss: chunk={chunk!r} must be an integer >= 1")
+    if x_BLD.ndim != 3 or targets_BL.shape != x_BLD.shape[:2]:
+        raise ValueError(f"chunked_lm_loss: hidden states {x_BLD.shape} must be [B, L, D] and targets "
+                         f"{targets_BL.shape} [B, L]")
+    b, length, d = x_BLD.shape
+    c = min(chunk, length)
+    n = -(-length // c)
+    pad = n * c - length
+    if pad:  # the last chunk runs over padded positions; their losses are dropped below
+        x_BLD = jnp.pad(x_BLD, ((0, 0), (0, pad), (0, 0)))
+        targets_BL = jnp.pad(targets_BL, ((0, 0), (0, pad)))
+    x_NBCD = jnp.moveaxis(x_BLD.reshape(b, n, c, d), 1, 0)
+    targets_NBC = jnp.moveaxis(targets_BL.reshape(b, n, c), 1, 0)
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)  # inside a scan CSE cannot merge the recomputation
+    def chunk_losses(x_BCD: jax.Array, targets_BC: jax.Array) -> tuple[jax.Array, jax.Array]:
+        logits_BCV = logits_fn(x_BCD).astype(jnp.float32)
+        lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
+        onehot_BCV = jax.nn.one_hot(targets_BC, logits_BCV.shape[-1], dtype=logits_BCV.dtype)
+        target_BC = jnp.sum(logits_BCV * onehot_BCV, axis=-1)
+        return lse_BC - target_BC, lse_BC
+
+    def body(carry: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, tuple[jax.Array, jax.Array]]:
+        return carry, chunk_losses(*xs)
+
+    _, (ce_NBC, lse_NBC) = jax.lax.scan(body, None, (x_NBCD, targets_NBC))
+
+    def unchunk(y_NBC: jax.Array) -> jax.Array:
+        return jnp.moveaxis(y_NBC, 0, 1).reshape(b, n * c)[:, :length]
+
+    ce = jnp.mean(unchunk(ce_NBC))
     aux = {"ce": ce}
     if not z_loss:
         return ce, aux
-    aux["z_loss"] = z_loss * jnp.mean(jax.nn.logsumexp(logits_BLV, axis=-1) ** 2)
+    aux["z_loss"] = z_loss * jnp.mean(unchunk(lse_NBC) ** 2)
     return ce + aux["z_loss"], aux
