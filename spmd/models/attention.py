@@ -1,20 +1,49 @@
 """Causal attention kernels: ``attend(q, k, v, impl=...)``, one function, several implementations.
 
-Shapes: ``q[B, L, H, K]``, ``k, v[B, L, G, K]`` with ``H = G * R`` (grouped KV heads), RoPE already
-applied; returns ``out[B, L, H, K]`` in ``q``'s dtype. Softmax runs in f32.
+Shapes: ``q[B, L, H, K]``, ``k, v[B, L, G, K]`` with ``H = G * R`` (grouped KV heads: query head
+``h = g * R + r`` reads KV head ``g``), RoPE already applied; returns ``out[B, L, H, K]`` in ``q``'s
+dtype. Scores are scaled by ``K ** -0.5``; softmax runs in f32.
 
-Implementations (``GPTConfig.attention``):
+Implementations (``GPTConfig.attention``) and what each keeps in memory for the backward pass:
 
-- ``naive``: the full ``[B, G, R, L, L]`` score matrix in f32 (quadratic memory in L);
-- ``auto``: the best implementation for this backend and shape.
+- ``naive``: the whole ``[B, G, R, L, L]`` score matrix in f32, and the probabilities that autodiff
+  saves for the backward pass (quadratic in L).
+- ``xla``: ``jax.nn.dot_product_attention(..., implementation="xla")``, the library's reference
+  path: it also materialises ``[B, H, L, L]`` (quadratic in L); GQA without repeating K/V.
+- ``cudnn``: ``jax.nn.dot_product_attention(..., implementation="cudnn")``, cuDNN's fused flash
+  attention: GPU only (bf16/f16, head_dim a multiple of 8 and <= 128); on any other backend it
+  raises an error naming the backend. Keeps q, k, v, out and the per-row softmax statistics.
+- ``blockwise``: flash attention in plain JAX (Dao et al., 2022; FlashAttention-2, 2023). A loop
+  over query blocks runs an inner loop over the key blocks at or before it (blocks entirely above
+  the diagonal are skipped, the diagonal block is masked) with an online softmax: f32 running
+  max, sum and output accumulator per query row. A ``custom_vjp`` saves only q, k, v, the output
+  and the f32 log-sum-exp per row (linear in L); the backward pass recomputes each block's
+  probabilities in a loop over key blocks with an inner loop over the query blocks at or after
+  it. Live scratch is a few ``[B, G, R, block, block]`` f32 tiles, whatever L. K/V heads are
+  never repeated: the R query heads of a group contract against its one K/V head.
+- ``auto``: ``cudnn`` on a GPU when dtype and head_dim allow it; else ``blockwise`` when
+  ``L > block``; else ``naive`` (so short sequences keep today's numerics bit for bit).
+
+Block size: when ``block`` does not divide L, the blockwise path uses ``n = ceil(L / block)``
+blocks of ``ceil(L / n)`` positions (never larger than ``block``) and pads L with zeros up to
+``n`` times that, so the padding is less than ``n`` positions. Padded keys lie after every real
+query and are removed by the causal mask; padded query rows are sliced off.
+
+Sharding: every path is single-device code; batch and heads may be sharded (the blockwise loops
+slice only the length dim). A sharded ``length`` dim (the ``seq`` axis) is not handled here.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-IMPLS = ("auto", "naive")
+IMPLS = ("auto", "naive", "xla", "cudnn", "blockwise")
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+CUDNN_MAX_HEAD_DIM = 128
 
 
 def naive(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array) -> jax.Array:
@@ -30,8 +59,170 @@ def naive(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array) -> jax.Array:
     return out_BLGRK.reshape(b, l, h, k)
 
 
-def attend(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, *, impl: str = "auto", block: int = 512) -> jax.Array:
-    """Causal attention of ``q`` over ``k, v`` with the implementation ``impl`` (see the module docstring)."""
+def xla(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array) -> jax.Array:
+    """``jax.nn.dot_product_attention`` with XLA's implementation (scores materialised)."""
+    return jax.nn.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, is_causal=True, implementation="xla")
+
+
+def cudnn_unsupported(q_BLHK: jax.Array, k_BLGK: jax.Array) -> str | None:
+    """Why cuDNN flash attention cannot run these inputs here (None: it can)."""
+    backend = jax.default_backend()
+    if backend != "gpu":
+        return f"it needs a GPU and the backend is {backend!r}"
+    if q_BLHK.dtype not in CUDNN_DTYPES or k_BLGK.dtype != q_BLHK.dtype:
+        return f"it takes bfloat16 or float16 q/k/v, got {q_BLHK.dtype} and {k_BLGK.dtype}"
+    head_dim = q_BLHK.shape[-1]
+    if head_dim % 8 or head_dim > CUDNN_MAX_HEAD_DIM:
+        return f"head_dim must be a multiple of 8 and <= {CUDNN_MAX_HEAD_DIM}, got {head_dim}"
+    return None
+
+
+def cudnn(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array) -> jax.Array:
+    """``jax.nn.dot_product_attention`` with cuDNN's fused flash attention (GPU only)."""
+    reason = cudnn_unsupported(q_BLHK, k_BLGK)
+    if reason is not None:
+        raise ValueError(f"attention implementation 'cudnn' cannot run: {reason}; "
+                         f"use 'auto', 'blockwise', 'xla' or 'naive'")
+    return jax.nn.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, is_causal=True, implementation="cudnn")
+
+
+# ------------------------------------------------------------------------------------ blockwise
+def block_layout(length: int, block: int) -> tuple[int, int]:
+    """``(n, size)``: the blockwise path's blocks for ``length`` positions (see the module docstring)."""
+    if block < 1:
+        raise ValueError(f"attention block must be >= 1, got {block}")
+    n = -(-length // block)
+    return n, -(-length // n)
+
+
+def blockwise(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, block: int = 512) -> jax.Array:
+    """Flash attention in plain JAX: memory linear in L, forward and backward."""
+    b, l, h, k = q_BLHK.shape
+    g = k_BLGK.shape[2]
+    n, size = block_layout(l, block)
+    pad = n * size - l
+    if pad:
+        widths = ((0, 0), (0, pad), (0, 0), (0, 0))
+        q_BLHK, k_BLGK, v_BLGK = (jnp.pad(x, widths) for x in (q_BLHK, k_BLGK, v_BLGK))
+    q_BLGRK = q_BLHK.reshape(b, n * size, g, h // g, k)
+    out_BLGRK = _flash(q_BLGRK, k_BLGK, v_BLGK, size)
+    return out_BLGRK.reshape(b, n * size, h, k)[:, :l]
+
+
+def _tile(x: jax.Array, i: jax.Array, size: int) -> jax.Array:
+    """Block ``i`` (``size`` positions) of the length dim (dim 1)."""
+    return lax.dynamic_slice_in_dim(x, i * size, size, axis=1)
+
+
+def _put(x: jax.Array, tile: jax.Array, i: jax.Array, size: int) -> jax.Array:
+    return lax.dynamic_update_slice_in_dim(x, tile.astype(x.dtype), i * size, axis=1)
+
+
+def _scores(q_BQGRK: jax.Array, k_BSGK: jax.Array, i: jax.Array, j: jax.Array, size: int) -> jax.Array:
+    """Scaled f32 scores ``[B, G, R, Q, S]`` of query block ``i`` against key block ``j``, causally masked."""
+    s = jnp.einsum("bqgrk,bsgk->bgrqs", q_BQGRK, k_BSGK, preferred_element_type=jnp.float32)
+    s = s * q_BQGRK.shape[-1] ** -0.5
+    q_pos = i * size + lax.broadcasted_iota(jnp.int32, (size, size), 0)
+    k_pos = j * size + lax.broadcasted_iota(jnp.int32, (size, size), 1)
+    return jnp.where(q_pos >= k_pos, s, jnp.finfo(jnp.float32).min)
+
+
+def _forward(q_BLGRK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    """``(out[B, L, G, R, K], lse[B, G, R, L] f32)`` by online softmax over key blocks."""
+    b, l, g, r, k = q_BLGRK.shape
+    n = l // size
+    low = jnp.finfo(jnp.float32).min
+
+    def query_block(i, carry):
+        out_BLGRK, lse_BGRL = carry
+        q_i = _tile(q_BLGRK, i, size)
+
+        def key_block(j, acc):
+            m_BGRQ, sum_BGRQ, o_BGRQK = acc
+            s = _scores(q_i, _tile(k_BLGK, j, size), i, j, size)
+            m_new = jnp.maximum(m_BGRQ, s.max(axis=-1))
+            p = jnp.exp(s - m_new[..., None])
+            rescale = jnp.exp(m_BGRQ - m_new)
+            pv = jnp.einsum("bgrqs,bsgk->bgrqk", p.astype(v_BLGK.dtype), _tile(v_BLGK, j, size),
+                            preferred_element_type=jnp.float32)
+            return m_new, sum_BGRQ * rescale + p.sum(axis=-1), o_BGRQK * rescale[..., None] + pv
+
+        init = (jnp.full((b, g, r, size), low, jnp.float32), jnp.zeros((b, g, r, size), jnp.float32),
+                jnp.zeros((b, g, r, size, k), jnp.float32))
+        m_BGRQ, sum_BGRQ, o_BGRQK = lax.fori_loop(0, i + 1, key_block, init)  # blocks j <= i only
+        o_BQGRK = jnp.transpose(o_BGRQK / sum_BGRQ[..., None], (0, 3, 1, 2, 4))
+        lse_BGRQ = m_BGRQ + jnp.log(sum_BGRQ)
+        return _put(out_BLGRK, o_BQGRK, i, size), lax.dynamic_update_slice_in_dim(lse_BGRL, lse_BGRQ, i * size, axis=3)
+
+    init = (jnp.zeros(q_BLGRK.shape, q_BLGRK.dtype), jnp.zeros((b, g, r, l), jnp.float32))
+    return lax.fori_loop(0, n, query_block, init)
+
+
+def _backward(size: int, residuals: tuple, dout_BLGRK: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """FlashAttention-2 backward: probabilities recomputed per block from the saved log-sum-exp."""
+    q_BLGRK, k_BLGK, v_BLGK, out_BLGRK, lse_BGRL = residuals
+    l, k = q_BLGRK.shape[1], q_BLGRK.shape[-1]
+    n, scale = l // size, k**-0.5
+    # D = rowsum(dO * O): the softmax Jacobian's diagonal term, one f32 per query row.
+    delta_BGRL = jnp.einsum("blgrk,blgrk->bgrl", dout_BLGRK.astype(jnp.float32), out_BLGRK.astype(jnp.float32))
+
+    def key_block(j, carry):
+        dq_BLGRK, dk_BLGK, dv_BLGK = carry
+        k_j, v_j = _tile(k_BLGK, j, size), _tile(v_BLGK, j, size)
+
+        def query_block(i, acc):
+            dq_BLGRK, dk_SGK, dv_SGK = acc
+            q_i, do_i = _tile(q_BLGRK, i, size), _tile(dout_BLGRK, i, size)
+            lse_i = lax.dynamic_slice_in_dim(lse_BGRL, i * size, size, axis=3)
+            delta_i = lax.dynamic_slice_in_dim(delta_BGRL, i * size, size, axis=3)
+            p = jnp.exp(_scores(q_i, k_j, i, j, size) - lse_i[..., None])
+            dv_SGK = dv_SGK + jnp.einsum("bgrqs,bqgrk->bsgk", p.astype(do_i.dtype), do_i,
+                                         preferred_element_type=jnp.float32)
+            dp = jnp.einsum("bqgrk,bsgk->bgrqs", do_i, v_j, preferred_element_type=jnp.float32)
+            ds = (p * (dp - delta_i[..., None]) * scale).astype(q_i.dtype)
+            dq_i = jnp.einsum("bgrqs,bsgk->bqgrk", ds, k_j, preferred_element_type=jnp.float32)
+            dq_BLGRK = _put(dq_BLGRK, _tile(dq_BLGRK, i, size) + dq_i, i, size)
+            dk_SGK = dk_SGK + jnp.einsum("bgrqs,bqgrk->bsgk", ds, q_i, preferred_element_type=jnp.float32)
+            return dq_BLGRK, dk_SGK, dv_SGK
+
+        zeros = jnp.zeros(k_j.shape, jnp.float32)
+        dq_BLGRK, dk_j, dv_j = lax.fori_loop(j, n, query_block, (dq_BLGRK, zeros, zeros))  # blocks i >= j only
+        return dq_BLGRK, _put(dk_BLGK, dk_j, j, size), _put(dv_BLGK, dv_j, j, size)
+
+    init = (jnp.zeros(q_BLGRK.shape, jnp.float32), jnp.zeros(k_BLGK.shape, jnp.float32),
+            jnp.zeros(v_BLGK.shape, jnp.float32))
+    dq, dk, dv = lax.fori_loop(0, n, key_block, init)
+    return dq.astype(q_BLGRK.dtype), dk.astype(k_BLGK.dtype), dv.astype(v_BLGK.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _flash(q_BLGRK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, size: int) -> jax.Array:
+    return _forward(q_BLGRK, k_BLGK, v_BLGK, size)[0]
+
+
+def _flash_fwd(q_BLGRK, k_BLGK, v_BLGK, size):
+    out_BLGRK, lse_BGRL = _forward(q_BLGRK, k_BLGK, v_BLGK, size)
+    return out_BLGRK, (q_BLGRK, k_BLGK, v_BLGK, out_BLGRK, lse_BGRL)
+
+
+_flash.defvjp(_flash_fwd, _backward)
+
+
+# ------------------------------------------------------------------------------------ dispatch
+def resolve(impl: str, q_BLHK: jax.Array, k_BLGK: jax.Array, block: int = 512) -> str:
+    """The implementation ``attend`` runs for ``impl`` on these inputs (``auto`` made concrete)."""
     if impl not in IMPLS:
         raise ValueError(f"attention implementation {impl!r} is not one of {IMPLS}")
-    return naive(q_BLHK, k_BLGK, v_BLGK)
+    if impl != "auto":
+        return impl
+    if cudnn_unsupported(q_BLHK, k_BLGK) is None:
+        return "cudnn"
+    return "blockwise" if q_BLHK.shape[1] > block else "naive"
+
+
+def attend(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, *, impl: str = "auto", block: int = 512) -> jax.Array:
+    """Causal attention of ``q`` over ``k, v`` with the implementation ``impl`` (see the module docstring)."""
+    chosen = resolve(impl, q_BLHK, k_BLGK, block)
+    if chosen == "blockwise":
+        return blockwise(q_BLHK, k_BLGK, v_BLGK, block)
+    return {"naive": naive, "xla": xla, "cudnn": cudnn}[chosen](q_BLHK, k_BLGK, v_BLGK)
