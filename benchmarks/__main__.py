@@ -13,7 +13,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 
-from benchmarks import attention, checkpoint, comms, common, gpu, memory, mfu, overhead, pipeline, scaling
+from benchmarks import attention, checkpoint, comms, common, gpu, memory, mfu, overhead, pipeline, remat, scaling
 
 BENCHMARKS: dict[str, Callable[..., int]] = {
     "overhead": overhead.main,
@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, Callable[..., int]] = {
     "scaling": scaling.main,
     "gpu": gpu.main,
     "attention": attention.main,
+    "remat": remat.main,
 }
 assert tuple(BENCHMARKS)[: len(common.ORDER)] == common.ORDER  # benchmarks not yet in ORDER come last
 

@@ -4,9 +4,13 @@
 ``nnx.vmap`` (each with its own init RNG), so every parameter gets a leading ``layers`` dim
 (``W[layers, D, F]``) and the logical-dims metadata gains ``"layers"`` in front. The forward pass
 is ``jax.lax.scan`` over that dim: one block's code is traced and compiled once, whatever the
-depth. ``remat`` names what each block keeps for the backward pass (``spmd.remat``: ``True`` or
-``"full"`` keeps one block boundary per layer and recomputes the rest; ``False`` or ``"none"`` keeps
-every intermediate).
+depth. ``remat`` names what each block keeps for the backward pass, applied to the scan body, so
+per block (:mod:`spmd.remat`: ``"none"`` / ``False`` keeps every intermediate, ``"full"`` / ``True``
+only the block input, ``"save_dots"`` the matmul outputs, ``"offload"`` those on the host,
+``"save_all_but_gathered"`` everything but the weights). The scan keeps what the policy keeps for
+every layer, stacked along ``layers``; the parameters themselves are scanned over, never copied,
+unless the policy keeps the weights the block computed from them (only ``none`` does: under FSDP
+those are the all-gathered weights of every layer).
 
 Keeping the stack as one array per parameter is also what lets a later layout cut it into
 pipeline stages along ``layers``.

@@ -2,7 +2,7 @@
 
 No compile, milliseconds per layout: what :mod:`trainers.plan` ranks layouts by and what
 :mod:`trainers.dryrun` prints beside the compiled numbers. The formulas (parameters and optimizer
-state exactly from the rule set's shard shapes; gradients, activations with and without remat,
+state exactly from the rule set's shard shapes; gradients, activations under each remat policy,
 pipeline stashes; ring-algorithm bytes per mesh axis; max(compute, memory) + communication) are
 described in :mod:`trainers.plan`'s docstring.
 
@@ -21,7 +21,7 @@ import jax
 from flax import nnx
 
 import spmd
-from spmd.models import flops_per_step
+from spmd.models import flops_per_step, flops_per_token
 from spmd.pipeline import Schedule, build_tables, get_schedule
 from trainers.config import Config
 from trainers.diagnose import ParamInfo, param_infos, shard_divisors
@@ -32,6 +32,11 @@ from trainers.profile import TaskProfile, at
 RULE_AXES = {"dp": (("data",), ()), "fsdp": (("fsdp",), ("data",)), "tp": (("tensor",), ()),
              "dp_tp": (("data", "tensor"), ()), "fsdp_tp": (("fsdp", "tensor"), ("data",))}
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+# spmd.remat policies by what a block keeps on the device for the backward pass (else: its input only)
+KEEPS_ALL = ("none", "save_all_but_gathered")  # every intermediate; the weights too under none
+KEEPS_DOTS = ("save_dots",)  # the projections' outputs (offload keeps them on the host)
+RECOMPUTES_BLOCK = ("full", "save_block_input")  # the whole forward of each block again
+RECOMPUTES_ATTENTION = ("save_dots", "offload")  # attention's scores and weighted sum again (no projection)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +101,12 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
 
     def kept(rows: float, n_layers: int) -> float:  # what the backward keeps of n_layers layers on `rows` rows
         block = rows * L * per_token_layer
-        return (n_layers * rows * L * D * dt + block) if m.remat else n_layers * block
+        if m.policy in KEEPS_ALL:
+            return n_layers * block
+        per_layer = rows * L * D * dt  # the block input
+        if m.policy in KEEPS_DOTS:  # + q, k, v, attention out, gate, up, down
+            per_layer += rows * L * dt * (qkv + 2 * D + 2 * F / t)
+        return n_layers * per_layer + block  # + one block's worth while it is recomputed
 
     def logits(rows: float) -> float:
         return 3 * rows * L * V / vt * 4 + 2 * rows * L * D * 4
@@ -173,14 +183,14 @@ def comm_estimate(cfg: Config, sizes: dict[str, int], hw: Hardware, dcn_axes: tu
             out.append(Traffic(kind, (axis,), count, int(count * nbytes), net[axis],
                                count * collective_seconds(hw, kind, nbytes, group, dcn=dcn)))
 
-    passes = 3 if m.remat else 2
-    add("all-gather", "fsdp", passes, tp_local * dt, f)  # weights, forward + backward (+ remat recompute)
+    passes = 2 if m.policy == "none" else 3
+    add("all-gather", "fsdp", passes, tp_local * dt, f)  # weights, forward + backward (+ re-gathered unless kept)
     add("reduce-scatter", "fsdp", 1, tp_local * 4, f)  # f32 gradients onto their shards
     add("all-reduce", "data", 1, tp_local // f * 4, d)  # gradients of each shard across replicas
     b = data.global_batch // math.prod(shard_divisors_for(("batch",), rules, sizes))
     S, pipe = sizes.get("pipe", 1), cfg.pipeline
     piped = S > 1 and pipe.enabled
-    recompute = m.remat or (piped and pipe.schedule != "gpipe")  # the 1F1B engines recompute each chunk
+    recompute = m.policy in RECOMPUTES_BLOCK or (piped and pipe.schedule != "gpipe")  # 1F1B: each chunk again
     per_layer = (6 if recompute else 4) * m.n_layers // (S if piped else 1)  # attn-out + mlp-out, fwd + bwd
     add("all-reduce", "tensor", per_layer, b * data.seq_len * m.d_model * dt, t)
     if piped:
@@ -201,8 +211,12 @@ def roofline(cfg: Config, n_devices: int, hw: Hardware, mem: MemoryEstimate, tra
     on a ``pipe`` axis > 1 the compute time is stretched by ``1 / (1 - bubble)`` of the schedule."""
     m, piped = cfg.model, pipe > 1 and cfg.pipeline.enabled
     model_flops = flops_per_step(m, cfg.data.global_batch, cfg.data.seq_len)
-    recompute = (1 if m.remat or (piped and cfg.pipeline.remat) else 0) + (1 if piped and cfg.pipeline.schedule != "gpipe" else 0)
-    executed = model_flops / n_devices * (1 + recompute / 3)
+    whole = m.policy in RECOMPUTES_BLOCK or (piped and cfg.pipeline.remat)
+    recompute = (1 if whole else 0) + (1 if piped and cfg.pipeline.schedule != "gpipe" else 0)
+    extra = recompute / 3
+    if not whole and m.policy in RECOMPUTES_ATTENTION:
+        extra += 4 * m.n_layers * m.n_heads * m.k * cfg.data.seq_len / flops_per_token(m, cfg.data.seq_len)
+    executed = model_flops / n_devices * (1 + extra)
     return _roofline(model_flops, executed, m.dtype, n_devices, hw, mem, traffic, pipeline_bubble(cfg, pipe))
 
 

@@ -17,14 +17,16 @@ estimated step time:
 - **memory estimate** (per device; :mod:`trainers.estimate`): parameters and optimizer state exactly (shard shapes from the
   rule set, optimizer moments from ``jax.eval_shape(tx.init)``); gradients (f32, sharded like
   the parameters, twice with gradient accumulation); activations from a per-layer count of the
-  tensors the backward pass keeps (all of them without remat, the block input per layer plus one
-  block's worth with remat) and the f32 logits; FSDP's gathered weights of one layer. With a pipe
+  tensors the backward pass keeps under the model's remat policy (:mod:`spmd.remat`: all of them
+  under ``none`` and ``save_all_but_gathered``; the block input per layer plus one block's worth
+  under ``full``, ``save_block_input`` and ``offload``, whose kept values sit on the host; that plus
+  the projections' outputs under ``save_dots``) and the f32 logits; FSDP's gathered weights of one layer. With a pipe
   axis of S stages each device holds 1/S of the block parameters (the rule set's ``layers -> pipe``);
   activations: 1F1B / interleaved keep a stash of stage inputs (``x[B/M, L, D]``, as many slots as
   the schedule table holds at once, about S: :func:`spmd.pipeline.build_tables`) plus one chunk's
   recompute for one microbatch; GPipe keeps every microbatch's residuals (M, like no pipeline).
 - **time estimate** (roofline; :func:`roofline`): compute = model FLOPs per device (x4/3 with
-  remat) / peak; memory = HBM traffic (weights read 3x per step, optimizer read/write, activations
+  ``full`` remat; ``save_dots`` / ``offload`` add attention's forward once more) / peak; memory = HBM traffic (weights read 3x per step, optimizer read/write, activations
   written and read) / HBM bandwidth; communication = per mesh axis, the ring algorithm's bytes on
   the wire / that axis's network bandwidth (fast network inside a node or slice, slow network
   across: :func:`trainers.hardware.networks`). **Overlap assumption**: none. Step time =
@@ -63,6 +65,7 @@ from collections.abc import Iterator
 
 import spmd
 from meshes import AXES
+from spmd import remat as remat_lib
 from spmd.models import param_count
 from spmd.pipeline import NAMES as PIPELINE_SCHEDULES
 from spmd.pipeline import PipelineConfig
@@ -76,13 +79,14 @@ from trainers.task import Task, load_task
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """One way to run a config: mesh axis sizes (outermost first), rule set, remat (None: not a
-    choice, a task's model decides), and with a ``pipe`` axis > 1 the pipeline schedule,
+    """One way to run a config: mesh axis sizes (outermost first), rule set, remat (``True`` /
+    ``False``: ``model.remat``; a :mod:`spmd.remat` policy name: ``model.remat_policy``; None: not
+    a choice, a task's model decides), and with a ``pipe`` axis > 1 the pipeline schedule,
     microbatches M and virtual stages V."""
 
     mesh: tuple[tuple[str, int], ...]
     rules: str
-    remat: bool | None
+    remat: bool | str | None
     schedule: str = "none"
     microbatches: int = 1
     virtual_stages: int = 1
@@ -92,6 +96,8 @@ class Layout:
             if name not in AXES or size < 1:
                 raise ValueError(f"Layout mesh entry {name}={size}: axes are {AXES}, sizes >= 1")
         spmd.get_rules(self.rules)
+        if self.remat is not None:
+            remat_lib.resolve(self.remat)
         self.pipeline  # validates schedule, microbatches and virtual stages
         if (self.pipe > 1) != (self.schedule != "none"):
             raise ValueError(f"Layout with pipe={self.pipe} and pipeline schedule {self.schedule!r}: a pipe axis > 1 "
@@ -117,8 +123,15 @@ class Layout:
     def mesh_arg(self) -> str:
         return ",".join(f"{n}={s}" for n, s in self.mesh if s > 1) or "data=1"
 
+    def _remat_sets(self) -> list[str]:
+        if self.remat is None:
+            return []
+        if isinstance(self.remat, str):
+            return [f"model.remat_policy={self.remat}"]
+        return [f"model.remat={str(self.remat).lower()}", "model.remat_policy="]  # a policy in the base would win
+
     def overrides(self) -> list[str]:
-        remat = [] if self.remat is None else [f"model.remat={str(self.remat).lower()}"]
+        remat = self._remat_sets()
         return [f"mesh.axes={self.mesh_arg}", f"rules={self.rules}", *remat, *self._pipeline_sets()]
 
     def apply(self, cfg: Config) -> Config:
@@ -128,8 +141,12 @@ class Layout:
     def command(self, base: Config | None = None) -> str:
         """The ``spmd-train`` flags of this layout (pipeline settings when it pipelines, or when ``base`` does)."""
         out = f"--mesh {self.mesh_arg} --rules {self.rules}"
-        if self.remat is not None:
+        if isinstance(self.remat, str):
+            out += f" --set model.remat_policy={self.remat}"
+        elif self.remat is not None:
             out += f" --set model.remat={str(self.remat).lower()}"
+            if base is not None and base.model.remat_policy:
+                out += " --set model.remat_policy="
         if self.pipe > 1:
             out += "".join(f" --set {s}" for s in self._pipeline_sets())
         elif base is not None and base.pipeline.enabled:
@@ -140,7 +157,8 @@ class Layout:
         pp = ""
         if self.pipe > 1:
             pp = f" {self.schedule} M={self.microbatches}" + (f" V={self.virtual_stages}" if self.virtual_stages > 1 else "")
-        return f"{self.mesh_arg} {self.rules}{pp}{' remat' if self.remat else ''}"
+        remat = f" remat={self.remat}" if isinstance(self.remat, str) else " remat" if self.remat else ""
+        return f"{self.mesh_arg} {self.rules}{pp}{remat}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +243,7 @@ def pipeline_options(pipe: int, n_layers: int, batch: int) -> list[tuple[str, in
     return out
 
 
-def candidates(devices: int, *, remat: tuple[bool | None, ...] = (False, True), n_layers: int | None = None,
+def candidates(devices: int, *, remat: tuple[bool | str | None, ...] = (False, True), n_layers: int | None = None,
                batch: int | None = None) -> list[Layout]:
     """Every (data, pipe, fsdp, tensor) factorisation of ``devices`` with each rule set using exactly the
     non-pipe axes; pipe > 1 only with ``n_layers`` (a divisor of it) and ``batch`` (M must divide it)."""
