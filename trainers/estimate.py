@@ -96,7 +96,14 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
     b = max(data.global_batch // cfg.run.grad_accum // n_batch, 1)
     L, D, F, H, G, K, V = data.seq_len, m.d_model, m.ff, m.n_heads, m.kv_heads, m.k, m.vocab_size
     qkv = (H + 2 * G) * K / t
-    per_token_layer = dt * (6 * D + 2 * qkv + H * K / t + 4 * F / t) + 4 * (qkv + 3 * D) + (4 + dt) * H * L / t
+    # attention keeps the [B, H, L, L] probabilities (f32 scores + compute-dtype probs) unless a blockwise
+    # path runs (spmd.models.attention: "blockwise", or "auto" past one block): then one f32 log-sum-exp per
+    # row and head, and one block of scores in flight while a block is computed
+    blockwise = m.attention == "blockwise" or (m.attention in ("auto", "cudnn") and L > m.attention_block)
+    scores = 4 * H / t if blockwise else (4 + dt) * H * L / t
+    per_token_layer = dt * (6 * D + 2 * qkv + H * K / t + 4 * F / t) + 4 * (qkv + 3 * D) + scores
+    in_flight = (4 + dt) * H / t * min(L, m.attention_block) ** 2 * max(b, 1) if blockwise else 0
+    positions = min(m.loss_chunk, L) if m.loss_chunk else L  # chunked cross-entropy: one chunk's logits at a time
     vt = t if any(a == "vocab" for a, _ in rules.activations) else 1
 
     def kept(rows: float, n_layers: int) -> float:  # what the backward keeps of n_layers layers on `rows` rows
@@ -109,7 +116,7 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
         return n_layers * per_layer + block  # + one block's worth while it is recomputed
 
     def logits(rows: float) -> float:
-        return 3 * rows * L * V / vt * 4 + 2 * rows * L * D * 4
+        return 3 * rows * positions * V / vt * 4 + 2 * rows * L * D * 4 + in_flight
 
     S, pipe = sizes.get("pipe", 1), cfg.pipeline
     if S > 1 and pipe.enabled:
