@@ -291,6 +291,8 @@ def test_bad_inputs_raise(tmp_path):
             ck.save(1, _state(), [1, 2])
         with pytest.raises(ValueError, match="PRNG key"):
             ck.save(1, {"key": jax.random.key(0)}, {})
+        with pytest.raises(ValueError, match=r"\['name'\] is a str; a checkpoint holds arrays"):
+            ck.save(1, {"name": "adamw"}, {})
         with pytest.raises(ValueError, match="step must be"):
             ck.save(-1, _state(), {})
         with pytest.raises(ValueError, match=r"\['w'\].*sharding"):
@@ -432,3 +434,269 @@ def test_two_processes_save_and_fall_back_together(tmp_path):
         assert "skipping checkpoint step 3" in out and "_METADATA" in out, out[-3000:]
         agreed = "simulated local read error" if i == 1 else "failed on process(es) [1]"
         assert re.search(rf"skipping checkpoint step 2 .*{re.escape(agreed)}", out), out[-3000:]
+
+
+# ----------------------------------------------------------------------------- plain orbax reads it
+def _plain_orbax_save(directory, steps):
+    """What a user of orbax alone writes for ``{step: state}`` (no toolkit code)."""
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(directory) as manager:
+        for step, state in steps.items():
+            manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)))
+        manager.wait_until_finished()
+
+
+def _plain_orbax_restore(directory, step, abstract=None):
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(directory) as manager:
+        if abstract is None:
+            return manager.restore(step)["state"]
+        return manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+
+
+def _described(tree):
+    """Structure, leaf types, dtypes, shapes, shardings and bytes: what restoring gives a user."""
+    def leaf(x):
+        return (type(x).__name__, getattr(x, "dtype", None), getattr(x, "shape", None),
+                getattr(x, "sharding", None), np.asarray(x).tobytes())
+    return jax.tree.structure(tree), [leaf(x) for x in jax.tree.leaves(tree)]
+
+
+@pytest.mark.filterwarnings("ignore:Sharding info not provided when restoring")  # orbax, restoring without a target
+def test_plain_orbax_restores_a_toolkit_checkpoint_as_its_own(tmp_path):
+    """A toolkit checkpoint restored by orbax alone gives the tree, values and shardings saved, and
+    exactly what orbax gives for a checkpoint it wrote itself (with a target, and without one)."""
+    import orbax.checkpoint as ocp
+
+    arrays = _state()
+    mixed = {**_state(seed=2), "np_scalar": np.float32(2.5), "number": 7, "host": np.arange(3.0)}
+    with _ckpt(tmp_path) as ck:
+        assert ck.save(1, arrays, {"pos": 1}) and ck.save(2, mixed, {"pos": 2})
+    _plain_orbax_save(tmp_path / "plain", {1: arrays, 2: mixed})
+    target = _abstract(arrays)
+    restored = _plain_orbax_restore(tmp_path / "ckpt", 1, target)
+    assert _trees_bit_equal(restored, arrays) and isinstance(restored["opt"], AdamLike)
+    assert jax.tree.map(lambda a: a.sharding, restored) == jax.tree.map(lambda a: a.sharding, arrays)
+    assert _described(restored) == _described(_plain_orbax_restore(tmp_path / "plain", 1, target))
+    item = ocp.StandardCheckpointer().restore(tmp_path / "ckpt" / "1" / "state", target)
+    assert _described(item) == _described(restored)
+    # Without a target orbax rebuilds the tree from the metadata: same as for its own checkpoints.
+    for step in (1, 2):
+        ours = _plain_orbax_restore(tmp_path / "ckpt", step)
+        assert _described(ours) == _described(_plain_orbax_restore(tmp_path / "plain", step)), step
+    assert all(_bits_equal(a, b) for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(mixed), strict=True))
+    # Negative control: one changed value is noticed.
+    mixed["params"]["w"] = mixed["params"]["w"] + 1
+    _plain_orbax_save(tmp_path / "plain2", {2: mixed})
+    assert _described(_plain_orbax_restore(tmp_path / "plain2", 2)) != _described(ours)
+
+
+def test_a_step_in_the_earlier_format_still_restores(tmp_path):
+    """Steps written before the save path changed (StandardSave: zarr2, zstd) restore as before."""
+    import orbax.checkpoint as ocp
+
+    state = _state(seed=6)
+    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(6, args=ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave({"pos": 6})))
+        manager.wait_until_finished()
+    with _ckpt(tmp_path) as ck:
+        assert ck.valid_steps() == [6]
+        step, restored, data_state = ck.restore(_abstract(state))
+        assert ck.save(7, _state(seed=7), {"pos": 7})
+    assert (step, data_state) == (6, {"pos": 6}) and _trees_bit_equal(restored, state)
+    metadata = {s: json.loads((tmp_path / "ckpt" / str(s) / "state" / "_METADATA").read_text()) for s in (6, 7)}
+    assert (metadata[6]["use_zarr3"], metadata[7]["use_zarr3"]) == (False, True)  # the two formats side by side
+
+
+# ----------------------------------------------------------------------------- saving in the background
+def _numpy(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def test_save_returns_before_orbax_starts_and_never_reads_the_callers_arrays(tmp_path):
+    """save() returns while the hand-off to orbax is held back; the caller's arrays are deleted
+    and its data_state mutated before orbax runs; the step still holds the values at save()."""
+    import threading
+
+    state, data_state = _state(seed=3), {"pos": 300, "epoch": [1]}
+    expected = _numpy(state)
+    with _ckpt(tmp_path) as ck:
+        release, entered = threading.Event(), threading.Event()
+        orbax_save = ck._manager.save
+
+        def held_back(*args, **kwargs):
+            entered.set()
+            assert release.wait(30)
+            return orbax_save(*args, **kwargs)
+
+        ck._manager.save = held_back
+        assert ck.save(1, state, data_state)
+        assert entered.wait(30) and not release.is_set()  # orbax has not started; save() returned
+        assert threading.current_thread() is threading.main_thread()
+        for leaf in jax.tree.leaves(state):
+            leaf.delete()
+        data_state["pos"], data_state["epoch"][0] = -1, -1
+        assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state))  # the buffers really are gone
+        release.set()
+        ck.wait()
+        step, restored, restored_data = ck.restore(_abstract(_state()))
+    assert (step, restored_data) == (1, {"pos": 300, "epoch": [1]})
+    assert _trees_bit_equal(restored, expected)
+    assert not _trees_bit_equal(restored, _numpy(_state(seed=4)))  # negative control
+
+
+def test_state_donated_right_after_save_is_saved_as_it_was(tmp_path):
+    state = _state(seed=1)
+    expected = _numpy(_state(seed=1))  # (a numpy view of `state` itself would make jax refuse the donation)
+    bump = jax.jit(lambda t: jax.tree.map(lambda a: a + jnp.ones((), a.dtype), t), donate_argnums=0)
+    with _ckpt(tmp_path) as ck:
+        assert ck.save(1, state, {})
+        bumped = bump(state)  # overwrites the donated buffers while orbax may still be writing
+        assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state))  # every buffer was donated
+        jax.block_until_ready(bumped)
+        ck.wait()
+        _, restored, _ = ck.restore(_abstract(bumped))
+    assert _trees_bit_equal(restored, expected)
+    assert not _trees_bit_equal(restored, _numpy(bumped))  # negative control: the update changed every leaf
+
+
+def test_an_error_in_the_background_is_raised_by_wait_once(tmp_path):
+    with _ckpt(tmp_path) as ck:
+        def full_disk(*args, **kwargs):
+            raise OSError("No space left on device")
+
+        ck._manager.save = full_disk
+        assert ck.save(1, _state(), {})
+        with pytest.raises(RuntimeError, match=r"saving checkpoint step 1 in .*ckpt failed: OSError: No space left"):
+            ck.wait()
+        del ck._manager.save  # orbax's own save again
+        ck.wait()  # the error was reported; nothing is pending
+        assert ck.save(2, _state(seed=2), {"pos": 2})
+        ck.wait()
+        assert ck.valid_steps() == [2]
+
+
+def test_an_interrupt_after_save_still_commits_the_step(tmp_path):
+    state = _state(seed=5)
+    with pytest.raises(KeyboardInterrupt):
+        with _ckpt(tmp_path) as ck:
+            assert ck.save(4, state, {"pos": 4})
+            raise KeyboardInterrupt  # close() in __exit__ (the loop's finally) finishes the save
+    with _ckpt(tmp_path) as ck:
+        step, restored, data_state = ck.restore(_abstract(state))
+    assert (step, data_state) == (4, {"pos": 4}) and _trees_bit_equal(restored, state)
+
+
+def test_host_copy_copies_each_distinct_shard_once_and_rebuilds_the_shardings():
+    from trainers.checkpoint import _HostCopy
+
+    mesh = _mesh((2, 4), ("data", "fsdp"))
+    state = {
+        "w": jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("fsdp"))),  # 4 distinct x 2 replicas
+        "b": jax.device_put(jnp.arange(8, dtype=jnp.bfloat16), NamedSharding(mesh, P())),  # 1 distinct x 8
+        "g": jax.device_put(jnp.arange(16, dtype=jnp.int32).reshape(2, 8), NamedSharding(mesh, P("data", "fsdp"))),  # 8
+        "n": np.ones(3), "k": 5,
+    }
+    copy = _HostCopy(state)
+    assert len(copy.buffers) == 4 + 1 + 8
+    rebuilt = copy.arrays()
+    assert _trees_bit_equal(rebuilt, state)
+    for key in ("w", "b", "g"):
+        assert rebuilt[key].sharding == state[key].sharding
+    owned = {b.ctypes.data for b in copy.buffers}  # on CPU the rebuilt shards alias the copy
+    assert all(s.data.unsafe_buffer_pointer() in owned for k in ("w", "b", "g") for s in rebuilt[k].addressable_shards)
+    again = _HostCopy(state, spare=copy.buffers)
+    assert [id(b) for b in again.buffers] == [id(b) for b in copy.buffers]  # spare buffers reused in order
+    assert len({id(b) for b in _HostCopy(state).buffers} & {id(b) for b in copy.buffers}) == 0  # negative control
+
+
+def test_a_save_waits_for_the_previous_one_and_reuses_its_host_buffers(tmp_path):
+    """At most one save in flight (as with orbax's own save): save() waits for the previous commit,
+    after which orbax no longer reads that copy's buffers, and the new copy reuses them."""
+    import threading
+
+    with _ckpt(tmp_path) as ck:
+        ck.save(1, _state(seed=1), {"pos": 1})
+        first = list(ck._last_copy.buffers)
+        commits = []  # steps on disk whenever the caller's thread waited for orbax
+        orbax_wait = ck._manager.wait_until_finished
+
+        def recorded_wait():
+            orbax_wait()
+            if threading.current_thread() is threading.main_thread():
+                commits.append(ck.all_steps())
+
+        ck._manager.wait_until_finished = recorded_wait
+        ck.save(2, _state(seed=2), {"pos": 2})  # back to back: step 1 may still be in flight
+        assert commits == [[1]]  # committed before the new copy was taken
+        assert len(first) == len(ck._last_copy.buffers) and all(a is b for a, b in zip(first, ck._last_copy.buffers))
+        for step in (3, 4, 5):
+            ck.save(step, _state(seed=step), {"pos": step})
+        ck.wait()
+        for step in (1, 2, 3, 4, 5):
+            _, restored, data_state = ck.restore(_abstract(_state()), step=step)
+            assert data_state == {"pos": step} and _trees_bit_equal(restored, _state(seed=step)), step
+        assert not _trees_bit_equal(restored, _state(seed=4))  # negative control
+
+
+_KILLED_WORKER = r"""
+import os, sys, time
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from trainers import checkpoint
+
+root = sys.argv[1]
+mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+state = lambda seed: {"w": jax.device_put(jnp.arange(64.0).reshape(8, 8) + seed, NamedSharding(mesh, P("fsdp")))}
+ck = checkpoint.Checkpointer(root, checkpoint.CheckpointConfig(every_steps=1))
+ck.save(1, state(1), {"pos": 1})
+ck.wait()
+rebuild = checkpoint._HostCopy.arrays
+
+def slow_rebuild(self):
+    open(root + ".handing-off", "w").close()
+    time.sleep(60)
+    return rebuild(self)
+
+checkpoint._HostCopy.arrays = slow_rebuild
+assert ck.save(2, state(2), {"pos": 2})
+while not os.path.exists(root + ".handing-off"):  # the hand-off to orbax has started and is held
+    time.sleep(0.01)
+print("HANDING OFF", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_process_killed_while_handing_a_save_to_orbax_keeps_the_previous_step(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    root = str(tmp_path / "ckpt")
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_WORKER, root], env=env, cwd=repo,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if line.strip() == "HANDING OFF":
+                proc.send_signal(signal.SIGKILL)
+                break
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL, "".join(seen)[-3000:]
+    with Checkpointer(root, CheckpointConfig(every_steps=1)) as ck:
+        assert ck.all_steps() == [1] and ck.valid_steps() == [1]
+        target = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(_mesh((8,), ("fsdp",)), P("fsdp")))}
+        step, restored, data_state = ck.restore(target)
+    assert (step, data_state) == (1, {"pos": 1})
+    assert _bits_equal(restored["w"], np.arange(64.0, dtype=np.float32).reshape(8, 8) + 1)
+    assert not [d for d in os.listdir(root) if "tmp" in d]
