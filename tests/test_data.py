@@ -381,3 +381,19 @@ def test_to_global_takes_any_pytree():
     assert batch["image"].shape == (8, 2, 2) and batch["meta"][1].dtype == bool
     with pytest.raises(ValueError, match=r"local batch 'meta/0' has shape \(4,\)"):
         to_global({"meta": (np.arange(4),)}, sharding, 8)
+
+
+def test_token_loader_state_resumes_an_example_loader():
+    """Run dirs written when the GPT task read through Loader (state keys num_windows, seq_len)
+    resume now that it reads TokenWindows through ExampleLoader: same stream, same position."""
+    from trainers.data import ExampleLoader, TokenWindows
+
+    old = arange_loader(seed=3)
+    take(old, 2)
+    state = json.loads(json.dumps(old.get_state()))
+    assert "num_windows" in state
+    new = ExampleLoader(TokenWindows(np.arange(N_TOKENS), L), 8, 3)
+    new.set_state(state)
+    assert [window_ids(b) for b in take(new, 2)] == [window_ids(b) for b in take(old, 2)]
+    with pytest.raises(ValueError, match=r"seq_len=16 but this loader has seq_len=8"):
+        ExampleLoader(TokenWindows(np.arange(N_TOKENS), 8), 8, 3).set_state({**state, "seq_len": 16})

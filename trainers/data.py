@@ -221,6 +221,8 @@ class ExampleLoader(Iterator[Batch]):
     def set_state(self, state: dict[str, Any]) -> None:
         """Continue at state["step"]; the rest of state must match this loader's stream."""
         mine = self.get_state()
+        if isinstance(state, dict) and "num_windows" in state and "num_examples" in mine:
+            state = _from_token_loader_state(state, getattr(self.source, "seq_len", None))
         if set(state) != set(mine):
             raise ValueError(f"loader state must have keys {sorted(mine)}, got {sorted(state)}")
         for key in mine:
@@ -233,6 +235,18 @@ class ExampleLoader(Iterator[Batch]):
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"loader state step must be a non-negative int, got {step!r}")
         self.step = step
+
+
+def _from_token_loader_state(state: dict[str, Any], seq_len: int | None) -> dict[str, Any]:
+    """A token :class:`Loader`'s state (``num_windows``, ``seq_len``) as an ExampleLoader's, so
+    checkpoints written before the GPT task read its windows through ExampleLoader still resume."""
+    state = dict(state)
+    state["num_examples"] = state.pop("num_windows")
+    saved_len = state.pop("seq_len", None)
+    if seq_len is not None and saved_len is not None and saved_len != seq_len:
+        raise ValueError(f"loader state has seq_len={saved_len!r} but this loader has seq_len={seq_len!r}; "
+                         "resume with the same data config")
+    return state
 
 
 class Loader(ExampleLoader):
