@@ -137,7 +137,8 @@ def run(options: common.Options, command: str = "python -m benchmarks.checkpoint
     started = common.load()
     import orbax.checkpoint as ocp
 
-    from trainers import CheckpointConfig, Checkpointer
+    from trainers.checkpoint.checkpointer import CheckpointConfig
+    from trainers import Checkpointer
 
     cfg, batch, length = common.gpt_config(options.quick)
     rounds, steps = (2, 2) if options.quick else (9, 5)

@@ -313,7 +313,7 @@ class GPTSetup:
     cfg: GPTConfig
     mesh: jax.sharding.Mesh
     rules: spmd.Rules
-    sharded: Any  # trainers.Sharded
+    sharded: Any  # trainers.state.Sharded
     batch: dict[str, jax.Array]
     step: Callable
     compiled: Any

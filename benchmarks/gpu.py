@@ -7,7 +7,7 @@ fits in 85 % of the device's memory limit. Then
 
     MFU = flops_per_step (6 N + attention, remat recomputation not counted) / step time / peak,
 
-with the peak from ``trainers.peak_flops_per_device`` (the vendor's dense bf16 figure, e.g.
+with the peak from ``trainers.metrics.peak_flops_per_device`` (the vendor's dense bf16 figure, e.g.
 989 TFLOP/s for an H100/H200 SXM). Goal >= 50 %.
 
 Published references for this size class (GPT-2 small/medium shapes): nanoGPT (Karpathy,
@@ -51,7 +51,8 @@ def fits(setup: common.GPTSetup, limit: int) -> bool:
 
 
 def measure(name: str, quick: bool) -> Row:
-    from trainers import peak_flops_per_device, recipe
+    from trainers.metrics import peak_flops_per_device
+    from trainers import recipe
 
     cfg = recipe(name)
     model, length = cfg.model, cfg.data.seq_len

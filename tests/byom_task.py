@@ -17,7 +17,7 @@ from flax import nnx
 
 from trainers.config import Config, MeshConfig, RunConfig
 from trainers.data import DataConfig
-from trainers.schedules import ScheduleConfig
+from trainers.lr import ScheduleConfig
 from trainers.task import Task
 
 D_IN, N_CLASSES = 16, 4

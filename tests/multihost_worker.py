@@ -1,4 +1,4 @@
-"""One process of a multi-process test run, started by ``trainers.launch.launch`` (or directly).
+"""One process of a multi-process test run, started by ``trainers.launch.local.launch`` (or directly).
 
     python tests/multihost_worker.py mesh          # global mesh, hybrid DCN mesh, data shards; then process 1 dies
     python tests/multihost_worker.py mismatch ARGS # spmd-train ARGS, process 1 with another version and seed
@@ -63,7 +63,7 @@ def mesh_checks() -> None:
 
 
 def mismatch(args: list[str]) -> int:
-    from trainers import cli
+    from trainers.launch import cli
 
     if os.environ["SPMD_PROCESS_ID"] == "1":
         meshes.distributed.toolkit_version = lambda: "0.0.0-other"

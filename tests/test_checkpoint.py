@@ -590,7 +590,7 @@ def test_an_interrupt_after_save_still_commits_the_step(tmp_path):
 
 
 def test_host_copy_copies_each_distinct_shard_once_and_rebuilds_the_shardings():
-    from trainers.checkpoint import _HostCopy
+    from trainers.checkpoint.checkpointer import _HostCopy
 
     mesh = _mesh((2, 4), ("data", "fsdp"))
     state = {

@@ -25,13 +25,14 @@ import sys
 
 import pytest
 
-from trainers import cli, override
-from trainers.dryrun import dry_run
+from trainers.launch import cli
+from trainers import override
+from trainers.planning.dryrun import dry_run
 from trainers.hardware import custom
-from trainers.launch import launch
+from trainers.launch.local import launch
 from trainers.logger import read_metrics
-from trainers.plan import main as plan_main
-from trainers.plan import plan
+from trainers.planning.planner import main as plan_main
+from trainers.planning.planner import plan
 
 from tests.byom_task import big, task
 
@@ -138,7 +139,7 @@ def test_a_layout_that_cannot_be_built_names_the_dim_and_axis():
 
 
 def test_activations_left_whole_on_every_device_are_flagged(reports):
-    from trainers.diagnose import check_activation_split
+    from trainers.planning.diagnose import check_activation_split
 
     mib = 2**20
     # trainers.examples.decoder under fsdp=8 (no activation constraints): 171 MiB compiled, 177 whole, 22 split

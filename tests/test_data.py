@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trainers import corpus
+from trainers.data import corpus
 from trainers.data import DataConfig, Loader, TokenWindows, load_corpus, make_loader, to_global
 
 L = 4  # seq_len in most tests
@@ -207,7 +207,7 @@ def test_stdlib_corpus_is_real_and_split_by_file(stdlib):
 
 
 def test_stdlib_split_is_the_same_in_another_process(stdlib):
-    code = "from trainers import corpus; print('\\n'.join(corpus.stdlib_files('validation')))"
+    code = "from trainers.data import corpus; print('\\n'.join(corpus.stdlib_files('validation')))"
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True)
@@ -362,7 +362,7 @@ def test_iter_loader_resumes_a_grain_iterator_exactly_and_warns_otherwise(caplog
 
 
 def test_eval_batches_cover_the_set_once_with_a_mask():
-    from trainers.data import eval_batches
+    from trainers.data.loader import eval_batches
 
     got = list(eval_batches(_examples(10), 4, -1, process_index=0, process_count=1))
     assert len(got) == 3

@@ -1,6 +1,6 @@
 """Many hosts: settings resolution, start-up consistency check, and real multi-process runs on localhost.
 
-The slow tests start 2 or 4 processes with ``trainers.launch.launch`` (what ``spmd-launch`` runs)
+The slow tests start 2 or 4 processes with ``trainers.launch.local.launch`` (what ``spmd-launch`` runs)
 and compare against the single-process 8-device run in this pytest process.
 """
 
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from meshes import distributed
-from trainers import cli
-from trainers.launch import child_env, free_port, launch
+from trainers.launch import cli
+from trainers.launch.local import child_env, free_port, launch
 from trainers.logger import read_metrics
 from trainers.loop import train
 

@@ -23,7 +23,7 @@ import meshes
 import spmd
 from spmd.models import GPT
 from trainers import create_state, make_optimizer, make_schedule, make_train_step, override, recipe
-from trainers.dryrun import DryRunReport, dry_run, resolve_mesh
+from trainers.planning.dryrun import DryRunReport, dry_run, resolve_mesh
 from trainers.hardware import HARDWARE, Hardware, custom, get_hardware, networks, wire_factor
 from trainers.step import lm_loss_fn
 
@@ -145,7 +145,7 @@ def test_a_layout_that_cannot_be_built_is_diagnosed_without_compiling():
 
 
 def test_cli_dry_run(capsys):
-    from trainers.cli import main
+    from trainers.launch.cli import main
 
     # the fsdp8 layout again: its compile comes from the persistent cache
     assert main(["gpt-small", "--tiny", "--dry-run", "--devices", "8", "--mesh", "fsdp=8", "--rules", "fsdp"]) == 0
@@ -230,7 +230,7 @@ def test_hardware_table():
 def test_subprocess_hand_off_is_json_and_rebuilds_only_toolkit_types():
     import json
 
-    from trainers.dryrun import _decode, _encode
+    from trainers.planning.dryrun import _decode, _encode
 
     cfg = override(recipe("gpt-small", tiny=True), ["mesh.axes=data=2,tensor=4"])
     assert _decode(json.loads(json.dumps(_encode([cfg, 8, get_hardware("h100"), 0.9])))) == [cfg, 8, get_hardware("h100"), 0.9]

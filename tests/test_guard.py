@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 from fault_worker import last_train_losses, tiny_config
-from trainers import guard, loop
+from trainers.faults import guard
+from trainers import loop
 from trainers import step as step_lib
 from trainers.checkpoint import Checkpointer
 from trainers.config import RunConfig
-from trainers.guard import DivergenceError, Guard, read_events
+from trainers.faults.guard import DivergenceError, Guard, read_events
 from trainers.loop import train
 
 STEPS = 8

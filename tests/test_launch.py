@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from trainers import launch as launch_lib
-from trainers import pods
-from trainers.launch import child_env, launch, parse_args
+from trainers.launch import local as launch_lib
+from trainers.launch import pods
+from trainers.launch.local import child_env, launch, parse_args
 
 
 def _py(code: str) -> list[str]:
@@ -122,7 +122,7 @@ def test_sigterm_to_the_launcher_is_forwarded_and_children_status_returned(tmp_p
         print("ready", flush=True)
         time.sleep(60)
     """
-    cmd = [sys.executable, "-m", "trainers.launch", "--processes", "2", "--grace", "2", "--", *_py(code)]
+    cmd = [sys.executable, "-m", "trainers.launch.local", "--processes", "2", "--grace", "2", "--", *_py(code)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     deadline = time.monotonic() + 30
@@ -197,7 +197,7 @@ def test_command_builders_quote_and_validate():
 
 
 def test_launcher_scripts_run_the_same_train_command():
-    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "trainers", "launchers")
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "trainers", "launch", "scripts")
     tpu = open(os.path.join(here, "tpu_pod.sh")).read()
     slurm = open(os.path.join(here, "slurm_gpu.sbatch")).read()
     assert "gcloud compute tpus tpu-vm ssh" in tpu and "--worker=all" in tpu and "spmd-train" in tpu

@@ -1,4 +1,5 @@
-"""Imports flow one way: meshes <- spmd <- trainers. Checked on the source with ``ast``.
+"""Imports flow one way: meshes <- spmd <- trainers, and inside trainers: the run <- planning <- launch.
+Checked on the source with ``ast``.
 
 Every ``import x``, ``from x import y``, relative ``from ..x import y`` (resolved against the
 importing module's package) and literal ``importlib.import_module("x")`` / ``__import__("x")``
@@ -16,6 +17,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("meshes", "spmd", "trainers")
 # package -> packages it must never import
 FORBIDDEN = {"meshes": {"spmd", "trainers"}, "spmd": {"trainers"}, "trainers": set()}
+# inside trainers: the run (every other module) never imports planning or launch; planning never imports launch
+LAYERS = ("trainers.planning", "trainers.launch")
 BEYOND = "<relative import beyond the top-level package>"
 
 
@@ -60,9 +63,26 @@ def violations(source: str, module: str, is_package: bool = False) -> list[str]:
     bad = []
     for line, name in imported_modules(source, module, is_package):
         target = name.split(".")[0]
-        if target in FORBIDDEN.get(top, ()) or name.startswith("<"):
+        if target in FORBIDDEN.get(top, ()) or name.startswith("<") or _above(name, module):
             bad.append(f"{module}:{line} imports {name}")
     return bad
+
+
+def _layer(module: str) -> int:
+    """0 for the run, 1 + index in LAYERS for trainers.planning / trainers.launch and their modules."""
+    if module == "trainers.__main__":  # python -m trainers: the CLI's entry point
+        return len(LAYERS)
+    for i, layer in enumerate(LAYERS):
+        if module == layer or module.startswith(layer + "."):
+            return i + 1
+    return 0
+
+
+def _above(name: str, module: str) -> bool:
+    """Whether trainers module ``module`` imports ``name`` from a layer above its own."""
+    if module == "trainers" or not module.startswith("trainers.") or not name.startswith("trainers."):
+        return False  # the package face is not a layer; it imports the run only (checked below)
+    return _layer(name) > _layer(module)
 
 
 def sources(package: str) -> list[pathlib.Path]:
@@ -76,7 +96,13 @@ def test_layering(package):
     bad = []
     for path in files:
         bad += violations(path.read_text(), module_name(path), path.name == "__init__.py")
-    assert bad == [], "imports against the layering (meshes <- spmd <- trainers):\n" + "\n".join(bad)
+    assert bad == [], "imports against the layering (meshes <- spmd <- trainers; run <- planning <- launch):\n" + "\n".join(bad)
+
+
+def test_the_trainers_face_imports_the_run_only():
+    """``import trainers`` must not load the planner or the CLI."""
+    names = [n for _, n in imported_modules((ROOT / "trainers" / "__init__.py").read_text(), "trainers", True)]
+    assert names and not [n for n in names if _layer(n)], names
 
 
 def test_the_walk_sees_the_allowed_imports():
@@ -106,6 +132,12 @@ def test_the_walk_sees_the_allowed_imports():
         ("spmd", True, "from . import rules\nfrom .models import gpt\n", []),
         ("spmd.models.gpt", False, "from .. import rules\nfrom ..stack import Stack\nimport meshes\n", []),
         ("trainers.optim", False, "import spmd\nfrom meshes import make_mesh\n", []),
+        ("trainers.config", False, "from trainers.planning.diagnose import check_pipeline\n",
+         ["trainers.config:1 imports trainers.planning.diagnose"]),
+        ("trainers.planning.planner", False, "from trainers.launch import cli\n",
+         ["trainers.planning.planner:1 imports trainers.launch"]),
+        ("trainers.launch.cli", False, "from trainers.planning import dry_run\nfrom trainers import loop\n", []),
+        ("trainers.planning.costs", False, "from trainers.faults import guard\n", []),
     ],
 )
 def test_checker_negative_controls(module, is_package, source, expected):

@@ -20,7 +20,7 @@ from trainers.optim import (
     key_path_str,
     make_optimizer,
 )
-from trainers.schedules import SCHEDULE_KINDS, ScheduleConfig, make_schedule, scale_lr
+from trainers.lr import SCHEDULE_KINDS, ScheduleConfig, make_schedule, scale_lr
 
 PEAK, WARMUP, TOTAL, END_FRAC = 1e-3, 10, 110, 0.1
 END = PEAK * END_FRAC

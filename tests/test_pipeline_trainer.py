@@ -18,7 +18,7 @@ from trainers.config import override
 from trainers.loop import train
 from trainers.optim import make_optimizer
 from trainers.recipes import recipe
-from trainers.schedules import make_schedule
+from trainers.lr import make_schedule
 from trainers.state import create_state
 
 STEPS = 4

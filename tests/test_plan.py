@@ -21,12 +21,11 @@ import pytest
 
 import spmd
 from trainers import override, recipe
-from trainers.diagnose import (Issue, check_collectives, check_divisibility, check_replicated, param_infos,
-                               parse_remat_warnings)
-from trainers.dryrun import dry_run
+from trainers.planning.diagnose import Issue, check_collectives, check_divisibility, check_replicated, param_infos, parse_remat_warnings
+from trainers.planning.dryrun import dry_run
 from trainers.hardware import custom
-from trainers.estimate import memory_estimate
-from trainers.plan import Layout, candidates, estimate, main, plan
+from trainers.planning.costs import memory_estimate
+from trainers.planning.planner import Layout, candidates, estimate, main, plan
 from spmd.models import flops_per_step
 
 SMALL_HBM = custom("h100", hbm_bytes=1.4e9, name="h100-1.4gb")

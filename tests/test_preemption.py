@@ -14,7 +14,7 @@ import pytest
 from fault_worker import REPO, last_train_losses, tiny_config, worker_env
 from trainers.checkpoint import Checkpointer
 from trainers.loop import train
-from trainers.preemption import PreemptionWatcher, barrier
+from trainers.faults.preemption import PreemptionWatcher, barrier
 
 WORKER = os.path.join(REPO, "tests", "fault_worker.py")
 STEPS = 12

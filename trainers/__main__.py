@@ -1,5 +1,5 @@
 import sys
 
-from trainers.cli import main
+from trainers.launch.cli import main
 
 sys.exit(main())

@@ -21,7 +21,7 @@ from spmd.pipeline import PipelineConfig
 from trainers.checkpoint import CheckpointConfig
 from trainers.data import DataConfig
 from trainers.optim import OptimizerConfig
-from trainers.schedules import ScheduleConfig
+from trainers.lr import ScheduleConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +61,7 @@ class RunConfig:
     preemption_check_every: int = 1  # steps between multi-process agreements on a stop request
 
     def __post_init__(self) -> None:
-        from trainers.guard import validate
+        from trainers.faults.guard import validate
 
         for name in ("steps", "grad_accum", "eval_every", "log_every", "max_bad_steps", "preemption_check_every"):
             if getattr(self, name) < 1:
@@ -104,7 +104,7 @@ class Config:
             # checked when the config is built (``spmd-train --set`` fails before any compile), with the
             # axis sizes mesh.axes fixes; an inferred (-1) axis skips the checks that need its size
             from meshes import MeshSpec
-            from trainers.diagnose import check_pipeline
+            from trainers.planning.diagnose import check_pipeline
 
             spec = MeshSpec.of(self.mesh.axes, self.mesh.dcn or None)
             dcn = dict(spec.dcn)

@@ -13,7 +13,7 @@ device (one GPU, one TPU chip as JAX shows it):
 - ``domain``: how many devices share the fast network (8 GPUs of an NVLink node, a TPU pod's
   chips). A mesh axis whose collective groups span more devices than this crosses the DCN.
 
-Every figure carries its source in a comment. The roofline in :mod:`trainers.dryrun` uses
+Every figure carries its source in a comment. The roofline in :mod:`trainers.planning.dryrun` uses
 ``ici_bw / 2`` as the bandwidth a collective along one mesh axis gets (one direction of the
 aggregate): optimistic where several mesh axes share the same links at the same time, pessimistic
 where an algorithm drives both directions of every link. Treat estimates as +-2x.

@@ -12,7 +12,7 @@ only its rows of the global batch, and only process 0 logs.
 Faults the loop handles:
 
 - **Preemption** (SIGTERM, SIGINT): handlers are installed for the duration of ``train()`` only; the
-  step in flight finishes, all processes agree on the step (``trainers.preemption``), a checkpoint
+  step in flight finishes, all processes agree on the step (``trainers.faults.preemption``), a checkpoint
   of it is written and committed, and ``train()`` returns with ``preempted=True``.
 - **Crashes** (SIGKILL, power loss): the next start resumes from the newest *complete* checkpoint
   (``trainers.checkpoint`` validates steps and falls back); it never silently starts from scratch
@@ -20,7 +20,7 @@ Faults the loop handles:
   directory that already holds steps.
 - **Bad steps** (non-finite or spiking loss / grad norm): the update is not applied in the step;
   ``run.guard`` decides what the host does (skip, roll back to a checkpoint past the bad batches,
-  or stop); see ``trainers.guard``. Per-step flags are fetched when metrics are (log steps) and
+  or stop); see ``trainers.faults.guard``. Per-step flags are fetched when metrics are (log steps) and
   before every checkpoint save, so the loop never blocks on the device otherwise.
 
 Hooks for tests and research: ``batch_hook(index, local_batch) -> local_batch`` sees every batch
@@ -44,16 +44,17 @@ from flax import nnx
 
 import meshes
 import spmd
-from trainers import guard as guard_lib
+from trainers.faults import guard as guard_lib
 from trainers.checkpoint import Checkpointer, NoUsableCheckpointError, resolve_init_from
 from trainers.config import Config
-from trainers.data import ExampleLoader, IterLoader, eval_batches, process_rows, to_global
-from trainers.guard import DivergenceError, Guard, GuardEvent
+from trainers.data import ExampleLoader, IterLoader, process_rows, to_global
+from trainers.data.loader import eval_batches
+from trainers.faults.guard import DivergenceError, Guard, GuardEvent
 from trainers.logger import RunLogger, write_config
 from trainers.metrics import StepMeter, peak_flops_per_device
 from trainers.optim import make_optimizer
-from trainers.preemption import PreemptionWatcher
-from trainers.schedules import make_schedule
+from trainers.faults.preemption import PreemptionWatcher
+from trainers.lr import make_schedule
 from trainers.state import Sharded, State, create_state
 from trainers.step import eval_view, loss_and_metrics, make_eval_step, make_train_step
 from trainers.task import Task, lm_task

@@ -188,7 +188,7 @@ def _sgd(lr: optax.ScalarOrSchedule, momentum: float, weight_decay: float, mask:
 def make_optimizer(cfg: OptimizerConfig, schedule: optax.Schedule | float) -> optax.GradientTransformation:
     """``chain(clip_by_global_norm, optimizer)`` as configured, with LR ``schedule``.
 
-    ``schedule`` is an ``optax.Schedule`` (``trainers.schedules.make_schedule``)
+    ``schedule`` is an ``optax.Schedule`` (``trainers.lr.make_schedule``)
     or a constant LR >= 0. The weight-decay mask is ``decay_mask(.., cfg.no_decay)``
     evaluated on whatever tree ``init``/``update`` receive.
     """

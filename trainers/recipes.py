@@ -15,7 +15,7 @@ from trainers.checkpoint import CheckpointConfig
 from trainers.config import Config, MeshConfig, RunConfig
 from trainers.data import DataConfig
 from trainers.optim import OptimizerConfig
-from trainers.schedules import ScheduleConfig
+from trainers.lr import ScheduleConfig
 
 
 def tiny_run(cfg: Config) -> Config:

@@ -22,7 +22,7 @@ dim). Inside the step:
    compute dtype at use, so gradients arrive in f32.
 4. **Pre-clip global gradient norm** is computed for logging; clipping itself is the first link
    of the optimizer chain.
-5. **Guard** (``trainers.guard``): if the loss or the gradient norm is not finite, or (when the
+5. **Guard** (``trainers.faults.guard``): if the loss or the gradient norm is not finite, or (when the
    state carries a ``"guard"`` window and ``spike_factor > 0``) either spikes above
    ``spike_factor x`` its running median, parameters, model state and optimizer state are left
    unchanged (one ``lax.cond`` around the update), ``skipped`` and ``bad_streak`` count it.
@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding
 import spmd
 from spmd.models import lm_loss
 from spmd.pipeline import PipelineConfig
-from trainers import guard
+from trainers.faults import guard
 from trainers.optim import global_norm
 from trainers.state import Sharded, State
 
@@ -107,12 +107,12 @@ def make_train_step(
 ) -> Callable[[State, Batch], tuple[State, dict[str, jax.Array]]]:
     """The jitted train step for this state, mesh and rule set.
 
-    ``spike_factor > 0`` needs a ``"guard"`` window in the state (``trainers.guard.init_state``);
+    ``spike_factor > 0`` needs a ``"guard"`` window in the state (``trainers.faults.guard.init_state``);
     with a window, the metrics also carry ``ok``, ``loss_spike``, ``grad_norm_spike`` and the medians.
     """
     guard.validate("skip", spike_factor, 1)
     if spike_factor > 0 and "guard" not in sharded.state:
-        raise ValueError(f"spike_factor={spike_factor} needs a 'guard' window in the state (trainers.guard.init_state); "
+        raise ValueError(f"spike_factor={spike_factor} needs a 'guard' window in the state (trainers.faults.guard.init_state); "
                          f"state keys: {sorted(sharded.state)}")
     model_vars, param_shardings = sharded.model, sharded.shardings["params"]
     loss_fn = loss_fn or lm_loss_fn()

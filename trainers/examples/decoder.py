@@ -42,7 +42,7 @@ from trainers.config import Config, MeshConfig, RunConfig
 from trainers.data import DataConfig, TokenWindows, load_corpus
 from trainers.loop import train
 from trainers.optim import OptimizerConfig
-from trainers.schedules import ScheduleConfig
+from trainers.lr import ScheduleConfig
 from trainers.task import Task
 
 

@@ -36,7 +36,7 @@ from trainers.config import Config, MeshConfig, RunConfig
 from trainers.data import DataConfig
 from trainers.loop import train
 from trainers.optim import OptimizerConfig
-from trainers.schedules import ScheduleConfig
+from trainers.lr import ScheduleConfig
 from trainers.task import Task
 
 

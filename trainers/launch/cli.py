@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(json.dumps(dataclasses.asdict(cfg), indent=2))
             return 0
-        from trainers.dryrun import dry_run
+        from trainers.planning.dryrun import dry_run
 
         try:
             report = dry_run(cfg, args.target if is_task else None, devices=args.devices or args.simulate_devices or None,

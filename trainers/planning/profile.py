@@ -3,7 +3,7 @@
 :func:`profile_task` reads a :class:`trainers.task.Task` abstractly (nothing allocated, no mesh):
 
 - **variables**: every ``nnx.Variable`` of the model, with logical dims and where they came from
-  (:func:`trainers.diagnose.model_variables`), so any layout's shard shapes follow from
+  (:func:`trainers.planning.diagnose.model_variables`), so any layout's shard shapes follow from
   :func:`spmd.variables.decide` exactly as the run's state builder makes them;
 - **one example**: shapes and dtypes of one row of the train data (the first example of a
   random-access source, or row 0 of the first per-process batch of an iterable), so a batch of
@@ -20,7 +20,7 @@
     an estimate that errs high for plain code; weights the model casts or transposes are in the
     fixed part;
   - **matmuls**: operand and output shapes of every matmul and convolution, which the estimator
-    matches against tensor-sharded weights (:mod:`trainers.estimate`).
+    matches against tensor-sharded weights (:mod:`trainers.planning.costs`).
 
 A loss that cannot be traced outside a mesh (e.g. one that runs ``shard_map``) leaves the jaxpr
 figures empty; :attr:`TaskProfile.note` says why, and estimates count no activations for it.
@@ -39,7 +39,7 @@ from flax import nnx
 import spmd
 from spmd.variables import ModelVars
 from trainers.config import Config
-from trainers.diagnose import ModelVariables, model_variables
+from trainers.planning.diagnose import ModelVariables, model_variables
 from trainers.step import loss_and_metrics
 from trainers.task import Task
 

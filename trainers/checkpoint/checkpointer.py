@@ -106,7 +106,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 from orbax.checkpoint._src.metadata import array_metadata_store  # what orbax's default jax.Array handler uses
 
-from trainers.host_copy import HostCopy as _HostCopy
+from trainers.checkpoint.host_copy import HostCopy as _HostCopy
 
 logger = logging.getLogger(__name__)
 

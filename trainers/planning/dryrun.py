@@ -8,20 +8,20 @@ shapes, dtypes and shardings, no memory), and compiles ``trainers.step.make_trai
 code the real run executes) with ``.lower(abstract_state, abstract_batch).compile()``. ``task`` is
 a :class:`trainers.task.Task`, its ``"package.module:attribute"`` name, or None for the built-in
 GPT of ``cfg``; a task's abstract batch is ``[data.global_batch, ...]`` of one row of its train data
-(:func:`trainers.profile.example_of`). The report puts side by side, per device:
+(:func:`trainers.planning.profile.example_of`). The report puts side by side, per device:
 
 - parameter / gradient / optimizer / activation bytes from the analytic estimate and from the
   compiled program's memory analysis (arguments = the state and batch; temporaries = gradients,
   activations, gathered weights). The built-in GPT's estimate is its formulas
-  (:func:`trainers.estimate.memory_estimate`); any other task's is read off its variables and its
-  loss's jaxpr (:func:`trainers.estimate.task_memory_estimate`: state exact, activations the
+  (:func:`trainers.planning.costs.memory_estimate`); any other task's is read off its variables and its
+  loss's jaxpr (:func:`trainers.planning.costs.task_memory_estimate`: state exact, activations the
   values autodiff keeps for the backward pass, an estimate that errs high);
 - whether the compiled footprint fits ``headroom x`` the hardware's HBM;
 - every collective per mesh axis with its bytes (:func:`spmd.hlo.collectives`) and its time on
   the target's fast or slow network;
-- model FLOPs per step, and a roofline step time and MFU (:func:`trainers.estimate.roofline`; no
+- model FLOPs per step, and a roofline step time and MFU (:func:`trainers.planning.costs.roofline`; no
   compute/communication overlap assumed, the perfect-overlap time alongside);
-- sharding diagnostics (:mod:`trainers.diagnose`) traced to parameter paths, with fixes (for a
+- sharding diagnostics (:mod:`trainers.planning.diagnose`) traced to parameter paths, with fixes (for a
   task also: compiled temporaries near the whole batch's activations, i.e. activations that are
   not split over the batch axes);
 - with ``cfg.pipeline`` enabled on a ``pipe`` axis > 1: the step compiled is the pipelined one
@@ -78,15 +78,15 @@ class DryRunReport:
     headroom: float
     params: int  # parameter count
     model_flops: float  # per step, all devices
-    analytic: object | None  # trainers.estimate.MemoryEstimate
+    analytic: object | None  # trainers.planning.costs.MemoryEstimate
     compiled: object | None  # spmd.Memory of the compiled step (per device)
     state_bytes: int  # params + optimizer + counters, per device, from the abstract shard shapes
     batch_bytes: int
     collectives: tuple = ()  # spmd.Collective
-    traffic: tuple = ()  # trainers.estimate.Traffic from the compiled collectives
+    traffic: tuple = ()  # trainers.planning.costs.Traffic from the compiled collectives
     analytic_traffic: tuple = ()
-    roofline: object | None = None  # trainers.estimate.Roofline
-    issues: tuple = ()  # trainers.diagnose.Issue
+    roofline: object | None = None  # trainers.planning.costs.Roofline
+    issues: tuple = ()  # trainers.planning.diagnose.Issue
     compile_s: float = 0.0
     backend: str = ""
     pipeline: str = ""  # "1f1b S=2 M=4 V=1" when the step is pipelined, else ""
@@ -230,7 +230,7 @@ def _in_subprocess(cfg: Config, target: str | None, devices: int, hw: Hardware, 
         src, dst = os.path.join(tmp, "in.json"), os.path.join(tmp, "out.json")
         with open(src, "w") as f:
             json.dump(_encode([cfg, target, devices, hw, headroom]), f)
-        code = f"import sys; from trainers.dryrun import _subprocess_main; sys.exit(_subprocess_main({src!r}, {dst!r}))"
+        code = f"import sys; from trainers.planning.dryrun import _subprocess_main; sys.exit(_subprocess_main({src!r}, {dst!r}))"
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"dry run in a subprocess with {devices} simulated CPU devices failed "
@@ -304,12 +304,11 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
     import meshes
     import spmd
     from spmd.models import flops_per_step, param_count
-    from trainers import diagnose as dg
-    from trainers.estimate import (Traffic, batch_axes, comm_estimate, memory_estimate, pipeline_bubble, roofline,
-                                   rows_per_device, task_comm_estimate, task_memory_estimate, task_roofline)
+    from trainers.planning import diagnose as dg
+    from trainers.planning.costs import Traffic, batch_axes, comm_estimate, memory_estimate, pipeline_bubble, roofline, rows_per_device, task_comm_estimate, task_memory_estimate, task_roofline
     from trainers.optim import make_optimizer
-    from trainers.profile import abstract_batch, profile_task
-    from trainers.schedules import make_schedule
+    from trainers.planning.profile import abstract_batch, profile_task
+    from trainers.lr import make_schedule
     from trainers.state import create_state
     from trainers.step import make_train_step
 

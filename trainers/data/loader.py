@@ -40,7 +40,7 @@ import jax
 import numpy as np
 
 from spmd.sharding import path_str
-from trainers import corpus as corpus_lib
+from trainers.data import corpus as corpus_lib
 
 logger = logging.getLogger(__name__)
 

@@ -1,13 +1,13 @@
 """Analytic per-device cost of a layout: memory, collective traffic and a roofline step time.
 
-No compile, milliseconds per layout: what :mod:`trainers.plan` ranks layouts by and what
-:mod:`trainers.dryrun` prints beside the compiled numbers. The formulas (parameters and optimizer
+No compile, milliseconds per layout: what :mod:`trainers.planning.planner` ranks layouts by and what
+:mod:`trainers.planning.dryrun` prints beside the compiled numbers. The formulas (parameters and optimizer
 state exactly from the rule set's shard shapes; gradients, activations under each remat policy,
 pipeline stashes; ring-algorithm bytes per mesh axis; max(compute, memory) + communication) are
-described in :mod:`trainers.plan`'s docstring.
+described in :mod:`trainers.planning.planner`'s docstring.
 
 The built-in GPT (a ``Config`` alone) is estimated from its config with the formulas below; any
-other task from its :class:`trainers.profile.TaskProfile` (``task_memory_estimate``,
+other task from its :class:`trainers.planning.profile.TaskProfile` (``task_memory_estimate``,
 ``task_comm_estimate``, ``task_roofline``): state exactly from its variables' shard shapes,
 activations and FLOPs from its loss's jaxpr, collectives from how each parameter is sharded.
 """
@@ -24,9 +24,9 @@ import spmd
 from spmd.models import flops_per_step, flops_per_token
 from spmd.pipeline import Schedule, build_tables, get_schedule
 from trainers.config import Config
-from trainers.diagnose import ParamInfo, param_infos, shard_divisors
+from trainers.planning.diagnose import ParamInfo, param_infos, shard_divisors
 from trainers.hardware import Hardware, collective_seconds, networks
-from trainers.profile import TaskProfile, at
+from trainers.planning.profile import TaskProfile, at
 
 # rule set -> (mesh axes it needs > 1, axes it may also use): one candidate per distinct layout
 RULE_AXES = {"dp": (("data",), ()), "fsdp": (("fsdp",), ("data",)), "tp": (("tensor",), ()),
@@ -248,7 +248,7 @@ def _roofline(model_flops: float, executed: float, dtype: str, n_devices: int, h
 
 
 # ---------------------------------------------------------------------------------------------
-# Any task (trainers.profile.TaskProfile): the same three estimates, read off its variables and jaxpr
+# Any task (trainers.planning.profile.TaskProfile): the same three estimates, read off its variables and jaxpr
 # ---------------------------------------------------------------------------------------------
 
 def _axes(entry) -> tuple[str, ...]:
@@ -286,7 +286,7 @@ def task_memory_estimate(profile: TaskProfile, cfg: Config, sizes: dict[str, int
     """Per-device bytes of any task's train step: parameters, optimizer state (moments sharded like the
     parameters, copies from ``jax.eval_shape(tx.init)``) and other model variables exactly from the
     variables' shard shapes; gradients like the parameters (twice with accumulation); activations:
-    the bytes autodiff keeps for the backward pass at this device's rows (:mod:`trainers.profile`:
+    the bytes autodiff keeps for the backward pass at this device's rows (:mod:`trainers.planning.profile`:
     an estimate that errs high, all the more under tensor-style layouts, whose split activations it
     does not credit; 0 when the loss could not be traced); the batch's rows."""
     decided = _decided(profile, cfg, sizes)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Train on every worker of a Cloud TPU VM pod (e.g. v5p-64 = 8 hosts) with one command.
 #
-#   TPU_NAME=my-pod ZONE=us-central2-b trainers/launchers/tpu_pod.sh gpt-350m --mesh fsdp=-1 --set run.steps=2000
+#   TPU_NAME=my-pod ZONE=us-central2-b trainers/launch/scripts/tpu_pod.sh gpt-350m --mesh fsdp=-1 --set run.steps=2000
 #
 # Every worker runs the same `spmd-train` command; jax asks the TPU metadata server for the
 # coordinator, process count and id, so no SPMD_* variables are needed. Multi-slice: add

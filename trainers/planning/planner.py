@@ -13,8 +13,8 @@ estimated step time:
   microbatches that divide the batch. A :class:`Layout` is a frozen record of all of it.
 - **pruning**: divisibility (heads, kv_heads, d_ff, vocab by ``tensor``; d_model by ``fsdp``;
   layers by ``pipe``; the microbatch by ``data x fsdp``, each pipeline microbatch too:
-  :mod:`trainers.diagnose`), and per-device memory above ``headroom x HBM``.
-- **memory estimate** (per device; :mod:`trainers.estimate`): parameters and optimizer state exactly (shard shapes from the
+  :mod:`trainers.planning.diagnose`), and per-device memory above ``headroom x HBM``.
+- **memory estimate** (per device; :mod:`trainers.planning.costs`): parameters and optimizer state exactly (shard shapes from the
   rule set, optimizer moments from ``jax.eval_shape(tx.init)``); gradients (f32, sharded like
   the parameters, twice with gradient accumulation); activations from a per-layer count of the
   tensors the backward pass keeps under the model's remat policy (:mod:`spmd.remat`: all of them
@@ -41,8 +41,8 @@ estimated step time:
   moves ``(S-1)/S`` of the block parameters (and their gradients) to its chunk order each step.
 
 **Any other task** (``plan(cfg, devices, hardware, task=...)``) is read once, abstractly
-(:func:`trainers.profile.profile_task`), and every ``data x fsdp x tensor`` factorisation with its
-matching rule set is estimated from that profile (:mod:`trainers.estimate`'s ``task_*``): no pipe
+(:func:`trainers.planning.profile.profile_task`), and every ``data x fsdp x tensor`` factorisation with its
+matching rule set is estimated from that profile (:mod:`trainers.planning.costs`'s ``task_*``): no pipe
 axis (a task's pipelining is its own code) and no remat toggle (the model decides); state bytes
 exactly from each variable's shard shape as :func:`spmd.variables.decide` gives it on that mesh;
 activations from the values autodiff keeps for the backward pass at the device's rows (an
@@ -51,7 +51,7 @@ matmuls, split over the batch axes and, for matmuls against tensor-sharded weigh
 axes; communication from how each parameter is sharded (FSDP gathers and reduce-scatters,
 data-parallel all-reduces, tensor-style all-reduces of the activations those matmuls leave).
 
-``--verify`` confirms the chosen layout with a real dry-run compile (:mod:`trainers.dryrun`).
+``--verify`` confirms the chosen layout with a real dry-run compile (:mod:`trainers.planning.dryrun`).
 """
 
 from __future__ import annotations
@@ -70,11 +70,10 @@ from spmd.models import param_count
 from spmd.pipeline import NAMES as PIPELINE_SCHEDULES
 from spmd.pipeline import PipelineConfig
 from trainers.config import Config, override
-from trainers.diagnose import Issue, diagnose
-from trainers.estimate import (RULE_AXES, MemoryEstimate, Roofline, Traffic, comm_estimate, memory_estimate, roofline,
-                               task_comm_estimate, task_memory_estimate, task_roofline)
+from trainers.planning.diagnose import Issue, diagnose
+from trainers.planning.costs import RULE_AXES, MemoryEstimate, Roofline, Traffic, comm_estimate, memory_estimate, roofline, task_comm_estimate, task_memory_estimate, task_roofline
 from trainers.hardware import Hardware, get_hardware
-from trainers.profile import TaskProfile, profile_task
+from trainers.planning.profile import TaskProfile, profile_task
 from trainers.task import Task, load_task
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +189,7 @@ class Estimate:
 def estimate(cfg: Config, layout: Layout, hardware: str | Hardware, *, headroom: float = 0.9,
              task: Task | TaskProfile | None = None) -> Estimate:
     """The analytic estimate of ``cfg`` run with ``layout`` on ``hardware``: the built-in GPT's
-    formulas, or with ``task`` (a Task or its :class:`~trainers.profile.TaskProfile`) any model's."""
+    formulas, or with ``task`` (a Task or its :class:`~trainers.planning.profile.TaskProfile`) any model's."""
     hw = get_hardware(hardware)
     sizes = {a: layout.sizes.get(a, 1) for a in ("data", "pipe", "fsdp", "seq", "expert", "tensor")}
     budget = headroom * hw.hbm_bytes
@@ -331,7 +330,7 @@ def _ms(s: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trainers.cli import base_config, is_task_target, load_target
+    from trainers.launch.cli import base_config, is_task_target, load_target
     from trainers.recipes import RECIPES
 
     p = argparse.ArgumentParser(prog="spmd-plan", description="Rank layouts of a recipe or task for N devices of a hardware.")
@@ -366,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"spmd-train {args.target}{' --tiny' if args.tiny else ''} {best.layout.command(cfg)}"
           + "".join(f" --set {s}" for s in args.overrides))
     if args.verify:
-        from trainers.dryrun import dry_run
+        from trainers.planning.dryrun import dry_run
 
         report = dry_run(best.layout.apply(cfg), args.target if is_task else None, devices=args.devices,
                          hardware=result.hardware, headroom=args.headroom)

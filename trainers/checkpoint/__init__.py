@@ -1,0 +1,14 @@
+"""Checkpoints: orbax saves of the train state and data position, keep-N, resume, restore onto any mesh.
+
+    from trainers.checkpoint import Checkpointer, CheckpointConfig
+"""
+
+from trainers.checkpoint.checkpointer import (
+    CheckpointConfig,
+    Checkpointer,
+    CheckpointTimeoutError,
+    NoUsableCheckpointError,
+    resolve_init_from,
+)
+
+__all__ = ["CheckpointConfig", "Checkpointer", "CheckpointTimeoutError", "NoUsableCheckpointError", "resolve_init_from"]

@@ -1,0 +1,11 @@
+"""Planning above the run: the dry run (compile without running), the analytic cost model, the
+planner that ranks layouts, and the diagnostics that explain a bad layout before any device is used.
+Nothing in the rest of ``trainers`` imports this package.
+
+    from trainers.planning import dry_run, plan
+"""
+
+from trainers.planning.dryrun import DryRunReport, dry_run
+from trainers.planning.planner import Plan, plan
+
+__all__ = ["DryRunReport", "Plan", "dry_run", "plan"]
