@@ -49,7 +49,8 @@ class RulesError(ValueError):
     """A rule set, or a use of one, that cannot give a valid sharding."""
 
 
-def _axes_tuple(axes: Axes) -> tuple[str, ...]:
+def axes_of(axes: Axes) -> tuple[str, ...]:
+    """The mesh axes of one rule or PartitionSpec entry as a tuple: None -> (), 'fsdp' -> ('fsdp',)."""
     if axes is None:
         return ()
     return (axes,) if isinstance(axes, str) else tuple(axes)
@@ -62,12 +63,12 @@ def _check_table(table: Table, what: str) -> Table:
         if keys.count(key) > 1:
             raise RulesError(f"{what} rules give logical dim {key!r} more than once: {table}")
     for key, axes in table:
-        for axis in _axes_tuple(axes):
+        for axis in axes_of(axes):
             if axis not in AXES:
                 raise RulesError(
                     f"{what} rule {key!r} -> {axes!r} names unknown mesh axis {axis!r}; valid axes: {', '.join(AXES)}"
                 )
-        if len(set(_axes_tuple(axes))) != len(_axes_tuple(axes)):
+        if len(set(axes_of(axes))) != len(axes_of(axes)):
             raise RulesError(f"{what} rule {key!r} -> {axes!r} repeats a mesh axis")
     return table
 
@@ -113,7 +114,7 @@ class Rules:
                     f"{what} has unknown logical dim {dim!r}; known dims: {', '.join(sorted(known))} "
                     f"(add a rule for it to use a new name)"
                 )
-            axes = _axes_tuple(table.get(dim)) if dim is not None else ()
+            axes = axes_of(table.get(dim)) if dim is not None else ()
             for axis in axes:
                 if axis in used:
                     raise RulesError(
