@@ -175,7 +175,7 @@ def _cost_ratio(a: Any, b: Any, key: str) -> float:
 
 def layouts(cfg: Config) -> list[tuple[str, Callable[[], jax.sharding.Mesh] | None, str, str]]:
     """(what, mesh factory or None if the devices do not suffice, rules, skip reason)."""
-    spec = meshes.MeshSpec.of(cfg.mesh.axes, cfg.mesh.dcn or None)
+    spec = cfg.mesh.spec
     sizes = [size for _, size in spec.ici]
     devices = jax.devices()
     need = math.prod(sizes) if -1 not in sizes else len(devices)
@@ -184,7 +184,7 @@ def layouts(cfg: Config) -> list[tuple[str, Callable[[], jax.sharding.Mesh] | No
     ]
     what = f"{need} devices, {spec}, rules {cfg.rules}"
     if need <= len(devices) and need > 1:
-        out.append((what, lambda: meshes.make_mesh(spec, devices=devices[:need], axis_type=cfg.mesh.axis_type),
+        out.append((what, lambda: cfg.mesh.build(devices[:need]),
                     cfg.rules, ""))
     else:
         out.append((what, None, cfg.rules, f"needs {need} devices, {len(devices)} present"))

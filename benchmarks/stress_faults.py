@@ -7,7 +7,7 @@ run to the end. A trial is correct when the restart resumed from a complete chec
 finished bit-equal (SHA-256 of every leaf of the final state) to an uninterrupted run, with the
 same per-step losses. Prints one line per trial and a summary; exits 1 if any trial failed.
 
-Runs on simulated CPU devices; each process is ``tests/fault_worker.py``.
+Runs on simulated CPU devices; each process is ``tests/helpers/fault_worker.py``.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(REPO, "tests", "fault_worker.py")
+WORKER = os.path.join(REPO, "tests", "helpers", "fault_worker.py")
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
-from fault_worker import last_train_losses, worker_env  # noqa: E402
+from helpers.fault_worker import last_train_losses, worker_env  # noqa: E402
 
 
 def run_worker(run_dir: str, steps: int, *, kill_after: int | None = None, delay: float = 0.0,

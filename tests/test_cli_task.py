@@ -1,6 +1,6 @@
 """Bring your own model: ``spmd-train``, ``--dry-run`` and ``spmd-plan`` with ``package.module:task`` targets.
 
-The task is :mod:`tests.byom_task` (an MLP classifier with an annotated kernel, a path rule, the
+The task is :mod:`tests.helpers.byom_task` (an MLP classifier with an annotated kernel, a path rule, the
 FSDP default, BatchNorm statistics and a dropout RNG stream). What is checked:
 
 - the CLI trains it (2 steps with ``--tiny``) in this process, and on 2 processes x 4 devices
@@ -34,10 +34,10 @@ from trainers.logger import read_metrics
 from trainers.planning.planner import main as plan_main
 from trainers.planning.planner import plan
 
-from tests.byom_task import big, task
+from tests.helpers.byom_task import big, task
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TARGET = "tests.byom_task:task"
+TARGET = "tests.helpers.byom_task:task"
 
 
 def _losses(run_dir) -> dict[int, float]:
@@ -72,10 +72,10 @@ def test_task_config_is_the_base_and_flags_apply():
 
 
 @pytest.mark.parametrize("argv, needles", [
-    (["tests.byom_task:nope"], ["'tests.byom_task:nope'", "has no attribute 'nope'", "make_task", "gpt-small"]),
+    (["tests.helpers.byom_task:nope"], ["'tests.helpers.byom_task:nope'", "has no attribute 'nope'", "make_task", "gpt-small"]),
     (["tests.no_such_module:task"], ["cannot import module 'tests.no_such_module'", "package.module:attribute"]),
-    (["tests.byom_task:not_a_task"], ["is of type int, not a trainers.Task"]),
-    (["tests.byom_task:"], ["not of the form package.module:attribute"]),
+    (["tests.helpers.byom_task:not_a_task"], ["is of type int, not a trainers.Task"]),
+    (["tests.helpers.byom_task:"], ["not of the form package.module:attribute"]),
     (["gpt-huge"], ["unknown recipe 'gpt-huge'", "gpt-small", "package.module:attribute"]),
 ])
 def test_bad_targets_are_clear_errors(argv, needles, capsys):
@@ -128,7 +128,7 @@ def test_dry_run_layouts_differ_and_collectives_follow_the_sharding(reports):
 
 def test_a_layout_that_cannot_be_built_names_the_dim_and_axis():
     report = dry_run(override(task.config, ["mesh.axes=tensor=8", "rules=tp", "data.global_batch=16"]),
-                     "tests.byom_task:wide", devices=8)
+                     "tests.helpers.byom_task:wide", devices=8)
     assert report.compiled is None and not report.fits
     messages = [str(i) for i in report.issues]
     assert any(m.startswith("hidden/kernel dim mlp=100 does not divide by tensor=8: make dim 1 (mlp) of hidden/kernel "
@@ -178,11 +178,11 @@ def test_planner_known_answer_for_a_task():
     steps = [e.roofline.step_s for e in result.ranked]
     assert steps == sorted(steps)
     # confirmed by the compiler: the chosen layout fits, a rejected one does not
-    chosen = dry_run(result.best.layout.apply(big.config), "tests.byom_task:big", devices=8, hardware=hw)
+    chosen = dry_run(result.best.layout.apply(big.config), "tests.helpers.byom_task:big", devices=8, hardware=hw)
     compiled_state = chosen.compiled.argument - chosen.batch_bytes
     assert chosen.fits and abs(chosen.analytic.state - compiled_state) < 0.01 * compiled_state
     rejected = next(e for e in unsharded if e.layout.rules == "dp")
-    report = dry_run(rejected.layout.apply(big.config), "tests.byom_task:big", devices=8, hardware=hw)
+    report = dry_run(rejected.layout.apply(big.config), "tests.helpers.byom_task:big", devices=8, hardware=hw)
     assert report.compiled.total > report.budget and not report.fits
     # negative control: roomy devices take the replicated layouts too
     assert any(e.layout.rules == "dp" for e in plan(big.config, 8, "h100", task=big).ranked)
@@ -191,7 +191,7 @@ def test_planner_known_answer_for_a_task():
 def test_spmd_plan_cli_for_a_task(capsys):
     assert plan_main([TARGET, "--devices", "8", "--hardware", "h100", "--top", "3"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("tests.byom_task:task (task byom): 5,636 params, global batch 16")
+    assert out.startswith("tests.helpers.byom_task:task (task byom): 5,636 params, global batch 16")
     assert "10 of 10 layouts of 8 devices fit h100" in out and "dominant cost" in out
     last = out.strip().splitlines()[-1]
     assert last.startswith(f"spmd-train {TARGET} --mesh ") and "--rules " in last

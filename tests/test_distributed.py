@@ -23,7 +23,7 @@ from trainers.logger import read_metrics
 from trainers.loop import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(REPO, "tests", "multihost_worker.py")
+WORKER = os.path.join(REPO, "tests", "helpers", "multihost_worker.py")
 
 
 @pytest.fixture

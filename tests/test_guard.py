@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fault_worker import last_train_losses, tiny_config
+from helpers.fault_worker import last_train_losses, tiny_config
 from trainers.faults import guard
 from trainers import loop
 from trainers import step as step_lib

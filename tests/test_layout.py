@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from gpt_util import BATCH, LENGTH, batches, layout
+from helpers.gpt_util import BATCH, LENGTH, batches, layout
 
 # Logical dims of every parameter of gpt_util's GPT (n_layers stacked in front of block params).
 DIMS = {

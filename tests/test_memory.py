@@ -13,7 +13,7 @@ import jax
 import pytest
 
 import spmd
-from gpt_util import BATCH, LENGTH, layout
+from helpers.gpt_util import BATCH, LENGTH, layout
 
 REPLICATED = "dp8"
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from gpt_util import LAYOUTS, batches, layout, rel_err, run
+from helpers.gpt_util import LAYOUTS, batches, layout, rel_err, run
 
 TOL = 1e-5
 SHARDED = [n for n in LAYOUTS if n != "single"]

@@ -11,12 +11,12 @@ import sys
 
 import pytest
 
-from fault_worker import REPO, last_train_losses, tiny_config, worker_env
+from helpers.fault_worker import REPO, last_train_losses, tiny_config, worker_env
 from trainers.checkpoint import Checkpointer
 from trainers.loop import train
 from trainers.faults.preemption import PreemptionWatcher, barrier
 
-WORKER = os.path.join(REPO, "tests", "fault_worker.py")
+WORKER = os.path.join(REPO, "tests", "helpers", "fault_worker.py")
 STEPS = 12
 
 

@@ -19,7 +19,7 @@ import spmd
 from benchmarks.remat import kept_weights
 from spmd import remat as remat_lib
 from spmd.models import GPT, GPTConfig, lm_loss
-from tests.gpt_util import BATCH, CFG, LENGTH, batches
+from helpers.gpt_util import BATCH, CFG, LENGTH, batches
 
 POLICIES = remat_lib.POLICIES
 TOL = 1e-5  # f32: the recompute runs the same ops, so only reassociation differs

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import spmd
-from gpt_util import BATCH, CFG, LENGTH, layout, make_model
+from helpers.gpt_util import BATCH, CFG, LENGTH, layout, make_model
 from spmd.hlo import collectives, summarize
 from spmd.models import lm_loss
 

@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
+
+import jax
+
+import meshes
 
 from spmd.models import GPTConfig
 from spmd.pipeline import PipelineConfig
@@ -33,11 +38,35 @@ class MeshConfig:
     axis_type: str = "auto"
 
     def __post_init__(self) -> None:
-        from meshes import AXIS_TYPES, MeshSpec
+        self.spec  # validates names and sizes now, not on the pod
+        if self.axis_type not in meshes.AXIS_TYPES:
+            raise ValueError(f"mesh.axis_type {self.axis_type!r} is not one of {sorted(meshes.AXIS_TYPES)}")
 
-        MeshSpec.of(self.axes, self.dcn or None)  # validates names and sizes now, not on the pod
-        if self.axis_type not in AXIS_TYPES:
-            raise ValueError(f"mesh.axis_type {self.axis_type!r} is not one of {sorted(AXIS_TYPES)}")
+    @property
+    def spec(self) -> meshes.MeshSpec:
+        """The validated :class:`meshes.MeshSpec` (ICI sizes, DCN sizes) of ``axes`` and ``dcn``."""
+        return meshes.MeshSpec.of(self.axes, self.dcn or None)
+
+    def sizes(self, devices: int) -> dict[str, int]:
+        """Axis sizes (ICI x DCN, every canonical axis, outermost first) this mesh has on ``devices``
+        devices, without building it (the dry run and the planner plan for devices they do not have)."""
+        ici, dcn = self._resolve(devices)
+        return {a: ici[a] * dcn.get(a, 1) for a in ici}
+
+    def dcn_axes(self, devices: int) -> tuple[str, ...]:
+        """The axes that cross slices or hosts (DCN size > 1) on ``devices`` devices."""
+        return tuple(a for a, s in self._resolve(devices)[1].items() if s > 1)
+
+    def _resolve(self, devices: int) -> tuple[dict[str, int], dict[str, int]]:
+        spec = self.spec
+        dcn = dict(spec.dcn)
+        if any(s == -1 for s in dcn.values()):
+            raise ValueError(f"mesh.dcn={self.dcn!r}: sizes for {devices} devices need explicit DCN sizes (no -1)")
+        return spec.resolve(devices, math.prod(dcn.values()) if dcn else 1)
+
+    def build(self, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
+        """The run's one Mesh, over ``devices`` (default: every device of every process)."""
+        return meshes.make_mesh(self.spec, devices=devices, axis_type=self.axis_type)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,10 +132,9 @@ class Config:
         if self.pipeline.enabled:
             # checked when the config is built (``spmd-train --set`` fails before any compile), with the
             # axis sizes mesh.axes fixes; an inferred (-1) axis skips the checks that need its size
-            from meshes import MeshSpec
             from trainers.planning.diagnose import check_pipeline
 
-            spec = MeshSpec.of(self.mesh.axes, self.mesh.dcn or None)
+            spec = self.mesh.spec
             dcn = dict(spec.dcn)
             sizes = {a: s * dcn.get(a, 1) for a, s in spec.ici}
             issues = check_pipeline(self.model, self.pipeline, self.rules, sizes, global_batch=self.data.global_batch,

@@ -223,7 +223,7 @@ def train(
     if not isinstance(task, Task):
         raise TypeError(f"task must be a trainers.Task, got {type(task).__name__}")
     _check_pipelined(cfg, task)
-    mesh = mesh or meshes.make_mesh(meshes.MeshSpec.of(cfg.mesh.axes, cfg.mesh.dcn or None), axis_type=cfg.mesh.axis_type)
+    mesh = mesh or cfg.mesh.build()  # the run's one mesh; everything below takes it as an argument
     meshes.distributed.check_consistent(meshes.distributed.fingerprint(mesh, cfg.to_dict()))  # no-op on one process
     rules = spmd.get_rules(cfg.rules)
     is_main = jax.process_index() == 0

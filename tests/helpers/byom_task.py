@@ -1,6 +1,6 @@
 """A small task written the way a user writes one, for the CLI, dry-run and planner tests.
 
-``spmd-train tests.byom_task:task`` trains it. An MLP classifier on deterministic random data
+``spmd-train tests.helpers.byom_task:task`` trains it. An MLP classifier on deterministic random data
 (the label is the argmax of a fixed projection, so it is learnable), with every kind of sharding
 source the toolkit reads: an annotated kernel (``hidden``: ``W[D_fsdp, F_tensor]`` under
 ``fsdp_tp``), a path rule (``out/kernel`` gets dims ``(mlp, None)``), an unannotated kernel large

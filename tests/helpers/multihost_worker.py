@@ -1,8 +1,8 @@
 """One process of a multi-process test run, started by ``trainers.launch.local.launch`` (or directly).
 
-    python tests/multihost_worker.py mesh          # global mesh, hybrid DCN mesh, data shards; then process 1 dies
-    python tests/multihost_worker.py mismatch ARGS # spmd-train ARGS, process 1 with another version and seed
-    python tests/multihost_worker.py init          # meshes.distributed.initialize() from SPMD_* only
+    python tests/helpers/multihost_worker.py mesh          # global mesh, hybrid DCN mesh, data shards; then process 1 dies
+    python tests/helpers/multihost_worker.py mismatch ARGS # spmd-train ARGS, process 1 with another version and seed
+    python tests/helpers/multihost_worker.py init          # meshes.distributed.initialize() from SPMD_* only
 
 Settings come from the SPMD_* variables the launcher sets; XLA_FLAGS gives the device count.
 """
@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import meshes  # noqa: E402
 

@@ -24,7 +24,7 @@ import signal
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CACHE = os.path.join(REPO, ".jax_cache")
 
 # The one tiny run every fault test uses: 8 devices (data x fsdp x tensor), a 37k-parameter GPT,
