@@ -18,11 +18,10 @@ from tensorboardX.proto.event_pb2 import Event
 from trainers import logger as logger_lib
 from trainers import metrics as metrics_lib
 from trainers.logger import RunLogger, read_metrics, write_config
+from trainers.hardware import PEAK_FLOPS, lookup_peak
 from trainers.metrics import (
-    PEAK_FLOPS,
     StepMeter,
     UnknownAcceleratorWarning,
-    lookup_peak,
     measure_cpu_matmul_peak,
     mfu,
     peak_flops_per_device,
