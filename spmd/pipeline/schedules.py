@@ -102,6 +102,20 @@ class Schedule:
     def max_in_flight(self) -> int:
         return int(self.in_flight().max())
 
+    def stash_sizes(self) -> tuple[int, int]:
+        """Buffer slots a stage of the table engine needs (at least 1 each): stashed chunk inputs, held
+        from the tick one arrives to its chunk's backward (its forward, without one); output gradients,
+        from the tick one arrives to its backward. The most held at once on any stage."""
+        S, C, ticks = self.n_stages, self.n_chunks, self.ticks()
+        x_held, g_held = (np.zeros((self.n_ticks + 1, S), np.int64) for _ in range(2))
+        for (kind, m, c), t in ticks.items():
+            if kind == FORWARD and c > 0:
+                x_held[ticks[(FORWARD, m, c - 1)] + 1:ticks.get((BACKWARD, m, c), t) + 1, c % S] += 1
+            elif kind == BACKWARD:
+                start = ticks[(FORWARD, m, c)] if c == C - 1 else ticks[(BACKWARD, m, c + 1)] + 1
+                g_held[start:t + 1, c % S] += 1
+        return max(1, int(x_held.max())), max(1, int(g_held.max()))
+
     def validate(self) -> None:
         """Raise ValueError unless every op appears once and every data dependency is met."""
         S, M, C = self.n_stages, self.n_microbatches, self.n_chunks
