@@ -27,6 +27,7 @@ from trainers.checkpoint import CheckpointConfig
 from trainers.data import DataConfig
 from trainers.optim import OptimizerConfig
 from trainers.lr import ScheduleConfig
+from trainers.validate import check_pipeline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,8 +133,6 @@ class Config:
         if self.pipeline.enabled:
             # checked when the config is built (``spmd-train --set`` fails before any compile), with the
             # axis sizes mesh.axes fixes; an inferred (-1) axis skips the checks that need its size
-            from trainers.planning.diagnose import check_pipeline
-
             spec = self.mesh.spec
             dcn = dict(spec.dcn)
             sizes = {a: s * dcn.get(a, 1) for a, s in spec.ici}
