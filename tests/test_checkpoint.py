@@ -69,7 +69,7 @@ def _save_steps(ck, steps):
 
 
 def _skip_messages(caplog):
-    return [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
+    return [r.getMessage() for r in caplog.records if r.name.startswith(LOGGER) and r.levelno == logging.WARNING]
 
 
 # ----------------------------------------------------------------------------- config
@@ -140,6 +140,12 @@ def test_every_steps_and_force(tmp_path):
         assert ck.save(5, _state(), {}, force=True)
         ck.wait()
         assert ck.all_steps() == [4, 5]
+
+
+def test_should_save_is_the_one_cadence_decision(tmp_path):
+    with _ckpt(tmp_path, every_steps=4) as ck:
+        assert [s for s in range(1, 10) if ck.should_save(s)] == [4, 8]
+        assert ck.should_save(5, force=True) and not ck.should_save(5)
 
 
 # ----------------------------------------------------------------------------- corruption
@@ -319,7 +325,7 @@ def test_saving_an_existing_valid_step_is_skipped(tmp_path, caplog):
         _save_steps(ck, [1])
         with caplog.at_level(logging.INFO, logger=LOGGER):
             assert not ck.save(1, _state(seed=5), {"pos": -1}, force=True)
-        assert any("already exists" in r.getMessage() for r in caplog.records if r.name == LOGGER)
+        assert any("already exists" in r.getMessage() for r in caplog.records if r.name.startswith(LOGGER))
         step, restored, data_state = ck.restore(_abstract(_state()))
     assert data_state == {"pos": 100} and _trees_bit_equal(restored, _state(seed=1))
     assert not _trees_bit_equal(restored, _state(seed=5))  # negative control
@@ -590,7 +596,7 @@ def test_an_interrupt_after_save_still_commits_the_step(tmp_path):
 
 
 def test_host_copy_copies_each_distinct_shard_once_and_rebuilds_the_shardings():
-    from trainers.checkpoint.checkpointer import _HostCopy
+    from trainers.checkpoint.host_copy import HostCopy
 
     mesh = _mesh((2, 4), ("data", "fsdp"))
     state = {
@@ -599,7 +605,7 @@ def test_host_copy_copies_each_distinct_shard_once_and_rebuilds_the_shardings():
         "g": jax.device_put(jnp.arange(16, dtype=jnp.int32).reshape(2, 8), NamedSharding(mesh, P("data", "fsdp"))),  # 8
         "n": np.ones(3), "k": 5,
     }
-    copy = _HostCopy(state)
+    copy = HostCopy(state)
     assert len(copy.buffers) == 4 + 1 + 8
     rebuilt = copy.arrays()
     assert _trees_bit_equal(rebuilt, state)
@@ -607,9 +613,9 @@ def test_host_copy_copies_each_distinct_shard_once_and_rebuilds_the_shardings():
         assert rebuilt[key].sharding == state[key].sharding
     owned = {b.ctypes.data for b in copy.buffers}  # on CPU the rebuilt shards alias the copy
     assert all(s.data.unsafe_buffer_pointer() in owned for k in ("w", "b", "g") for s in rebuilt[k].addressable_shards)
-    again = _HostCopy(state, spare=copy.buffers)
+    again = HostCopy(state, spare=copy.buffers)
     assert [id(b) for b in again.buffers] == [id(b) for b in copy.buffers]  # spare buffers reused in order
-    assert len({id(b) for b in _HostCopy(state).buffers} & {id(b) for b in copy.buffers}) == 0  # negative control
+    assert len({id(b) for b in HostCopy(state).buffers} & {id(b) for b in copy.buffers}) == 0  # negative control
 
 
 def test_a_save_waits_for_the_previous_one_and_reuses_its_host_buffers(tmp_path):
@@ -647,6 +653,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from trainers import checkpoint
+from trainers.checkpoint.host_copy import HostCopy
 
 root = sys.argv[1]
 mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
@@ -654,14 +661,14 @@ state = lambda seed: {"w": jax.device_put(jnp.arange(64.0).reshape(8, 8) + seed,
 ck = checkpoint.Checkpointer(root, checkpoint.CheckpointConfig(every_steps=1))
 ck.save(1, state(1), {"pos": 1})
 ck.wait()
-rebuild = checkpoint._HostCopy.arrays
+rebuild = HostCopy.arrays
 
 def slow_rebuild(self):
     open(root + ".handing-off", "w").close()
     time.sleep(60)
     return rebuild(self)
 
-checkpoint._HostCopy.arrays = slow_rebuild
+HostCopy.arrays = slow_rebuild
 assert ck.save(2, state(2), {"pos": 2})
 while not os.path.exists(root + ".handing-off"):  # the hand-off to orbax has started and is held
     time.sleep(0.01)

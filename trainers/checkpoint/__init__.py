@@ -3,12 +3,7 @@
     from trainers.checkpoint import Checkpointer, CheckpointConfig
 """
 
-from trainers.checkpoint.checkpointer import (
-    CheckpointConfig,
-    Checkpointer,
-    CheckpointTimeoutError,
-    NoUsableCheckpointError,
-    resolve_init_from,
-)
+from trainers.checkpoint.checkpointer import Checkpointer, CheckpointTimeoutError, NoUsableCheckpointError
+from trainers.checkpoint.config import CheckpointConfig, resolve_init_from
 
 __all__ = ["CheckpointConfig", "Checkpointer", "CheckpointTimeoutError", "NoUsableCheckpointError", "resolve_init_from"]
