@@ -55,7 +55,7 @@ import spmd
 from benchmarks import common
 from benchmarks.common import RESULTS, minimal_step, setup_devices
 from spmd.models import GPT
-from trainers import Config, create_state, make_optimizer, make_schedule, make_train_step, recipe
+from trainers import Config, create_state, make_optimizer, make_lr_schedule, make_train_step, recipe
 
 GOAL = 1.03
 
@@ -120,7 +120,7 @@ def _time_round(step: Callable, state: Any, batch: dict[str, jax.Array], steps: 
 def measure(what: str, cfg: Config, mesh: jax.sharding.Mesh, rules_name: str, settings: Settings) -> Row:
     """Build both steps for this mesh and rule set, warm them up, time them interleaved."""
     rules = spmd.get_rules(rules_name)
-    schedule = make_schedule(cfg.schedule)
+    schedule = make_lr_schedule(cfg.lr, cfg.run.steps)
     tx = make_optimizer(cfg.optimizer, schedule)
     seed = cfg.run.seed
 
@@ -226,7 +226,7 @@ def run(settings: Settings, command: str = "python -m benchmarks.overhead") -> l
     before = [
         f"- recipe {settings.recipe}: GPT d_model={model.d_model}, n_layers={model.n_layers}, n_heads={model.n_heads}, "
         f"d_ff={model.d_ff}, vocab={model.vocab_size}, {model.dtype}; {cfg.optimizer.name}, clip {cfg.optimizer.clip_norm}, "
-        f"{cfg.schedule.kind} schedule; batch {cfg.data.global_batch} x {cfg.data.seq_len} tokens",
+        f"{cfg.lr.kind} schedule; batch {cfg.data.global_batch} x {cfg.data.seq_len} tokens",
         f"- timing: {settings.rounds} interleaved rounds x {settings.steps} steps each, after compile + "
         f"{settings.warmup} warm-up steps; median per-step time",
     ]

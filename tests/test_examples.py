@@ -59,7 +59,7 @@ def config(example: str, run_dir, layout: str, *sets: str):
     axes = ",".join(f"{axis}={size}" for axis, size in sizes.items())
     return override(TASKS[example].config, [
         f"run.run_dir={run_dir}", "run.progress=false", "run.tensorboard=false", "run.log_every=1",
-        f"run.steps={STEPS}", f"schedule.total_steps={STEPS}", "schedule.warmup_steps=2", "run.eval_batches=0",
+        f"run.steps={STEPS}", f"lr.total_steps={STEPS}", "lr.warmup_steps=2", "run.eval_batches=0",
         "checkpoint.every_steps=2", "data.global_batch=16", f"mesh.axes={axes}", f"rules={rules}",
         *SETS[example], *sets])
 
@@ -201,7 +201,7 @@ def test_classifier_eval_accuracy_is_well_above_chance(tmp_path):
     steps = 100
     cfg = override(digits.task.config, [
         f"run.run_dir={tmp_path}", "run.progress=false", "run.tensorboard=false", f"run.steps={steps}",
-        f"schedule.total_steps={steps}", "schedule.warmup_steps=10", "run.eval_every=50", "run.log_every=50"])
+        "lr.warmup_steps=10", "run.eval_every=50", "run.log_every=50"])
     result = train(cfg, TASKS["digits"])
     assert sorted(result.eval_metrics) == [50, steps]
     final = result.eval_metrics[steps]

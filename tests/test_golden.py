@@ -16,8 +16,8 @@ GOLDEN = {1: 5.925017356872559, 2: 5.959300518035889, 3: 5.635720252990723}
 
 def test_main_job_first_losses_are_pinned(tmp_path):
     cfg = override(recipe("gpt-small"), ["run.steps=3", "run.log_every=1", "run.eval_batches=0", "run.progress=false",
-                                         "run.tensorboard=false", "checkpoint.async_save=false",
-                                         f"run.run_dir={tmp_path}"])  # schedule.total_steps stays 300: same LR
+                                         "run.tensorboard=false", "checkpoint.async_save=false", "lr.total_steps=300",
+                                         f"run.run_dir={tmp_path}"])  # the main job's 300-step LR schedule
     losses = train(cfg).losses
     assert losses == pytest.approx(GOLDEN, rel=1e-6, abs=0)
     assert losses != pytest.approx({k: v * (1 + 1e-5) for k, v in GOLDEN.items()}, rel=1e-6, abs=0)  # it can fail

@@ -20,20 +20,20 @@ from trainers.optim import (
     key_path_str,
     make_optimizer,
 )
-from trainers.lr import SCHEDULE_KINDS, ScheduleConfig, make_schedule, scale_lr
+from trainers.lr import SCHEDULE_KINDS, LRConfig, make_lr_schedule, scale_lr
 
 PEAK, WARMUP, TOTAL, END_FRAC = 1e-3, 10, 110, 0.1
 END = PEAK * END_FRAC
 V, D, F = 8, 4, 6  # vocab, embed, mlp
 
 
-def lr_at(cfg: ScheduleConfig, step: int) -> float:
-    return float(make_schedule(cfg)(step))
+def lr_at(cfg: LRConfig, step: int) -> float:
+    return float(make_lr_schedule(cfg)(step))
 
 
-def sched(kind: str, **kw) -> ScheduleConfig:
+def sched(kind: str, **kw) -> LRConfig:
     base = dict(kind=kind, peak_lr=PEAK, warmup_steps=WARMUP, total_steps=TOTAL, end_lr_fraction=END_FRAC)
-    return ScheduleConfig(**{**base, **kw})
+    return LRConfig(**{**base, **kw})
 
 
 def toy_params() -> dict:
@@ -103,7 +103,7 @@ def test_no_warmup_starts_at_peak():
 
 
 def test_schedule_is_jittable_on_a_traced_step():
-    schedule = make_schedule(sched("wsd"))
+    schedule = make_lr_schedule(sched("wsd"))
     lrs = jax.jit(jax.vmap(schedule))(jnp.array([0, WARMUP, TOTAL]))
     np.testing.assert_allclose(np.asarray(lrs), [0.0, PEAK, END], rtol=1e-5)
 
@@ -115,7 +115,7 @@ def test_schedule_is_jittable_on_a_traced_step():
         (dict(peak_lr=0.0), "peak_lr=0.0"),
         (dict(peak_lr=float("nan")), "peak_lr=nan"),
         (dict(warmup_steps=-1), "warmup_steps=-1"),
-        (dict(total_steps=0, warmup_steps=0), "total_steps=0"),
+        (dict(total_steps=-1, warmup_steps=0), "total_steps=-1"),
         (dict(warmup_steps=200), "warmup_steps=200 exceeds total_steps=110"),
         (dict(end_lr_fraction=1.5), r"end_lr_fraction=1.5.*\[0, 1\]"),
         (dict(kind="wsd", warmup_steps=100, decay_fraction=0.5), "decay_fraction=0.5"),
@@ -222,7 +222,7 @@ def test_adamw_decays_kernels_but_not_masked_params():
 def test_every_optimizer_makes_a_finite_descent_step(name):
     params = toy_params()
     grads = jax.tree.map(lambda p: jnp.full_like(p, 0.3), params)
-    schedule = make_schedule(ScheduleConfig(kind="cosine", peak_lr=1e-2, warmup_steps=0, total_steps=10))
+    schedule = make_lr_schedule(LRConfig(kind="cosine", peak_lr=1e-2, warmup_steps=0, total_steps=10))
     tx = make_optimizer(OptimizerConfig(name=name, weight_decay=0.01), schedule)
     state = tx.init(params)
     updates, state = jax.jit(tx.update)(grads, state, params)
@@ -237,7 +237,7 @@ def test_every_optimizer_makes_a_finite_descent_step(name):
 @pytest.mark.parametrize("name", OPTIMIZER_NAMES)
 def test_optimizer_state_builds_abstractly(name):
     params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), toy_params())
-    tx = make_optimizer(OptimizerConfig(name=name), make_schedule(ScheduleConfig()))
+    tx = make_optimizer(OptimizerConfig(name=name), make_lr_schedule(LRConfig()))
     state = jax.eval_shape(tx.init, params)
     leaves = jax.tree.leaves(state)
     assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
@@ -298,3 +298,33 @@ def test_mask_and_chain_work_on_an_nnx_model_state():
     opt.update(model, jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param)))
     np.testing.assert_allclose(model.mlp.kernel[...], before["kernel"] * (1 - 1e-2 * 0.1), rtol=1e-6)
     np.testing.assert_array_equal(model.embed.embedding[...], before["embedding"])
+
+
+def test_schedule_length_defaults_to_the_run_length():
+    """lr.total_steps 0 means run.steps: the run length is set in one place."""
+    from trainers.config import Config, RunConfig, override
+
+    follow = LRConfig(kind="linear", peak_lr=1.0, warmup_steps=0, end_lr_fraction=0.0)
+    assert float(make_lr_schedule(follow, 10)(5)) == pytest.approx(0.5)
+    assert float(make_lr_schedule(follow, 20)(5)) == pytest.approx(0.75)
+    fixed = dataclasses.replace(follow, total_steps=20)
+    assert float(make_lr_schedule(fixed, 10)(5)) == pytest.approx(0.75)  # an explicit length wins
+    with pytest.raises(ValueError, match="lr.total_steps=0 means the run's length"):
+        make_lr_schedule(follow)
+    with pytest.raises(ValueError, match="warmup_steps=50 exceeds total_steps=10"):
+        Config(lr=dataclasses.replace(follow, warmup_steps=50), run=RunConfig(steps=10))
+    cfg = override(Config(), ["run.steps=40", "lr.warmup_steps=4"])
+    assert cfg.lr.for_run(cfg.run.steps).total_steps == 40
+
+
+def test_old_schedule_names_still_work_with_a_warning():
+    import trainers.lr
+    from trainers.config import Config, override
+
+    with pytest.warns(DeprecationWarning, match="now 'lr.peak_lr'"):
+        cfg = override(Config(), ["schedule.peak_lr=0.5"])
+    assert cfg.lr.peak_lr == 0.5
+    with pytest.warns(DeprecationWarning, match="Config.schedule is now Config.lr"):
+        assert cfg.schedule is cfg.lr
+    with pytest.warns(DeprecationWarning, match="trainers.lr.ScheduleConfig is now trainers.lr.LRConfig"):
+        assert trainers.lr.ScheduleConfig is LRConfig

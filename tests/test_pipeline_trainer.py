@@ -18,13 +18,13 @@ from trainers.config import override
 from trainers.loop import train
 from trainers.optim import make_optimizer
 from trainers.recipes import recipe
-from trainers.lr import make_schedule
+from trainers.lr import make_lr_schedule
 from trainers.state import create_state
 
 STEPS = 4
-COMMON = [f"run.steps={STEPS}", f"schedule.total_steps={STEPS}", "checkpoint.every_steps=2", f"run.eval_every={STEPS}",
+COMMON = [f"run.steps={STEPS}", "checkpoint.every_steps=2", f"run.eval_every={STEPS}",
           "run.progress=false", "run.tensorboard=false", "model.n_layers=4", "data.global_batch=16", "rules=dp",
-          "schedule.peak_lr=1e-2"]
+          "lr.peak_lr=1e-2"]
 PIPE4 = ["mesh.axes=data=2,pipe=4", "pipeline.schedule=1f1b", "pipeline.microbatches=8"]
 PIPE1 = ["mesh.axes=data=8"]
 
@@ -63,7 +63,7 @@ def test_pipelined_training_matches_unpipelined(both):
 def _restore(run_dir, sizes, *sets):
     cfg = cfg_for(run_dir, *sets)
     mesh = meshes.make_mesh(sizes)
-    tx = make_optimizer(cfg.optimizer, make_schedule(cfg.schedule))
+    tx = make_optimizer(cfg.optimizer, make_lr_schedule(cfg.lr, cfg.run.steps))
     sharded = create_state(lambda: GPT(cfg.model, rngs=nnx.Rngs(0)), tx, cfg.rules, mesh)
     with Checkpointer(os.path.join(run_dir, "checkpoints"), cfg.checkpoint) as ckpt:
         step, restored, _ = ckpt.restore(sharded.abstract)

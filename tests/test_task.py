@@ -36,8 +36,7 @@ TASK = Task(model=lambda rngs: Plain(rngs, rate=0.1), loss=_loss, data=_examples
 
 
 def _cfg(run_dir, steps=4, *sets):
-    return override(Config(), [f"run.run_dir={run_dir}", f"run.steps={steps}", f"schedule.total_steps={steps}",
-                               "schedule.warmup_steps=1", "mesh.axes=data=2,fsdp=2,tensor=2", "data.global_batch=16",
+    return override(Config(), [f"run.run_dir={run_dir}", f"run.steps={steps}", "lr.warmup_steps=1", "mesh.axes=data=2,fsdp=2,tensor=2", "data.global_batch=16",
                                "run.progress=false", "run.tensorboard=false", "run.log_every=1", "run.eval_every=2",
                                "run.eval_batches=-1", "checkpoint.every_steps=2", "checkpoint.async_save=false", *sets])
 
@@ -140,7 +139,7 @@ def _stack_lm_task(pipeline):
 
 
 def test_a_user_stack_model_runs_as_a_pipeline(tmp_path):
-    pipe = spmd.PipelineConfig("gpipe", microbatches=2)
+    pipe = spmd.pipeline.PipelineConfig("gpipe", microbatches=2)
     sets = ["run.eval_batches=0", "checkpoint.every_steps=100", "optimizer.name=sgd", "rules=dp"]
     piped = train(override(_cfg(tmp_path / "pp", 3, *sets), ["mesh.axes=data=4,pipe=2", "pipeline.schedule=gpipe",
                                                               "pipeline.microbatches=2"]), _stack_lm_task(pipe))

@@ -20,7 +20,7 @@ from trainers.config import override
 from trainers.loop import train
 from trainers.optim import make_optimizer
 from trainers.recipes import RECIPES, recipe
-from trainers.lr import make_schedule
+from trainers.lr import make_lr_schedule
 from trainers.state import create_state
 from trainers.step import make_train_step
 
@@ -31,7 +31,7 @@ def tiny(tmp_path, *sets):
 
 
 def _state_and_step(cfg, mesh, grad_accum):
-    tx = make_optimizer(cfg.optimizer, make_schedule(cfg.schedule))
+    tx = make_optimizer(cfg.optimizer, make_lr_schedule(cfg.lr, cfg.run.steps))
     sharded = create_state(lambda: GPT(cfg.model, rngs=nnx.Rngs(0)), tx, cfg.rules, mesh)
     bs = spmd.batch_sharding(cfg.rules, mesh)
     step = make_train_step(sharded, tx, cfg.rules, mesh, bs, grad_accum=grad_accum, donate=False)
@@ -49,7 +49,7 @@ def test_accumulation_equals_one_big_batch(tmp_path):
     # SGD: the update is lr * gradient, so params compare the gradients themselves (Adam would amplify
     # float noise in near-zero gradients by lr/eps)
     cfg = tiny(tmp_path, "data.global_batch=16", "optimizer.name=sgd", "optimizer.momentum=0", "optimizer.clip_norm=none",
-               "schedule.kind=constant", "schedule.warmup_steps=0", "schedule.peak_lr=1.0")
+               "lr.kind=constant", "lr.warmup_steps=0", "lr.peak_lr=1.0")
     mesh = meshes.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     sharded, step1, bs = _state_and_step(cfg, mesh, 1)
     _, step4, _ = _state_and_step(cfg, mesh, 4)
@@ -70,7 +70,7 @@ def test_accumulation_equals_one_big_batch(tmp_path):
 
 
 def test_nan_batch_is_skipped_and_counted(tmp_path):
-    cfg = tiny(tmp_path, "schedule.kind=constant", "schedule.warmup_steps=0")
+    cfg = tiny(tmp_path, "lr.kind=constant", "lr.warmup_steps=0")
     mesh = meshes.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     sharded, step, bs = _state_and_step(cfg, mesh, 1)
     state, m = step(sharded.state, _batch(bs, bad=True))
@@ -85,7 +85,7 @@ def test_nan_batch_is_skipped_and_counted(tmp_path):
 
 
 def test_resume_gives_identical_losses(tmp_path):
-    common = ["run.steps=4", "schedule.total_steps=4", "checkpoint.every_steps=2", "run.eval_every=100"]
+    common = ["run.steps=4", "checkpoint.every_steps=2", "run.eval_every=100"]
     straight = train(tiny(tmp_path / "a", *common))
     first = train(tiny(tmp_path / "b", *common, "run.steps=2"))
     resumed = train(tiny(tmp_path / "b", *common))
@@ -98,12 +98,12 @@ def test_resume_gives_identical_losses(tmp_path):
 
 
 def test_resume_onto_another_mesh(tmp_path):
-    common = ["run.steps=4", "schedule.total_steps=4", "checkpoint.every_steps=2", "run.eval_every=100"]
+    common = ["run.steps=4", "checkpoint.every_steps=2", "run.eval_every=100"]
     saved = train(tiny(tmp_path, *common, "run.steps=2", "mesh.axes=fsdp=8", "rules=fsdp"), keep_state=True)
     # the checkpoint restores bit-equal onto DP=2 x TP=4
     cfg = tiny(tmp_path, *common, "mesh.axes=data=2,tensor=4", "rules=dp_tp")
     mesh = meshes.make_mesh({"data": 2, "tensor": 4})
-    tx = make_optimizer(cfg.optimizer, make_schedule(cfg.schedule))
+    tx = make_optimizer(cfg.optimizer, make_lr_schedule(cfg.lr, cfg.run.steps))
     sharded = create_state(lambda: GPT(cfg.model, rngs=nnx.Rngs(0)), tx, "dp_tp", mesh)
     with Checkpointer(os.path.join(tmp_path, "checkpoints"), cfg.checkpoint) as ckpt:
         step, restored, _ = ckpt.restore(sharded.abstract)
@@ -120,14 +120,14 @@ def test_resume_onto_another_mesh(tmp_path):
 
 
 def test_corrupt_latest_checkpoint_falls_back(tmp_path, caplog):
-    common = ["run.steps=4", "schedule.total_steps=4", "checkpoint.every_steps=2", "run.eval_every=100"]
+    common = ["run.steps=4", "checkpoint.every_steps=2", "run.eval_every=100"]
     train(tiny(tmp_path, *common))
     (tmp_path / "checkpoints" / "6").mkdir()  # an empty (partial) newer step
     for f in (tmp_path / "checkpoints" / "4" / "state").rglob("*"):
         if f.is_file() and "d" == f.parent.name:
             f.write_bytes(b"")  # truncated array data in the newest real step
     with caplog.at_level(logging.WARNING):
-        resumed = train(tiny(tmp_path, *common, "run.steps=5", "schedule.total_steps=5"))
+        resumed = train(tiny(tmp_path, *common, "run.steps=5"))
     assert resumed.start_step in (2, 4)
     assert "6" in caplog.text
 
@@ -147,7 +147,7 @@ def test_each_recipe_tiny_variant_runs_two_steps(tmp_path, name):
 def test_full_recipes_load():
     for name, fn in RECIPES.items():
         cfg = fn()
-        assert cfg.run.steps > 2 and cfg.schedule.total_steps >= cfg.run.steps, name
+        assert cfg.run.steps > 2 and cfg.lr.for_run(cfg.run.steps).total_steps >= cfg.run.steps, name
 
 
 def test_cli_rejects_bad_override(capsys):
@@ -181,8 +181,8 @@ def test_run_stops_after_consecutive_bad_steps(tmp_path):
     # each such step is skipped (no update) and the run stops after max_bad_steps in a row
     from trainers.loop import DivergenceError
 
-    cfg = tiny(tmp_path, "run.steps=8", "schedule.total_steps=8", "schedule.kind=constant", "schedule.warmup_steps=0",
-               "schedule.peak_lr=1e30", "optimizer.clip_norm=none", "run.max_bad_steps=3", "run.eval_batches=0",
+    cfg = tiny(tmp_path, "run.steps=8", "lr.kind=constant", "lr.warmup_steps=0",
+               "lr.peak_lr=1e30", "optimizer.clip_norm=none", "run.max_bad_steps=3", "run.eval_batches=0",
                "checkpoint.every_steps=100")
     with pytest.raises(DivergenceError, match=r"3 consecutive steps ending at step \d+ had a non-finite loss"):
         train(cfg)

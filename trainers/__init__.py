@@ -13,7 +13,7 @@ from trainers.config import Config, override
 from trainers.data import ExampleLoader, IterLoader
 from trainers.faults import DivergenceError
 from trainers.loop import Result, evaluate, train
-from trainers.lr import make_schedule
+from trainers.lr import make_lr_schedule
 from trainers.optim import make_optimizer
 from trainers.recipes import recipe
 from trainers.state import create_state
@@ -22,6 +22,6 @@ from trainers.task import Task, lm_task, load_task
 
 __all__ = [
     "Checkpointer", "Config", "DivergenceError", "ExampleLoader", "IterLoader", "Result", "Task", "create_state",
-    "evaluate", "lm_task", "load_task", "make_eval_step", "make_optimizer", "make_schedule", "make_train_step",
+    "evaluate", "lm_task", "load_task", "make_eval_step", "make_optimizer", "make_lr_schedule", "make_train_step",
     "override", "recipe", "train",
 ]

@@ -1,8 +1,8 @@
 """Typed, frozen run configuration and ``key=value`` overrides.
 
 A :class:`Config` groups one frozen dataclass per concern (model, mesh, rules, optimizer,
-schedule, data, checkpoint, run). Recipes (``trainers.recipes``) are functions returning a Config;
-the CLI applies overrides such as ``model.d_model=256`` or ``schedule.peak_lr=1e-3`` with
+lr, data, checkpoint, run). Recipes (``trainers.recipes``) are functions returning a Config;
+the CLI applies overrides such as ``model.d_model=256`` or ``lr.peak_lr=1e-3`` with
 :func:`override`, which parses each value by the field's declared type and rejects unknown keys
 and bad values with an error listing what is valid.
 """
@@ -14,6 +14,7 @@ import json
 import math
 import types
 import typing
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -26,7 +27,7 @@ from spmd.pipeline import PipelineConfig
 from trainers.checkpoint import CheckpointConfig
 from trainers.data import DataConfig
 from trainers.optim import OptimizerConfig
-from trainers.lr import ScheduleConfig
+from trainers.lr import LRConfig
 from trainers.validate import check_pipeline
 
 
@@ -113,7 +114,7 @@ class Config:
     mesh: MeshConfig = MeshConfig()
     rules: str = "fsdp_tp"
     optimizer: OptimizerConfig = OptimizerConfig()
-    schedule: ScheduleConfig = ScheduleConfig()
+    lr: LRConfig = LRConfig()  # the learning-rate schedule (pipeline.schedule is the pipeline's)
     data: DataConfig = DataConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     run: RunConfig = RunConfig()
@@ -128,6 +129,7 @@ class Config:
                 f"data.global_batch {self.data.global_batch} does not divide into run.grad_accum "
                 f"{self.run.grad_accum} microbatches"
             )
+        self.lr.for_run(self.run.steps)  # the schedule fits the run (lr.total_steps 0 is run.steps)
         if self.model.vocab_size < self.data.vocab_size:
             raise ValueError(f"model.vocab_size {self.model.vocab_size} < data.vocab_size {self.data.vocab_size}")
         if self.pipeline.enabled:
@@ -143,6 +145,12 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def schedule(self) -> LRConfig:
+        """Old name of :attr:`lr`."""
+        warnings.warn("Config.schedule is now Config.lr", DeprecationWarning, stacklevel=2)
+        return self.lr
 
 
 def valid_keys(cfg: Any, prefix: str = "") -> list[str]:
@@ -197,13 +205,18 @@ def override(cfg: Config, assignments: Iterable[str]) -> Config:
     """Apply ``section.field=value`` overrides; unknown keys and bad values raise ValueError.
 
     All overrides are applied together before any validation, so their order does not matter
-    (``schedule.total_steps=4 schedule.warmup_steps=1`` is as good as the reverse).
+    (``run.steps=4 lr.warmup_steps=1`` is as good as the reverse). Keys of the old ``schedule``
+    section are read as ``lr`` keys, with a DeprecationWarning.
     """
     keys = valid_keys(cfg)
     tree: dict[str, Any] = {}
     for item in assignments:
         key, sep, text = item.partition("=")
         key = key.strip()
+        if key.startswith("lr."):
+            warnings.warn(f"config key {key!r} is now {'lr.' + key[len('schedule.'):]!r}", DeprecationWarning,
+                          stacklevel=2)
+            key = "lr." + key[len("lr."):]
         if not sep:
             raise ValueError(f"override {item!r} is not of the form key=value (e.g. model.d_model=256)")
         if key not in keys:

@@ -1,31 +1,8 @@
 """The training run, as one explicit function a researcher can read in one sitting and fork.
 
-``train(cfg, task)`` trains any :class:`trainers.task.Task` (model, loss, data, eval metrics;
-``task=None`` is the built-in GPT on ``cfg``'s corpus, ``trainers.task.lm_task(cfg)``). It builds
-the mesh and rule set, creates the state directly sharded, starts from the
-newest valid checkpoint (state, data position and RNG) or from ``checkpoint.init_from`` (params
-only) or from scratch, then loops: next global batch -> train step -> guard and metrics (loss,
-grad norm, LR, tokens/s, step time, MFU) -> eval every N steps -> checkpoint every N steps and at
-the end. The same code runs on one CPU, a GPU node and every host of a TPU pod: each process loads
-only its rows of the global batch, and only process 0 logs.
-
-Faults the loop handles:
-
-- **Preemption** (SIGTERM, SIGINT): handlers are installed for the duration of ``train()`` only; the
-  step in flight finishes, all processes agree on the step (``trainers.faults.preemption``), a checkpoint
-  of it is written and committed, and ``train()`` returns with ``preempted=True``.
-- **Crashes** (SIGKILL, power loss): the next start resumes from the newest *complete* checkpoint
-  (``trainers.checkpoint`` validates steps and falls back); it never silently starts from scratch
-  when steps exist (``checkpoint.allow_fresh_start`` opts in), and ``run.resume=false`` refuses a
-  directory that already holds steps.
-- **Bad steps** (non-finite or spiking loss / grad norm): the update is not applied in the step;
-  ``run.guard`` decides what the host does (skip, roll back to a checkpoint past the bad batches,
-  or stop); see ``trainers.faults.guard``. Per-step flags are fetched when metrics are (log steps) and
-  before every checkpoint save, so the loop never blocks on the device otherwise.
-
-Hooks for tests and research: ``batch_hook(index, local_batch) -> local_batch`` sees every batch
-before it is placed on devices (``index`` is the loader position); ``step_hook(step)`` runs after each
-step is dispatched.
+``train(cfg, task)`` builds the mesh and rules, creates the state directly sharded, resumes or starts,
+then loops: batch -> train step -> guard and metrics -> eval -> checkpoint. It handles preemption,
+crashes and bad steps. See docs/training.md and docs/faults.md.
 """
 
 from __future__ import annotations
@@ -54,7 +31,7 @@ from trainers.logger import RunLogger, write_config
 from trainers.metrics import StepMeter, peak_flops_per_device
 from trainers.optim import make_optimizer
 from trainers.faults.preemption import PreemptionWatcher
-from trainers.lr import make_schedule
+from trainers.lr import make_lr_schedule
 from trainers.state import Sharded, State, create_state
 from trainers.step import eval_view, loss_and_metrics, make_eval_step, make_train_step
 from trainers.task import Task, lm_task
@@ -120,7 +97,7 @@ class TaskError(ValueError):
 def describe_batch(batch: Any) -> str:
     """``{'image': float32[64, 8, 8, 1], 'label': int32[64]}``: a batch's structure, shapes and dtypes."""
     leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
-    return "{" + ", ".join(f"{spmd.path_str(p) or '<root>'!r}: {np.dtype(x.dtype).name}{list(x.shape)}"
+    return "{" + ", ".join(f"{spmd.sharding.path_str(p) or '<root>'!r}: {np.dtype(x.dtype).name}{list(x.shape)}"
                            for p, x in leaves) + "}"
 
 
@@ -230,7 +207,7 @@ def train(
     if is_main:
         write_config(run.directory, cfg.to_dict())
 
-    schedule = make_schedule(cfg.schedule)
+    schedule = make_lr_schedule(cfg.lr, cfg.run.steps)
     tx = make_optimizer(cfg.optimizer, schedule)
     sharded = create_state(lambda: task.model(nnx.Rngs(run.seed)), tx, rules, mesh, seed=run.seed,
                            path_rules=task.path_rules)
@@ -294,7 +271,7 @@ def train(
                 if step_hook is not None:
                     step_hook(step)
                 stop = watcher.should_stop(step)
-                save = step % cfg.checkpoint.every_steps == 0 or step == run.steps or stop
+                save = ckpt.should_save(step, force=stop or step == run.steps)
                 log_now = step % run.log_every == 0 or step == run.steps or step == start + 1
                 if log_now or save:  # fetch flags and metrics; the guard acts before anything is saved
                     fetched = jax.device_get([m for _, _, m in pending])
@@ -342,7 +319,7 @@ def train(
                 if save:
                     data_state = {"train": train_data.get_state(), "skip_batches": sorted(skip_batches),
                                   "guard": guard_lib.window_to_json(state["guard"])}
-                    ckpt.save(step, _without_window(state), data_state, force=stop or step == run.steps)
+                    ckpt.save(step, _without_window(state), data_state, force=True)  # due: decided above
                 if stop:
                     ckpt.wait()
                     preempted = True

@@ -1,40 +1,19 @@
 """Learning-rate schedules: linear warmup, then cosine, linear, constant or WSD.
 
-A schedule is a plain ``optax.Schedule`` (a function ``step -> lr``), so the
-same object drives the optimizer and the ``lr`` metric the train step logs.
-Every kind starts with a linear warmup from 0 to ``peak_lr`` over
-``warmup_steps``; what follows the warmup is the only thing that differs:
-
-- cosine:   half a cosine from peak down to the end LR at ``total_steps``;
-- linear:   a straight line from peak down to the end LR at ``total_steps``;
-- constant: stays at peak;
-- wsd:      warmup-stable-decay: stays at peak, then a straight line down to
-            the end LR over the last ``decay_fraction`` of ``total_steps``.
-
-``end lr = peak_lr * end_lr_fraction`` for the decaying kinds. Step ``s`` means
-"the LR used for the update that produces step ``s + 1``", so step 0 is 0 when
-there is warmup, step ``warmup_steps`` is the peak and step ``total_steps`` is
-the end LR; steps past ``total_steps`` hold the end LR.
-
-The pieces are optax building blocks glued with ``optax.join_schedules``, which
-hands each piece the step counted from its own start.
-(``optax.warmup_cosine_decay_schedule`` would give the cosine kind too, but its
-``decay_steps`` includes the warmup, which is easy to get wrong; here
-``total_steps`` always means the whole run.)
-
-``scale_lr`` adapts a base LR tuned at one global batch size to another: the
-linear rule of Goyal et al. (2017) for SGD-like large-batch training, or the
-square-root rule often preferred for Adam-family optimizers.
+A schedule is a plain ``optax.Schedule`` (``step -> lr``); ``total_steps`` always means the whole
+run. ``scale_lr`` adapts a base LR to another global batch size. See docs/training.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 
 import optax
 
-__all__ = ["SCHEDULE_KINDS", "SCALING_RULES", "ScheduleConfig", "make_schedule", "scale_lr"]
+__all__ = ["SCHEDULE_KINDS", "SCALING_RULES", "LRConfig", "make_lr_schedule", "scale_lr"]
 
 SCHEDULE_KINDS: tuple[str, ...] = ("cosine", "linear", "constant", "wsd")
 SCALING_RULES: tuple[str, ...] = ("linear", "sqrt")
@@ -49,14 +28,16 @@ def _is_real(value: object) -> bool:
 
 
 @dataclass(frozen=True)
-class ScheduleConfig:
-    """What the LR does over a run of ``total_steps`` optimizer steps.
+class LRConfig:
+    """What the LR does over a run of ``total_steps`` optimizer steps (``Config.lr``).
 
     Attributes:
       kind: "cosine" | "linear" | "constant" | "wsd" (warmup-stable-decay).
       peak_lr: LR at the end of warmup (> 0).
       warmup_steps: steps of linear warmup from 0 to ``peak_lr`` (0 = none).
-      total_steps: length of the whole run, warmup included (> 0).
+      total_steps: length of the schedule, warmup included; 0 (the default) means the run's
+        length (``run.steps``), so the run length is set in one place. Set it only for a
+        schedule that should not end with the run.
       end_lr_fraction: final LR as a fraction of ``peak_lr`` (cosine, linear,
         wsd); ignored by "constant".
       decay_fraction: wsd only: the last ``decay_fraction * total_steps`` steps
@@ -66,34 +47,46 @@ class ScheduleConfig:
     kind: str = "cosine"
     peak_lr: float = 3e-4
     warmup_steps: int = 100
-    total_steps: int = 1000
+    total_steps: int = 0  # 0: run.steps
     end_lr_fraction: float = 0.1
     decay_fraction: float = 0.2
 
     def __post_init__(self) -> None:
         if self.kind not in SCHEDULE_KINDS:
-            raise ValueError(f"ScheduleConfig.kind={self.kind!r} is not a schedule kind; valid kinds: {SCHEDULE_KINDS}")
+            raise ValueError(f"lr.kind={self.kind!r} is not a schedule kind; valid kinds: {SCHEDULE_KINDS}")
         if not _is_real(self.peak_lr) or self.peak_lr <= 0:
-            raise ValueError(f"ScheduleConfig.peak_lr={self.peak_lr!r} must be a finite number > 0")
-        if not _is_int(self.total_steps) or self.total_steps <= 0:
-            raise ValueError(f"ScheduleConfig.total_steps={self.total_steps!r} must be an integer > 0")
+            raise ValueError(f"lr.peak_lr={self.peak_lr!r} must be a finite number > 0")
+        if not _is_int(self.total_steps) or self.total_steps < 0:
+            raise ValueError(f"lr.total_steps={self.total_steps!r} must be an integer > 0, or 0 for run.steps")
         if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
-            raise ValueError(f"ScheduleConfig.warmup_steps={self.warmup_steps!r} must be an integer >= 0")
+            raise ValueError(f"lr.warmup_steps={self.warmup_steps!r} must be an integer >= 0")
+        if not _is_real(self.end_lr_fraction) or not 0.0 <= self.end_lr_fraction <= 1.0:
+            raise ValueError(f"lr.end_lr_fraction={self.end_lr_fraction!r} must be in [0, 1]")
+        if not _is_real(self.decay_fraction) or not 0.0 <= self.decay_fraction <= 1.0:
+            raise ValueError(f"lr.decay_fraction={self.decay_fraction!r} must be in [0, 1]")
+        if self.total_steps == 0:
+            return  # the checks against the length run in for_run(run.steps)
         if self.warmup_steps > self.total_steps:
             raise ValueError(
-                f"ScheduleConfig.warmup_steps={self.warmup_steps} exceeds total_steps={self.total_steps}; "
+                f"lr.warmup_steps={self.warmup_steps} exceeds total_steps={self.total_steps}; "
                 "warmup must fit inside the run (0 <= warmup_steps <= total_steps)"
             )
-        if not _is_real(self.end_lr_fraction) or not 0.0 <= self.end_lr_fraction <= 1.0:
-            raise ValueError(f"ScheduleConfig.end_lr_fraction={self.end_lr_fraction!r} must be in [0, 1]")
-        if not _is_real(self.decay_fraction) or not 0.0 <= self.decay_fraction <= 1.0:
-            raise ValueError(f"ScheduleConfig.decay_fraction={self.decay_fraction!r} must be in [0, 1]")
         if self.kind == "wsd" and self.warmup_steps + self.decay_steps > self.total_steps:
             raise ValueError(
-                f"ScheduleConfig: wsd warmup_steps={self.warmup_steps} + decay steps {self.decay_steps} "
+                f"lr: wsd warmup_steps={self.warmup_steps} + decay steps {self.decay_steps} "
                 f"(decay_fraction={self.decay_fraction} of total_steps={self.total_steps}) exceed total_steps; "
                 "lower warmup_steps or decay_fraction"
             )
+
+    def for_run(self, steps: int | None) -> LRConfig:
+        """This schedule with its length fixed: ``total_steps`` if set, else the run's ``steps``
+        (validated against the length either way)."""
+        if self.total_steps:
+            return self
+        if not _is_int(steps) or steps <= 0:
+            raise ValueError(f"lr.total_steps=0 means the run's length, but none was given (steps={steps!r}); "
+                             "pass the run's steps or set lr.total_steps")
+        return dataclasses.replace(self, total_steps=steps)
 
     @property
     def end_lr(self) -> float:
@@ -106,7 +99,7 @@ class ScheduleConfig:
         return int(round(self.decay_fraction * self.total_steps))
 
 
-def _decay_after_warmup(cfg: ScheduleConfig) -> tuple[list[optax.Schedule], list[int]]:
+def _decay_after_warmup(cfg: LRConfig) -> tuple[list[optax.Schedule], list[int]]:
     """The pieces after warmup and the (absolute) steps where each later piece starts."""
     peak, end = cfg.peak_lr, cfg.end_lr
     remaining = cfg.total_steps - cfg.warmup_steps
@@ -129,10 +122,12 @@ def _decay_after_warmup(cfg: ScheduleConfig) -> tuple[list[optax.Schedule], list
     return [stable, decay], [decay_start]
 
 
-def make_schedule(cfg: ScheduleConfig) -> optax.Schedule:
-    """The schedule described by ``cfg``: linear warmup 0 -> peak, then ``cfg.kind``."""
-    if not isinstance(cfg, ScheduleConfig):
-        raise ValueError(f"make_schedule expects a ScheduleConfig, got {type(cfg).__name__}: {cfg!r}")
+def make_lr_schedule(cfg: LRConfig, steps: int | None = None) -> optax.Schedule:
+    """The schedule described by ``cfg`` over a run of ``steps`` (used when ``cfg.total_steps`` is 0):
+    linear warmup 0 -> peak, then ``cfg.kind``."""
+    if not isinstance(cfg, LRConfig):
+        raise ValueError(f"make_lr_schedule expects an LRConfig, got {type(cfg).__name__}: {cfg!r}")
+    cfg = cfg.for_run(steps)
     pieces, later_starts = _decay_after_warmup(cfg)
     if cfg.warmup_steps == 0:
         schedules, boundaries = pieces, later_starts
@@ -159,3 +154,15 @@ def scale_lr(base_lr: float, global_batch: int, base_batch: int, rule: str = "li
             raise ValueError(f"scale_lr {name}={value!r} must be an integer > 0")
     ratio = global_batch / base_batch
     return float(base_lr * (ratio if rule == "linear" else math.sqrt(ratio)))
+
+
+_RENAMED = {"ScheduleConfig": ("LRConfig", LRConfig), "make_schedule": ("make_lr_schedule", make_lr_schedule)}
+
+
+def __getattr__(name: str):
+    """Old names (``ScheduleConfig``, ``make_schedule``) keep working, with a DeprecationWarning."""
+    if name in _RENAMED:
+        new, obj = _RENAMED[name]
+        warnings.warn(f"trainers.lr.{name} is now trainers.lr.{new}", DeprecationWarning, stacklevel=2)
+        return obj
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

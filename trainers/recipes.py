@@ -15,7 +15,7 @@ from trainers.checkpoint import CheckpointConfig
 from trainers.config import Config, MeshConfig, RunConfig
 from trainers.data import DataConfig
 from trainers.optim import OptimizerConfig
-from trainers.lr import ScheduleConfig
+from trainers.lr import LRConfig
 
 
 def tiny_run(cfg: Config) -> Config:
@@ -23,7 +23,7 @@ def tiny_run(cfg: Config) -> Config:
     checkpoint every step, logs every step; model and data untouched (``spmd-train module:task --tiny``)."""
     return dataclasses.replace(
         cfg,
-        schedule=dataclasses.replace(cfg.schedule, warmup_steps=1, total_steps=2),
+        lr=dataclasses.replace(cfg.lr, warmup_steps=1, total_steps=0),  # 0: the 2-step run
         checkpoint=dataclasses.replace(cfg.checkpoint, every_steps=1, async_save=False),
         run=dataclasses.replace(cfg.run, name=cfg.run.name + "-tiny", steps=2, eval_every=2, eval_batches=1, log_every=1),
     )
@@ -48,7 +48,7 @@ def gpt_small(tiny: bool = False) -> Config:
         mesh=MeshConfig(axes="data=2,fsdp=2,tensor=2"),
         rules="fsdp_tp",
         optimizer=OptimizerConfig(name="adamw", b1=0.9, b2=0.95, weight_decay=0.1, clip_norm=1.0),
-        schedule=ScheduleConfig(kind="cosine", peak_lr=3e-3, warmup_steps=30, total_steps=300, end_lr_fraction=0.1),
+        lr=LRConfig(kind="cosine", peak_lr=3e-3, warmup_steps=30, end_lr_fraction=0.1),
         data=DataConfig(corpus="stdlib", seq_len=128, global_batch=16, seed=0),
         checkpoint=CheckpointConfig(every_steps=100, keep=3),
         run=RunConfig(name="gpt-small", steps=300, eval_every=50, eval_batches=4, log_every=10),
@@ -78,7 +78,7 @@ def _gpu_gpt(name: str, d_model: int, n_layers: int, n_heads: int, tiny: bool) -
         mesh=MeshConfig(axes="fsdp=-1"),
         rules="fsdp",
         optimizer=OptimizerConfig(name="adamw", b1=0.9, b2=0.95, weight_decay=0.1, clip_norm=1.0),
-        schedule=ScheduleConfig(kind="cosine", peak_lr=6e-4, warmup_steps=200, total_steps=5000, end_lr_fraction=0.1),
+        lr=LRConfig(kind="cosine", peak_lr=6e-4, warmup_steps=200, end_lr_fraction=0.1),
         data=DataConfig(corpus="stdlib", seq_len=1024, global_batch=32),
         checkpoint=CheckpointConfig(every_steps=500, keep=3),
         run=RunConfig(name=name, steps=5000, eval_every=250, eval_batches=8, log_every=10),

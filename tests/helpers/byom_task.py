@@ -17,7 +17,7 @@ from flax import nnx
 
 from trainers.config import Config, MeshConfig, RunConfig
 from trainers.data import DataConfig
-from trainers.lr import ScheduleConfig
+from trainers.lr import LRConfig
 from trainers.task import Task
 
 D_IN, N_CLASSES = 16, 4
@@ -57,7 +57,7 @@ def accuracy(model, batch):
 def make_task(hidden: int = 64) -> Task:
     """The task with ``hidden`` units, its default config 8 devices as ``data=2 x fsdp=4``."""
     cfg = Config(mesh=MeshConfig(axes="data=2,fsdp=4"), rules="fsdp", data=DataConfig(global_batch=16),
-                 schedule=ScheduleConfig(kind="constant", peak_lr=1e-2, warmup_steps=2, total_steps=20),
+                 lr=LRConfig(kind="constant", peak_lr=1e-2, warmup_steps=2),
                  run=RunConfig(name="byom", steps=20, eval_every=10, eval_batches=2, log_every=5))
     return Task(model=lambda rngs: Classifier(hidden, rngs=rngs), loss=loss, data=examples(256, 0),
                 eval_data=examples(64, 1), eval_metrics={"accuracy": accuracy},

@@ -31,7 +31,7 @@ CACHE = os.path.join(REPO, ".jax_cache")
 # checkpoints every step, kept long enough that every step a test looks at is still on disk.
 TINY = (
     "run.progress=false", "run.tensorboard=false", "run.eval_batches=0", "run.log_every=1",
-    "schedule.kind=constant", "schedule.warmup_steps=0", "run.spike_window=3", "run.spike_factor=10",
+    "lr.kind=constant", "lr.warmup_steps=0", "run.spike_window=3", "run.spike_factor=10",
     "checkpoint.every_steps=1", "checkpoint.keep=50", "checkpoint.async_save=true",
 )
 
@@ -42,7 +42,7 @@ def tiny_config(run_dir: str, steps: int, *sets: str):
     from trainers.recipes import recipe
 
     return override(recipe("gpt-small", tiny=True),
-                    [f"run.run_dir={run_dir}", f"run.steps={steps}", f"schedule.total_steps={steps}", *TINY, *sets])
+                    [f"run.run_dir={run_dir}", f"run.steps={steps}", *TINY, *sets])
 
 
 def worker_env(devices: int = 8) -> dict[str, str]:

@@ -1,29 +1,10 @@
 """A decoder LM written by a user, not the built-in GPT, trained on the toolkit's byte corpus.
 
-Run it on 8 devices (simulated on a CPU-only machine), ``data=2 x fsdp=2 x tensor=2``::
-
     python -m trainers.examples.decoder
     spmd-train trainers.examples.decoder:task --simulate-devices 8
 
-Where :class:`spmd.models.GPT` is pre-norm with RMSNorm, RoPE and a gated MLP, :class:`Decoder` is
-GPT-J / PaLM style: each block runs attention and a GELU MLP *in parallel* on one LayerNorm (with
-bias) of the residual stream, ``x + dropout(attn(h)) + dropout(mlp(h))`` with ``h = norm(x)``;
-positions are learned embeddings; dropout also follows the embeddings. The blocks live in an
-:class:`spmd.Stack`, so their params carry a leading ``layers`` dim and run as one ``lax.scan``.
-
-Parameters name logical dims (``nnx.with_partitioning``); under the ``fsdp_tp`` rules:
-
-- token embedding ``E[V_tensor, D_fsdp]``, positions ``P[L, D_fsdp]``, head ``W[D_fsdp, V_tensor]``;
-- attention ``W_qkv[layers, D_fsdp, 3, H_tensor, K]``, ``W_o[layers, H_tensor, K, D_fsdp]``: heads are
-  split over ``tensor``, so ``W_o``'s output is a partial sum all-reduced over ``tensor``;
-- MLP ``W_in[layers, D_fsdp, F_tensor]``, ``W_out[layers, F_tensor, D_fsdp]`` (one all-reduce over
-  ``tensor``); FSDP all-gathers each weight over ``fsdp`` for use and reduce-scatters its gradient.
-
-Dropout keys come from the key the loss passes (the step's ``rngs.dropout()``: the same on every
-layout and after a resume), or else from the model's own RNG stream (``self.rngs``, a model
-variable: replicated, stepped, checkpointed and restored like the parameters); they travel through
-the scan in the carry, split once per layer. Block outputs are constrained to ``x[B_batch, L, D]``
-(``spmd.constrain``) so activations follow the batch, not the weights' layout.
+Parallel attention + GELU MLP blocks on one LayerNorm, learned positions, dropout, in an
+:class:`spmd.Stack`. Its layout under ``fsdp_tp``: docs/examples.md.
 """
 
 from __future__ import annotations
@@ -42,7 +23,7 @@ from trainers.config import Config, MeshConfig, RunConfig
 from trainers.data import DataConfig, TokenWindows, load_corpus
 from trainers.loop import train
 from trainers.optim import OptimizerConfig
-from trainers.lr import ScheduleConfig
+from trainers.lr import LRConfig
 from trainers.task import Task
 
 
@@ -143,7 +124,7 @@ def loss(model, batch, rngs):
 config = Config(
     mesh=MeshConfig(axes="data=2,fsdp=2,tensor=2"), rules="fsdp_tp",
     optimizer=OptimizerConfig(name="adamw", b1=0.9, b2=0.95, weight_decay=0.1, clip_norm=1.0),
-    schedule=ScheduleConfig(kind="cosine", peak_lr=3e-3, warmup_steps=30, total_steps=300),
+    lr=LRConfig(kind="cosine", peak_lr=3e-3, warmup_steps=30),
     data=DataConfig(corpus="stdlib", seq_len=MODEL.max_len, global_batch=16),
     checkpoint=CheckpointConfig(every_steps=100),
     run=RunConfig(name="decoder", steps=300, eval_every=50, eval_batches=4, log_every=10))

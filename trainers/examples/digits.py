@@ -1,24 +1,10 @@
 """An MLP-Mixer on the 8x8 handwritten digits, with BatchNorm and dropout: a whole user program.
 
-Run it on 8 devices (simulated on a CPU-only machine), ``data=2 x fsdp=2 x tensor=2``::
-
     python -m trainers.examples.digits
     spmd-train trainers.examples.digits:task --simulate-devices 8
 
-:class:`Mixer` is plain flax NNX: the image is cut into ``p x p`` patches (the tokens, ``L``),
-embedded to ``D`` channels, and each block mixes across tokens (an MLP over ``L`` with hidden
-width ``T``) and then across channels (an MLP over ``D`` with hidden width ``F``), each after a
-BatchNorm and with dropout on the hidden layer. Parameters name logical dims
-(``nnx.with_partitioning``); under the ``fsdp_tp`` rules the layout is
-
-- channel MLP ``W_in[D_fsdp, F_tensor]``, ``W_out[F_tensor, D_fsdp]``; token MLP ``W_in[L, T_tensor]``,
-  ``W_out[T_tensor, L]`` (``T`` is an ``mlp`` dim); patch embedding ``W[P, D_fsdp]``; head ``W[D_fsdp, 10]``;
-- BatchNorm statistics and the dropout RNG streams (model variables, not parameters) replicated.
-
-The activations ``x[B_(data,fsdp), L, D]`` follow the batch; a BatchNorm statistic is a mean over the
-*global* batch, so every layout computes what one device does. Statistics and RNG streams are
-stepped, checkpointed and restored with the parameters. Everything below :class:`Mixer` is the
-user's whole program: data, loss, metric, task and run.
+:class:`Mixer` is plain flax NNX with logical dims; everything below it is the user's program:
+data, loss, metric, task and run. Its layout under ``fsdp_tp``: docs/examples.md.
 """
 
 from __future__ import annotations
@@ -36,7 +22,7 @@ from trainers.config import Config, MeshConfig, RunConfig
 from trainers.data import DataConfig
 from trainers.loop import train
 from trainers.optim import OptimizerConfig
-from trainers.lr import ScheduleConfig
+from trainers.lr import LRConfig
 from trainers.task import Task
 
 
@@ -125,7 +111,7 @@ task = Task(model=lambda rngs: Mixer(rngs=rngs), loss=loss, data=examples[:1541]
             name="digits", config=Config(
                 mesh=MeshConfig(axes="data=2,fsdp=2,tensor=2"), rules="fsdp_tp", data=DataConfig(global_batch=64),
                 optimizer=OptimizerConfig(name="adamw", weight_decay=0.05, clip_norm=1.0),
-                schedule=ScheduleConfig(kind="cosine", peak_lr=3e-3, warmup_steps=30, total_steps=300),
+                lr=LRConfig(kind="cosine", peak_lr=3e-3, warmup_steps=30),
                 checkpoint=CheckpointConfig(every_steps=100),
                 run=RunConfig(name="digits", steps=300, eval_every=50, eval_batches=-1, log_every=25)))
 

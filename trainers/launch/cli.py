@@ -1,24 +1,12 @@
 """``spmd-train TARGET [--tiny] [--set key=value ...]``: the command every host of a pod runs.
 
-TARGET is a recipe (the built-in GPT: ``gpt-small``, ``gpt-125m``, ...) or a task,
-``package.module:attribute`` naming a :class:`trainers.task.Task` (or a function of no arguments
-returning one). A task's base config is its ``Task.config`` (``trainers.Config()`` named after the
-task when it has none); ``--tiny`` makes it a 2-step smoke run (:func:`trainers.recipes.tiny_run`:
-steps, schedule, eval, checkpoints; the model and data stay the task's). Every other flag works
-the same for both.
+TARGET is a recipe (``gpt-small``, ``gpt-125m``, ...) or ``package.module:attribute`` naming a
+:class:`trainers.task.Task`.
 
-Examples::
+    spmd-train gpt-small --simulate-devices 8
+    spmd-train trainers.examples.digits:task --simulate-devices 8
 
-    spmd-train gpt-small --simulate-devices 8                  # the README's main job, on a laptop
-    spmd-train gpt-small --tiny --simulate-devices 8           # a 2-step smoke run
-    spmd-train gpt-125m --mesh fsdp=8 --set run.steps=2000     # one 8-GPU node
-    spmd-train gpt-350m --mesh data=-1,fsdp=8 --dcn data=4     # 4 nodes / slices
-    spmd-train trainers.examples.digits:task --simulate-devices 8     # your own model, loss and data
-    spmd-train my_project.tasks:task --dry-run --devices 256 --hardware h100
-
-The device count for ``--simulate-devices`` must be set before jax starts, and a task's module
-may use jax when it is imported, so this module imports jax-using packages only after parsing
-arguments, and a task's module only after ``jax.distributed`` and the simulated devices are set up.
+See docs/many-hosts.md.
 """
 
 from __future__ import annotations
@@ -108,9 +96,9 @@ def build_config(args: argparse.Namespace, task=None):
     if args.run_dir:
         sets.append(f"run.run_dir={args.run_dir}")
     if args.steps:
-        sets += [f"run.steps={args.steps}", f"schedule.total_steps={args.steps}"]
-        if cfg.schedule.warmup_steps > args.steps:
-            sets.append(f"schedule.warmup_steps={max(args.steps // 10, 0)}")
+        sets += [f"run.steps={args.steps}", "lr.total_steps=0"]  # the schedule ends with the run
+        if cfg.lr.warmup_steps > args.steps:
+            sets.append(f"lr.warmup_steps={max(args.steps // 10, 0)}")
     return override(cfg, sets)
 
 
