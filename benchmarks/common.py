@@ -294,7 +294,7 @@ def minimal_step(sharded: Any, tx: optax.GradientTransformation, rules: spmd.Rul
     return jax.jit(
         step,
         in_shardings=(state_shardings, {"inputs": batch_sharding, "targets": batch_sharding}),
-        out_shardings=(state_shardings, spmd.replicated(mesh)),
+        out_shardings=(state_shardings, spmd.sharding.replicated(mesh)),
         donate_argnums=(0,) if donate else (),
     )
 
@@ -313,7 +313,7 @@ class GPTSetup:
     cfg: GPTConfig
     mesh: jax.sharding.Mesh
     rules: spmd.Rules
-    sharded: Any  # trainers.state.Sharded
+    sharded: Any  # trainers.state.ShardedState
     batch: dict[str, jax.Array]
     step: Callable
     compiled: Any

@@ -32,7 +32,7 @@ from trainers.metrics import StepMeter, peak_flops_per_device
 from trainers.optim import make_optimizer
 from trainers.faults.preemption import PreemptionWatcher
 from trainers.lr import make_lr_schedule
-from trainers.state import Sharded, State, create_state
+from trainers.state import ShardedState, State, create_state
 from trainers.step import eval_view, loss_and_metrics, make_eval_step, make_train_step
 from trainers.task import Task, lm_task
 
@@ -126,7 +126,7 @@ def _check_pipelined(cfg: Config, task: Task) -> None:
     raise ValueError(f"pipeline.schedule={cfg.pipeline.schedule!r} cannot run task {task.name!r}: {found}")
 
 
-def _model_flops(task: Task, sharded: Sharded, batch, global_batch: int) -> tuple[float, str]:
+def _model_flops(task: Task, sharded: ShardedState, batch, global_batch: int) -> tuple[float, str]:
     """Model FLOPs per step (all devices) and where the number came from."""
     if task.flops_per_example is not None:
         return task.flops_per_example * global_batch, "the task's flops_per_example"
@@ -140,7 +140,7 @@ def _model_flops(task: Task, sharded: Sharded, batch, global_batch: int) -> tupl
     return 3 * spmd.inspection.jaxpr_flops(forward, *abstract), "counted from the loss's jaxpr (3 x forward matmul FLOPs)"
 
 
-def _initial_state(cfg: Config, ckpt: Checkpointer, sharded: Sharded, logger: RunLogger) -> tuple[int, State, dict[str, Any]]:
+def _initial_state(cfg: Config, ckpt: Checkpointer, sharded: ShardedState, logger: RunLogger) -> tuple[int, State, dict[str, Any]]:
     """``(start step, state, data state)``: resume, else ``init_from`` params, else fresh."""
     if not cfg.run.resume:
         if ckpt.all_steps():

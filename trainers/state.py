@@ -1,18 +1,10 @@
 """The train state, created directly sharded (or abstractly: shapes and shardings, no memory).
 
-The state is a plain pytree (a dict), so jit, orbax and optax all see the same structure::
-
     {"params": {...}, "model_state": {...}, "opt_state": (...), "step": int32[], "rng": uint32[2],
      "skipped": int32[], "bad_streak": int32[]}
 
-``params`` are the model's ``nnx.Param`` variables; ``model_state`` holds every other variable
-(batch statistics, RNG streams, user variables; RNG keys as key data) and is absent when the model
-has none. ``params`` and ``opt_state`` are sharded by the rule set (optimizer moments like their
-parameters), ``model_state`` by the same decisions (``spmd.variables``); the counters and RNG key
-data are replicated. Nothing is ever materialised whole on one device: variables come from
-``spmd.init_model`` (jit with ``out_shardings``), the optimizer state from
-``jit(tx.init, out_shardings=...)``. ``abstract=True`` builds the same structure from
-``ShapeDtypeStruct`` leaves: the target of a checkpoint restore and of the dry run's compile.
+Nothing is materialised whole on one device; ``abstract=True`` gives ``ShapeDtypeStruct`` leaves.
+See docs/training.md.
 """
 
 from __future__ import annotations
@@ -34,7 +26,7 @@ State = dict[str, Any]
 
 
 @dataclasses.dataclass
-class Sharded:
+class ShardedState:
     """A created state with everything needed to step, save and restore it."""
 
     model: ModelVars
@@ -62,11 +54,11 @@ def create_state(
     seed: int = 0,
     path_rules: PathRules = (),
     abstract: bool = False,
-) -> Sharded:
+) -> ShardedState:
     """Params, other model variables, optimizer state, counters and RNG, each created on its own shards."""
     model = init_model(make_model, rules, mesh, path_rules=path_rules, abstract=abstract)
     opt_shardings = spmd.optimizer_shardings(tx, jax.eval_shape(tx.init, model.params), model.shardings["params"], mesh)
-    rep = spmd.replicated(mesh)
+    rep = spmd.sharding.replicated(mesh)
 
     def counters():
         zero = jnp.zeros((), jnp.int32)
@@ -81,4 +73,14 @@ def create_state(
     shardings = {"params": model.shardings["params"], "opt_state": opt_shardings, **{k: rep for k in extra}}
     if jax.tree.leaves(model.other):
         state["model_state"], shardings["model_state"] = model.other, model.shardings["other"]
-    return Sharded(model, state, shardings)
+    return ShardedState(model, state, shardings)
+
+
+def __getattr__(name: str):
+    """``Sharded``, the old name of :class:`ShardedState`, keeps working with a DeprecationWarning."""
+    if name == "Sharded":
+        import warnings
+
+        warnings.warn("trainers.state.Sharded is now trainers.state.ShardedState", DeprecationWarning, stacklevel=2)
+        return ShardedState
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,35 +1,8 @@
 """The pure, jitted train and eval steps, for any model, loss and batch structure.
 
-``train_step(state, batch) -> (state, metrics)`` is one ``jax.jit`` with explicit in/out
-shardings and the state donated (updated in place, no second copy). ``batch`` is any pytree of
-arrays whose leading dim is the batch (``x[B_batch, ...]``, sharded like the rule set's ``batch``
-dim). Inside the step:
-
-1. **The model** is rebuilt from ``state["params"]`` and ``state["model_state"]`` (batch
-   statistics, RNG streams, any other ``nnx.Variable``), put in training mode (``model.train()``:
-   dropout on, BatchNorm on batch statistics), and handed to the loss as
-   ``loss_fn(model, batch, rngs) -> loss | (loss, metrics)``. ``rngs`` is an ``nnx.Rngs`` drawn
-   from the state's RNG for this step (and microbatch): the same on every layout and after a
-   resume. Variables the call updates (BatchNorm statistics, RNG counts) are written back to
-   ``state["model_state"]``; under GSPMD a batch statistic is a mean over the *global* batch, so
-   every layout equals one device.
-2. **Gradient accumulation** over ``k`` microbatches with ``lax.scan``. The global batch
-   ``x[B_batch, ...]`` is regrouped as ``[k, B/k, ...]`` so that every device keeps its own rows
-   (row ``i`` of microbatch ``j`` is global row ``i*k + j``: no data moves), and the accumulator is
-   constrained to the parameters' shardings. The mean of k microbatch gradients equals the
-   full-batch gradient (for models without batch statistics).
-3. **Mixed precision**: parameters and optimizer state stay f32; models cast weights to their
-   compute dtype at use, so gradients arrive in f32.
-4. **Pre-clip global gradient norm** is computed for logging; clipping itself is the first link
-   of the optimizer chain.
-5. **Guard** (``trainers.faults.guard``): if the loss or the gradient norm is not finite, or (when the
-   state carries a ``"guard"`` window and ``spike_factor > 0``) either spikes above
-   ``spike_factor x`` its running median, parameters, model state and optimizer state are left
-   unchanged (one ``lax.cond`` around the update), ``skipped`` and ``bad_streak`` count it.
-
-``eval_step(state, batch, mask) -> sums`` runs the model in evaluation mode (``model.eval()``) and
-returns sums over the real rows of the batch (``mask`` 0 marks padding): ``count``, the loss and
-its metrics weighted by the batch's real rows, and every eval metric's per-example values.
+``train_step(state, batch) -> (state, metrics)``: explicit shardings, state donated, gradient
+accumulation, the pre-clip gradient norm and the guard. ``eval_step(state, batch, mask) -> sums``
+over the real rows. See docs/training.md.
 """
 
 from __future__ import annotations
@@ -48,7 +21,7 @@ from spmd.models import lm_loss
 from spmd.pipeline import PipelineConfig
 from trainers.faults import guard
 from trainers.optim import global_norm
-from trainers.state import Sharded, State
+from trainers.state import ShardedState, State
 
 Batch = Any  # a pytree of arrays with a leading batch dim
 LossFn = Callable[[nnx.Module, Batch, nnx.Rngs], "jax.Array | tuple[jax.Array, dict[str, jax.Array]]"]
@@ -93,7 +66,7 @@ def _microbatches(x: jax.Array, k: int) -> jax.Array:
 
 
 def make_train_step(
-    sharded: Sharded,
+    sharded: ShardedState,
     tx: optax.GradientTransformation,
     rules: spmd.Rules | str,
     mesh: Mesh,
@@ -180,7 +153,7 @@ def make_train_step(
     return jax.jit(
         step,
         in_shardings=(sharded.shardings, batch_sharding),
-        out_shardings=(sharded.shardings, spmd.replicated(mesh)),
+        out_shardings=(sharded.shardings, spmd.sharding.replicated(mesh)),
         donate_argnums=(0,) if donate else (),
     )
 
@@ -194,7 +167,7 @@ def eval_view(state: State) -> State:
 
 
 def make_eval_step(
-    sharded: Sharded, rules: spmd.Rules | str, mesh: Mesh, batch_sharding: NamedSharding, *,
+    sharded: ShardedState, rules: spmd.Rules | str, mesh: Mesh, batch_sharding: NamedSharding, *,
     loss_fn: LossFn | None = None, metrics: Mapping[str, MetricFn] | None = None,
 ) -> Callable[[State, Batch, jax.Array], dict[str, jax.Array]]:
     """``eval_step(eval_view(state), batch, mask) -> sums`` (see the module docstring).
@@ -224,4 +197,4 @@ def make_eval_step(
         return out
 
     shardings = {k: sharded.shardings[k] for k in EVAL_KEYS if k in sharded.shardings}
-    return jax.jit(step, in_shardings=(shardings, batch_sharding, batch_sharding), out_shardings=spmd.replicated(mesh))
+    return jax.jit(step, in_shardings=(shardings, batch_sharding, batch_sharding), out_shardings=spmd.sharding.replicated(mesh))
