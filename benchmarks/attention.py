@@ -49,7 +49,7 @@ def temp_bytes(cfg: GPTConfig, length: int) -> tuple[int, float]:
     """(temp bytes per device, compile seconds) of the training step at ``length`` on one device."""
     start = time.perf_counter()
     setup = common.gpt_setup(cfg, common.layout_mesh("single"), "none", 1, length)
-    return spmd.memory(setup.compiled).temp, time.perf_counter() - start
+    return spmd.inspection.memory(setup.compiled).temp, time.perf_counter() - start
 
 
 def run(options: common.Options, command: str = "python -m benchmarks.attention") -> list[Row]:

@@ -61,11 +61,11 @@ def gathered_bytes(tree: object, axis: str, mesh: jax.sharding.Mesh) -> int:
     return total
 
 
-def _in_scan(op: spmd.Collective) -> bool:
+def _in_scan(op: spmd.hlo.Collective) -> bool:
     return "/while/body/" in op.op_name
 
 
-def _row(layout: str, role: str, ops: Sequence[spmd.Collective], theory: int, formula: str,
+def _row(layout: str, role: str, ops: Sequence[spmd.hlo.Collective], theory: int, formula: str,
          notes: list[tuple[str, int]], *, below: str = "") -> Row:
     measured = sum(o.total_bytes for o in ops)
     kinds = sorted({f"{o.kind} over {','.join(o.axes)}" for o in ops}) or ["none"]

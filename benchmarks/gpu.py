@@ -47,7 +47,7 @@ REFERENCE = "nanoGPT/llm.c GPT-2 124M: ~40-50 % MFU on A100/H100 (torch.compile 
 
 
 def fits(setup: common.GPTSetup, limit: int) -> bool:
-    return spmd.memory(setup.compiled).total <= FILL * limit
+    return spmd.inspection.memory(setup.compiled).total <= FILL * limit
 
 
 def measure(name: str, quick: bool) -> Row:
@@ -93,7 +93,7 @@ def measure(name: str, quick: bool) -> Row:
     return Row(f"{name}{' (2 layers, quick)' if quick else ''}: {param_count(model) / 1e6:.0f}M params, batch {batch} x "
                f"{length}, bf16", f"{achieved / 1e12:.1f} TFLOP/s ({step_s * 1e3:.1f} ms/step)",
                f"{peak / 1e12:.0f} TFLOP/s bf16 dense peak ({source})", mfu, f">= {GOAL:.0%} on H100", mfu >= GOAL,
-               f"memory {fmt_bytes(spmd.memory(setup.compiled).total)} of {fmt_bytes(limit)}; reference: {REFERENCE}")
+               f"memory {fmt_bytes(spmd.inspection.memory(setup.compiled).total)} of {fmt_bytes(limit)}; reference: {REFERENCE}")
 
 
 def run(options: common.Options, command: str = "python -m benchmarks.gpu") -> list[Row]:

@@ -90,7 +90,7 @@ def one_device_rows(vocab: int, length: int, d: int, chunk: int) -> list[Row]:
     args = shapes(vocab, length, d, 1)
     whole_c = jax.jit(step(0)).lower(*args).compile()
     chunk_c = jax.jit(step(chunk)).lower(*args).compile()
-    whole, chunked = spmd.memory(whole_c).temp, spmd.memory(chunk_c).temp
+    whole, chunked = spmd.inspection.memory(whole_c).temp, spmd.inspection.memory(chunk_c).temp
     logits = length * vocab * 4
     rows = [
         Row("whole logits: temporaries of the step (1 device)", fmt_bytes(whole),
@@ -125,7 +125,7 @@ def fsdp_tp_rows(vocab: int, length: int, d: int, chunk: int) -> list[Row]:
     args = shapes(vocab, length, d, batch, mesh)
     whole_c = jax.jit(step(0, sharded=True)).lower(*args).compile()
     chunk_c = jax.jit(step(chunk, sharded=True)).lower(*args).compile()
-    whole, chunked = spmd.memory(whole_c).temp, spmd.memory(chunk_c).temp
+    whole, chunked = spmd.inspection.memory(whole_c).temp, spmd.inspection.memory(chunk_c).temp
     local_logits = batch // 4 * length * vocab // 2 * 4
     rows = [Row(f"fsdp_tp: temporaries per device, chunked (chunk {chunk}) vs whole", fmt_bytes(chunked),
                 f"{fmt_bytes(whole)} = whole logits' step", chunked / whole, f"<= {GOAL}", chunked / whole <= GOAL,

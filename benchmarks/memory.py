@@ -8,7 +8,7 @@ Data parallelism alone does not divide it.
 
 For each layout (dp8, fsdp8, dp2_tp4, fsdp_tp) the minimal GPT train step is compiled and
 
-- **state**: ``spmd.tree_bytes_per_device`` of params + optimizer state (12 B/param) + the
+- **state**: ``spmd.inspection.tree_bytes_per_device`` of params + optimizer state (12 B/param) + the
   gradients, which take the parameters' sharding (4 B/param, counted as one more copy of the
   params' shards: they live in the step's temporaries, not in its arguments); ratio to 16 P / N,
   goal <= 1.05. The note explains the excess (norm scales that TP leaves replicated, optimizer
@@ -49,13 +49,13 @@ def layout_rows(name: str, cfg, batch: int, length: int) -> list[Row]:
     setup = common.gpt_setup(cfg, common.layout_mesh(name), common.LAYOUTS[name][1], batch, length, donate=False)
     params, opt_state = setup.state
     n_params = param_count(cfg)
-    param_b = spmd.tree_bytes_per_device(params)
-    opt_b = spmd.tree_bytes_per_device(opt_state)
+    param_b = spmd.inspection.tree_bytes_per_device(params)
+    opt_b = spmd.inspection.tree_bytes_per_device(opt_state)
     state = 2 * param_b + opt_b  # params + grads (same sharding) + optimizer state
     n = shards(name)
     formula = BYTES_PER_PARAM * n_params / n
-    mem = spmd.memory(setup.compiled)
-    batch_b = spmd.tree_bytes_per_device(setup.batch)
+    mem = spmd.inspection.memory(setup.compiled)
+    batch_b = spmd.inspection.tree_bytes_per_device(setup.batch)
     # where the excess comes from: leaves that are not split N ways
     whole = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))
     moments_whole = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(opt_state))

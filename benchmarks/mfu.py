@@ -34,7 +34,6 @@ import numpy as np
 import spmd
 from benchmarks import common
 from benchmarks.common import Row
-from spmd.hlo import _multipliers, _split_computations  # per-computation execution counts (loop trips)
 from spmd.models import flops_per_step
 
 GOAL = 0.50
@@ -46,13 +45,11 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 def dot_flops(compiled_text: str) -> tuple[float, dict[str, float]]:
     """(total matmul FLOPs per execution of the program, {jax op name: FLOPs}), loops multiplied."""
-    comps = _split_computations(compiled_text)
-    mult, _ = _multipliers(comps)
     total, by_op = 0.0, defaultdict(float)
-    for comp, lines in comps.items():
-        times = mult.get(comp.removeprefix("ENTRY "), 0)
+    for comp in spmd.hlo.computations(compiled_text):  # each with its executions per step (loop trips)
+        times = comp.count
         shapes: dict[str, list[int]] = {}
-        for line in lines:
+        for line in comp.lines:
             m = _SHAPED.match(line)
             if not m:
                 continue
@@ -63,7 +60,7 @@ def dot_flops(compiled_text: str) -> tuple[float, dict[str, float]]:
             lhs_dims, lhs_name = _OPERAND.match(rest).groups()  # "f32[4,8]{1,0} %x" or "%x"
             lhs = [int(d) for d in lhs_dims.split(",") if d] if lhs_dims is not None else shapes.get(lhs_name)
             if lhs is None:
-                raise ValueError(f"dot operand {lhs_name!r} has no shape in computation {comp!r}: {line.strip()[:200]}")
+                raise ValueError(f"dot operand {lhs_name!r} has no shape in computation {comp.name!r}: {line.strip()[:200]}")
             contract = _LHS_CONTRACT.search(line)
             k = math.prod(lhs[int(i)] for i in contract.group(1).split(",") if i) if contract else 1
             flops = 2.0 * math.prod(shapes[name]) * k * times
@@ -107,7 +104,7 @@ def run(options: common.Options, command: str = "python -m benchmarks.mfu") -> l
     model_flops = flops_per_step(cfg, batch, length)
     achieved = model_flops / step_s
     xla_dots, by_op = dot_flops(setup.compiled.as_text())
-    xla_cost = spmd.flops(setup.compiled)
+    xla_cost = spmd.inspection.compiled_flops(setup.compiled)
     top = sorted(by_op.items(), key=lambda kv: -kv[1])[:4]
     rows = [
         Row("MFU: model FLOP/s of the 1-device GPT step", f"{achieved / 1e9:.2f} GFLOP/s",

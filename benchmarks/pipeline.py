@@ -141,9 +141,9 @@ def step_rows(quick: bool) -> list[Row]:
                             f"{base * 1e3:.1f} ms at M={base_m} x ideal {ideal:.3f}", (t / base) / ideal, "1.00",
                             None, "simulated CPU devices share cores: reported, not judged"))
         for m in Ms:
-            temp = spmd.memory(setups[(name, m)].compiled).temp
+            temp = spmd.inspection.memory(setups[(name, m)].compiled).temp
             if (gp := setups.get(("gpipe", m))) is not None:
-                ref = spmd.memory(gp.compiled).temp
+                ref = spmd.inspection.memory(gp.compiled).temp
                 rows.append(Row(f"pp{STAGES} {name} M={m}: temp bytes per device", fmt_bytes(temp),
                                 f"{fmt_bytes(ref)} gpipe at M={m}", temp / ref, "-", None,
                                 "compiled memory_analysis temp; same global batch for every M: gpipe keeps "

@@ -56,7 +56,7 @@ def kept_weights(cfg: GPTConfig, mesh: jax.sharding.Mesh, rules: str, batch: int
         graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
         tokens = jax.ShapeDtypeStruct((batch, length), "int32")
         shapes = {tuple(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(state))
-                  if "blocks" in spmd.path_str(path) and len(x.shape) >= 3}
+                  if "blocks" in spmd.sharding.path_str(path) and len(x.shape) >= 3}
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             print_saved_residuals(
@@ -82,8 +82,8 @@ class Measured:
 
 def measure(cfg: GPTConfig, layout: str, batch: int, length: int, donate: bool = True) -> Measured:
     setup = common.gpt_setup(cfg, common.layout_mesh(layout), common.LAYOUTS[layout][1], batch, length, donate=donate)
-    mem = spmd.memory(setup.compiled)
-    return Measured(mem.temp, mem.output - mem.alias, dot_flops(setup.compiled.as_text())[0], spmd.flops(setup.compiled))
+    mem = spmd.inspection.memory(setup.compiled)
+    return Measured(mem.temp, mem.output - mem.alias, dot_flops(setup.compiled.as_text())[0], spmd.inspection.compiled_flops(setup.compiled))
 
 
 def policy_rows(got: dict[tuple[str, str], Measured], policy: str) -> list[Row]:

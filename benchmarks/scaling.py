@@ -10,7 +10,7 @@ gathers the lines into rows:
   worker (all its threads: less sensitive to other load on the machine than wall time, which
   the note shows). An SPMD program is compiled once for all devices, so it should stay about
   flat; goal <= 2.0x.
-- **state bytes per device** (params + AdamW state, ``spmd.tree_bytes_per_device``) against the
+- **state bytes per device** (params + AdamW state, ``spmd.inspection.tree_bytes_per_device``) against the
   ideal: unchanged for DP, the 1-device bytes / N for FSDP. Goal <= 1.05.
 
 ``--quick`` runs the counts 1 and 2 only.
@@ -52,12 +52,12 @@ def worker(n: int, quick: bool) -> dict:
     for name, axis, rules in (("dp", "data", "dp"), ("fsdp", "fsdp", "fsdp")):
         mesh = meshes.make_mesh({axis: n}) if n > 1 else meshes.single_device_mesh()
         setup = common.gpt_setup(cfg, mesh, rules, batch, length)
-        mem = spmd.memory(setup.compiled)
+        mem = spmd.inspection.memory(setup.compiled)
         params, opt_state = setup.state
         out["layouts"][name] = {
             "compile_s": setup.compile_s,
             "compile_cpu_s": setup.compile_cpu_s,
-            "state_bytes": spmd.tree_bytes_per_device(params) + spmd.tree_bytes_per_device(opt_state),
+            "state_bytes": spmd.inspection.tree_bytes_per_device(params) + spmd.inspection.tree_bytes_per_device(opt_state),
             "temp_bytes": mem.temp,
         }
     return out

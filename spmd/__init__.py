@@ -5,30 +5,40 @@
     graphdef, params, shardings = spmd.init_params(lambda: GPT(cfg, rngs=nnx.Rngs(0)), "dp_tp", mesh)
 """
 
-from spmd import collectives, hlo, inspection, models, pipeline, variables
-from spmd.constraints import constrain, current, use_rules
-from spmd.hlo import Collective, format_collectives, summarize
-from spmd.pipeline import PipelineConfig, Schedule, get_schedule
-from spmd.inspection import Memory, flops, format_sharding_table, memory, sharding_table, tree_bytes_per_device
-from spmd.rules import DP, DP_TP, FSDP, FSDP_TP, LOGICAL_DIMS, NONE, PRESETS, TP, Rules, RulesError, get_rules
-from spmd.sharding import (
-    abstract_model,
-    batch_sharding,
-    init_params,
-    logical_dims,
-    optimizer_shardings,
-    param_shardings,
-    path_str,
-    replicated,
-    spec_for,
-)
+import importlib
+import warnings
+
+from spmd import collectives, hlo, inspection, models, pipeline, rules, sharding, variables
+from spmd.constraints import constrain, use_rules
+from spmd.rules import Rules, get_rules
+from spmd.sharding import batch_sharding, init_params, optimizer_shardings, param_shardings
 from spmd.stack import Stack
-from spmd.variables import ModelVars, format_decisions, init_model
+from spmd.variables import init_model
 
 __all__ = [
-    "Collective", "PipelineConfig", "Schedule", "get_schedule", "pipeline", "DP", "DP_TP", "FSDP", "FSDP_TP", "LOGICAL_DIMS", "Memory", "NONE", "PRESETS", "Rules", "RulesError",
-    "Stack", "TP", "abstract_model", "batch_sharding", "collectives", "constrain", "current", "flops",
-    "format_collectives", "format_sharding_table", "hlo", "init_params", "inspection", "logical_dims", "memory",
-    "models", "optimizer_shardings", "param_shardings", "path_str", "replicated", "get_rules", "sharding_table", "spec_for",
-    "summarize", "tree_bytes_per_device", "use_rules", "variables", "ModelVars", "format_decisions", "init_model",
+    "Rules", "get_rules", "use_rules", "constrain", "init_model", "init_params", "param_shardings",
+    "optimizer_shardings", "batch_sharding", "Stack",
+    "collectives", "hlo", "inspection", "models", "pipeline", "rules", "sharding", "variables",
 ]
+
+# Names that moved off the package face: old name -> (module, name). Still reachable, with a warning.
+_MOVED = {
+    **{n: ("spmd.rules", n) for n in ("DP", "DP_TP", "FSDP", "FSDP_TP", "LOGICAL_DIMS", "NONE", "TP", "RulesError")},
+    "PRESETS": ("spmd.rules", "RULE_SETS"),
+    **{n: ("spmd.sharding", n) for n in ("abstract_model", "logical_dims", "path_str", "replicated", "spec_for")},
+    **{n: ("spmd.inspection", n) for n in ("Memory", "format_sharding_table", "memory", "sharding_table",
+                                           "tree_bytes_per_device")},
+    "flops": ("spmd.inspection", "compiled_flops"),
+    **{n: ("spmd.hlo", n) for n in ("Collective", "format_collectives", "summarize")},
+    **{n: ("spmd.pipeline", n) for n in ("PipelineConfig", "Schedule", "get_schedule")},
+    **{n: ("spmd.variables", n) for n in ("ModelVars", "format_decisions")},
+    "current": ("spmd.constraints", "active_layout"),
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _MOVED:
+        module, new = _MOVED[name]
+        warnings.warn(f"spmd.{name} is deprecated; use {module}.{new}", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(module), new)
+    raise AttributeError(f"module 'spmd' has no attribute {name!r}")

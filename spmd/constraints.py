@@ -38,8 +38,12 @@ def use_rules(rules: Rules | str, mesh: Mesh) -> Iterator[Rules]:
         _CURRENT.reset(token)
 
 
-def current() -> tuple[Mesh, Rules] | None:
-    """The active (mesh, rules), or None for plain single-device code."""
+def active_layout() -> tuple[Mesh, Rules] | None:
+    """The active (mesh, rules), or None for plain single-device code.
+
+    The one channel by which model code sees the mesh: layers and :func:`spmd.pipeline.pipelined_loss`
+    read it here; everything below them (the pipeline engine, shardings) takes mesh and rules as arguments.
+    """
     return _CURRENT.get()
 
 

@@ -179,19 +179,37 @@ def _multipliers(comps: dict[str, list[str]]) -> tuple[dict[str, int], set[str]]
     return {c.removeprefix("ENTRY "): m for c, m in mult.items()}, {c.removeprefix("ENTRY ") for c in unknown}
 
 
-def collectives(compiled: Any, mesh: Mesh) -> list[Collective]:
-    """Every collective instruction of a compiled function (``jit(f).lower(...).compile()``)."""
+@dataclasses.dataclass(frozen=True)
+class Computation:
+    """One computation of an HLO module: its instruction lines and how often it runs per step."""
+
+    name: str
+    lines: tuple[str, ...]
+    count: int  # executions per step (a while body: once per loop trip; 0: never called)
+    trip_count_known: bool = True  # False under a loop whose trip count XLA does not know (counted once)
+
+
+def computations(compiled: Any) -> list[Computation]:
+    """Every computation of a compiled function (or its HLO text), with its executions per step."""
     text = compiled if isinstance(compiled, str) else compiled.as_text()
-    n = mesh.devices.size
     comps = _split_computations(text)
     mult, unknown = _multipliers(comps)
     out = []
     for comp, lines in comps.items():
         name = comp.removeprefix("ENTRY ")
-        times = mult.get(name, 0)
+        out.append(Computation(name, tuple(lines), mult.get(name, 0), name not in unknown))
+    return out
+
+
+def collectives(compiled: Any, mesh: Mesh) -> list[Collective]:
+    """Every collective instruction of a compiled function (``jit(f).lower(...).compile()``)."""
+    n = mesh.devices.size
+    out = []
+    for comp in computations(compiled):
+        name, times = comp.name, comp.count
         if not times:
             continue
-        for line in lines:
+        for line in comp.lines:
             m = _INSTR_RE.match(line)
             if not m:
                 continue
@@ -209,7 +227,7 @@ def collectives(compiled: Any, mesh: Mesh) -> list[Collective]:
             axes = _axes(groups, mesh) if groups else ("?",)
             instr = line.split("=", 1)[0].strip().removeprefix("ROOT ").lstrip("%")
             meta = re.search(r'op_name="([^"]*)"', line)
-            out.append(Collective(kind, axes, times, nbytes, group_size, instr, name not in unknown,
+            out.append(Collective(kind, axes, times, nbytes, group_size, instr, comp.trip_count_known,
                                   meta.group(1) if meta else ""))
     return out
 

@@ -6,7 +6,7 @@ Used by the tests, notebooks and benchmarks to check layouts and to compare them
   the shard shape each device holds, bytes per device;
 - :func:`memory`: per-device bytes of a compiled function from XLA's memory analysis
   (arguments, outputs, aliased/donated, temporaries);
-- :func:`flops`: XLA's FLOP count for one device's program;
+- :func:`compiled_flops`: XLA's FLOP count for one device's program;
 - :func:`tree_bytes_per_device`: bytes of the shards of a pytree held by one device.
 
 Collectives of a compiled step are in :mod:`spmd.hlo`.
@@ -51,7 +51,7 @@ def memory(compiled: Any) -> Memory:
     )
 
 
-def flops(compiled: Any) -> float:
+def compiled_flops(compiled: Any) -> float:
     """FLOPs of one device's program as XLA counts them (matmuls and elementwise work).
 
     XLA's cost analysis counts the body of a ``while`` loop once, not once per iteration, so for

@@ -30,13 +30,14 @@ all-reduces the partial sums of each row-parallel matmul (attention output, MLP 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping, Sequence
 
 from jax.sharding import PartitionSpec as P
 
 from meshes import AXES
 
-# Logical dims models annotate (DESIGN.md vocabulary).
+# Logical dims models annotate (docs/architecture.md, vocabulary).
 LOGICAL_DIMS: tuple[str, ...] = (
     "batch", "length", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "layers", "stage",
 )
@@ -156,7 +157,7 @@ FSDP_TP = Rules(
     "fsdp_tp", params=_PIPE + (("embed", "fsdp"),) + _TP_PARAMS, activations=(("batch", ("data", "fsdp")),) + _TP_ACTS
 )
 
-PRESETS: dict[str, Rules] = {r.name: r for r in (NONE, DP, FSDP, TP, DP_TP, FSDP_TP)}
+RULE_SETS: dict[str, Rules] = {r.name: r for r in (NONE, DP, FSDP, TP, DP_TP, FSDP_TP)}
 
 
 def get_rules(name: str | Rules) -> Rules:
@@ -164,6 +165,13 @@ def get_rules(name: str | Rules) -> Rules:
     if isinstance(name, Rules):
         return name
     try:
-        return PRESETS[name]
+        return RULE_SETS[name]
     except KeyError:
-        raise RulesError(f"unknown rule set {name!r}; valid presets: {', '.join(PRESETS)}") from None
+        raise RulesError(f"unknown rule set {name!r}; valid presets: {', '.join(RULE_SETS)}") from None
+
+
+def __getattr__(name: str) -> object:
+    if name == "PRESETS":  # the old name of RULE_SETS (meshes.PRESETS is the hardware mesh presets)
+        warnings.warn("spmd.rules.PRESETS is deprecated; use spmd.rules.RULE_SETS", DeprecationWarning, stacklevel=2)
+        return RULE_SETS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshes import axis_sizes
-from spmd.rules import Rules, RulesError, get_rules
+from spmd.rules import Rules, RulesError, axes_of, get_rules
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def spec_for(
     spec = rules.spec(dims, kind=kind, mesh_sizes=sizes, what=path)
     entries = list(spec) + [None] * (len(shape) - len(spec))
     for i, entry in enumerate(entries):
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        axes = axes_of(entry)
         n = math.prod(sizes[a] for a in axes)
         if shape[i] % n:
             detail = (

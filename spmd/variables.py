@@ -44,7 +44,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshes import axis_sizes
-from spmd.rules import Rules, RulesError, get_rules
+from spmd.rules import Rules, RulesError, axes_of, get_rules
 from spmd.sharding import path_str, spec_for, variable_dims
 
 PathRules = Sequence[tuple[str, Any]]
@@ -86,9 +86,7 @@ def _check_path_rules(path_rules: PathRules) -> tuple[tuple[re.Pattern[str], Any
 def _default_spec(shape: tuple[int, ...], rules: Rules, sizes: dict[str, int], min_size: int) -> tuple[P, str]:
     """FSDP on the largest dividing dim when the rule set shards parameters' ``embed`` dim."""
     table = dict(rules.params)
-    axes = table.get("embed")
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-    axes = tuple(a for a in axes if sizes.get(a, 1) > 1)
+    axes = tuple(a for a in axes_of(table.get("embed")) if sizes.get(a, 1) > 1)
     n = math.prod(sizes[a] for a in axes)
     if not axes or math.prod(shape) < min_size:
         return P(), "replicated"
@@ -145,7 +143,7 @@ def _check_direct(path: str, shape: tuple[int, ...], spec: P, sizes: dict[str, i
     if len(spec) > len(shape):
         raise RulesError(f"path rule {rule!r} gives {path} (shape {shape}) the spec {spec} of {len(spec)} dims")
     for i, entry in enumerate(spec):
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        axes = axes_of(entry)
         for a in axes:
             if a not in sizes:
                 raise RulesError(f"path rule {rule!r}: mesh axis {a!r} is not in the mesh ({', '.join(sizes)})")

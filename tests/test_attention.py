@@ -124,7 +124,7 @@ def step_temp(impl: str, length: int) -> int:
     """Compiled temp bytes of value_and_grad through attention alone at ``length`` (never run)."""
     q, k, v = (jax.ShapeDtypeStruct((1, length, 2, 16), jnp.float32) for _ in range(3))
     loss = lambda q, k, v: jnp.sum(attention.attend(q, k, v, impl=impl, block=64) ** 2)
-    return spmd.memory(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()).temp
+    return spmd.inspection.memory(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()).temp
 
 
 def test_blockwise_memory_grows_linearly_forward_and_backward():

@@ -136,8 +136,8 @@ def test_hlo_kind_and_axes(name):
     want = CASES[name][4]
     want = want if isinstance(want, set) else {want}
     ops = spmd.hlo.collectives(compiled(name), MESH)
-    assert {(op.kind, op.axes) for op in ops} == want, spmd.format_collectives(ops)
-    assert len(ops) == len(want), spmd.format_collectives(ops)
+    assert {(op.kind, op.axes) for op in ops} == want, spmd.hlo.format_collectives(ops)
+    assert len(ops) == len(want), spmd.hlo.format_collectives(ops)
 
 
 def test_axis_index_needs_no_communication():
@@ -157,5 +157,5 @@ def test_collective_bytes():
     assert (op.kind, op.bytes, op.group_size) == ("reduce-scatter", 4 * 16 * 4, T)
     ops = spmd.hlo.collectives(compiled("all_gather_2d"), MESH)
     assert sorted((op.axes, op.bytes) for op in ops) == [(("data",), 8 * 16 * 4), (("tensor",), 4 * 16 * 4)]
-    summary = spmd.summarize(spmd.hlo.collectives(compiled("psum_both"), MESH))
+    summary = spmd.hlo.summarize(spmd.hlo.collectives(compiled("psum_both"), MESH))
     assert summary == {("all-reduce", ("data", "tensor")): {"count": 1, "bytes": block}}

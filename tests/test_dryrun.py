@@ -57,8 +57,8 @@ def real_step(cfg):
     tokens = np.zeros((cfg.data.global_batch, cfg.data.seq_len), np.int32)
     batch = {k: jax.device_put(tokens, batch_sharding) for k in ("inputs", "targets")}
     compiled = step.lower(sharded.state, batch).compile()
-    batch_bytes = spmd.tree_bytes_per_device(batch)
-    return spmd.memory(compiled), batch_bytes, spmd.hlo.collectives(compiled, mesh)
+    batch_bytes = spmd.inspection.tree_bytes_per_device(batch)
+    return spmd.inspection.memory(compiled), batch_bytes, spmd.hlo.collectives(compiled, mesh)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_state_bytes_tell_layouts_apart(reports, real):
 def test_collectives_match_the_real_compiled_step_exactly(name, reports, real):
     dry, real_ops = list(reports[name].collectives), real[name][2]
     assert dry and dry == real_ops
-    assert spmd.summarize(dry) == spmd.summarize(real_ops)
+    assert spmd.hlo.summarize(dry) == spmd.hlo.summarize(real_ops)
 
 
 def test_collectives_tell_layouts_apart(reports):
@@ -97,7 +97,7 @@ def test_collectives_tell_layouts_apart(reports):
     assert ("data",) in axes["dp8"] and not any("fsdp" in a for a in axes["dp8"])
     assert any(op.kind == "all-gather" and op.axes == ("fsdp",) for op in reports["fsdp8"].collectives)
     assert ("tensor",) in axes["dp2_tp4"]
-    assert spmd.summarize(list(reports["dp8"].collectives)) != spmd.summarize(list(reports["fsdp8"].collectives))
+    assert spmd.hlo.summarize(list(reports["dp8"].collectives)) != spmd.hlo.summarize(list(reports["fsdp8"].collectives))
 
 
 def test_pipelined_dry_run_matches_the_real_pipelined_step(reports):
@@ -105,7 +105,7 @@ def test_pipelined_dry_run_matches_the_real_pipelined_step(reports):
     report = dry_run(cfg, devices=8, hardware="h100")
     memory, batch_bytes, real_ops = real_step(cfg)
     assert report.compiled is not None and report.fits
-    assert list(report.collectives) == real_ops and spmd.summarize(list(report.collectives)) == spmd.summarize(real_ops)
+    assert list(report.collectives) == real_ops and spmd.hlo.summarize(list(report.collectives)) == spmd.hlo.summarize(real_ops)
     assert abs(report.compiled.argument - report.batch_bytes - (memory.argument - batch_bytes)) == 0
     # the pipeline's sends: one x[B/M, L, D] each way on each of the 2(M+S-1) = 10 ticks
     sends = report.pipe_permutes
@@ -118,7 +118,7 @@ def test_pipelined_dry_run_matches_the_real_pipelined_step(reports):
     assert "pipeline: 1f1b S=2 M=4 V=1, bubble 20.0%" in text and "20 collective-permutes over pipe" in text
     # negative control: the unpipelined step on the same mesh sends nothing over pipe
     assert not reports["dp8"].pipe_permutes and reports["dp8"].pipeline == "" and reports["dp8"].bubble == 0
-    assert spmd.summarize(list(reports["dp8"].collectives)) != spmd.summarize(real_ops)
+    assert spmd.hlo.summarize(list(reports["dp8"].collectives)) != spmd.hlo.summarize(real_ops)
 
 
 def test_report_roofline_and_format(reports):

@@ -3,7 +3,7 @@
 The expectation is written here independently of the rule presets: a table of each parameter's
 logical dims, and per layout the mesh axis each logical dim goes to (the presets' documented
 plan). Each array is checked three ways: its ``.sharding.spec``, its shard shape (from the
-sharding and from the shards actually on the devices), and the row ``spmd.sharding_table`` prints.
+sharding and from the shards actually on the devices), and the row ``spmd.inspection.sharding_table`` prints.
 Optimizer moments must follow their parameter; the step count and nothing else is replicated.
 """
 
@@ -56,7 +56,7 @@ def expected_shard(shape, dims, plan, mesh) -> tuple[int, ...]:
 
 
 def leaves_by_path(tree) -> dict:
-    return {spmd.path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    return {spmd.sharding.path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 @pytest.mark.parametrize("name", SHARDED)
@@ -65,7 +65,7 @@ def test_param_specs_and_shard_shapes(name):
     plan, _ = PLAN[name]
     params = leaves_by_path(lay.params)
     assert set(params) == set(DIMS), "the model's parameters changed: update DIMS"
-    rows = {r["path"]: r for r in spmd.sharding_table(lay.params)}
+    rows = {r["path"]: r for r in spmd.inspection.sharding_table(lay.params)}
     shardings = leaves_by_path(lay.param_shardings)
     for path, x in params.items():
         spec = expected_spec(DIMS[path], plan)
@@ -118,7 +118,7 @@ def test_optimizer_state_follows_params(name):
             assert [s.index for s in m.addressable_shards] == [s.index for s in p.addressable_shards]
     assert adam.count.shape == () and adam.count.sharding.spec == P() and adam.count.sharding.is_fully_replicated
     # everything that is not a moment is a replicated scalar
-    rows = spmd.sharding_table(lay.opt_state)
+    rows = spmd.inspection.sharding_table(lay.opt_state)
     others = [r for r in rows if "/mu/" not in r["path"] and "/nu/" not in r["path"]]
     assert [(r["shape"], r["spec"]) for r in others] == [((), "P()")]
     assert len(rows) == 2 * len(params) + 1

@@ -1,8 +1,8 @@
 """Per-device memory of the GPT train state: FSDP over 8 devices holds 1/8 of what DP replicates.
 
 Two independent measures, which must agree: the shards of the placed arrays
-(``spmd.tree_bytes_per_device`` on params + optimizer state) and XLA's own accounting of the
-compiled step's arguments (``spmd.memory(compiled).argument``: params, optimizer state and the
+(``spmd.inspection.tree_bytes_per_device`` on params + optimizer state) and XLA's own accounting of the
+compiled step's arguments (``spmd.inspection.memory(compiled).argument``: params, optimizer state and the
 batch shard). The negative control, dp2_tp4, shards most weights 4 ways and replicates the norm
 scales over tensor and everything over data, so its ratio is near 1/4, not 1/8.
 """
@@ -20,12 +20,12 @@ REPLICATED = "dp8"
 
 def state_bytes(name: str) -> int:
     lay = layout(name)
-    return spmd.tree_bytes_per_device(lay.params) + spmd.tree_bytes_per_device(lay.opt_state)
+    return spmd.inspection.tree_bytes_per_device(lay.params) + spmd.inspection.tree_bytes_per_device(lay.opt_state)
 
 
 @functools.cache
-def step_memory(name: str) -> spmd.Memory:
-    return spmd.memory(layout(name).compiled())
+def step_memory(name: str) -> spmd.inspection.Memory:
+    return spmd.inspection.memory(layout(name).compiled())
 
 
 def test_replicated_state_is_the_whole_model():

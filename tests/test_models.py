@@ -13,9 +13,9 @@ import pytest
 from flax import nnx
 
 import spmd
-from spmd.models import (
-    GPT, MLP, GPTConfig, flops_per_step, flops_per_token, lm_loss, matmul_params, mse_loss, param_count, rope,
-)
+from spmd.models import GPT, MLP, GPTConfig, flops_per_step, flops_per_token, lm_loss, mse_loss, param_count
+from spmd.models.counts import matmul_params
+from spmd.models.layers import rope
 
 CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=64)
 B, L = 2, 8
@@ -36,7 +36,7 @@ def params_for(cfg: GPTConfig) -> dict:
     _, shapes = abstract(cfg)
     flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     leaves = [
-        np.ones(x.shape, np.float32) if spmd.path_str(path).endswith("scale")
+        np.ones(x.shape, np.float32) if spmd.sharding.path_str(path).endswith("scale")
         else rng.normal(0.0, cfg.d_model**-0.5, x.shape).astype(np.float32)
         for path, x in flat
     ]
@@ -79,7 +79,7 @@ def test_bfloat16_compute_gives_f32_logits_close_to_f32():
 def real_params(cfg: GPTConfig) -> dict[str, np.ndarray]:
     state = nnx.state(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))), nnx.Param)
     flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
-    return {spmd.path_str(p): v for p, v in flat}
+    return {spmd.sharding.path_str(p): v for p, v in flat}
 
 
 @pytest.mark.parametrize(
@@ -190,7 +190,7 @@ def test_flops_match_xla_for_one_training_step():
 
     tokens = jnp.zeros((B, seq + 1), jnp.int32)
     compiled = jax.jit(jax.grad(loss)).lower(params, tokens).compile()
-    ratio = spmd.flops(compiled) / flops_per_step(cfg, B, seq)
+    ratio = spmd.inspection.compiled_flops(compiled) / flops_per_step(cfg, B, seq)
     assert 0.8 < ratio < 1.3, ratio  # measured: ~1.08 (XLA adds softmax, norms, elementwise work)
 
 
@@ -262,6 +262,6 @@ def test_stack_remat_gives_the_same_loss_and_grads():
 
 def test_stack_stacks_logical_dims_and_rejects_empty():
     stack = nnx.eval_shape(lambda: spmd.Stack(lambda r: Residual(4, rngs=r), 2, rngs=nnx.Rngs(0)))
-    assert spmd.logical_dims(stack) == {"block/w": ("layers", "embed", "mlp")}
+    assert spmd.sharding.logical_dims(stack) == {"block/w": ("layers", "embed", "mlp")}
     with pytest.raises(ValueError, match="at least one block, got n=0"):
         spmd.Stack(lambda r: Residual(4, rngs=r), 0, rngs=nnx.Rngs(0))

@@ -14,7 +14,7 @@ import meshes
 import spmd
 from spmd.models import GPT, GPTConfig
 from spmd.pipeline import PipelineConfig, get_schedule
-from spmd.pipeline.engine import manual_batch_axes
+from spmd.pipeline.manual import manual_batch_axes
 
 TOL = 1e-5
 CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=8, n_heads=2, d_ff=64)  # 8 layers: S*V in {2, 4, 8} divide
@@ -68,7 +68,7 @@ def reference():
 def rel_errs(a, b) -> dict[str, float]:
     flat = jax.tree_util.tree_flatten_with_path(jax.tree.map(
         lambda x, y: float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30)), a, b))[0]
-    return {spmd.path_str(p): e for p, e in flat}
+    return {spmd.sharding.path_str(p): e for p, e in flat}
 
 
 def assert_matches_reference(loss, grads):
@@ -114,7 +114,7 @@ def test_gpipe_with_stage_remat_matches_and_keeps_less():
     """``remat=True`` rematerialises each stage in the backward: same numbers, fewer temp bytes."""
     plain, remat = case((("pipe", 2),), "none", "gpipe", 4, 1), Case({"pipe": 2}, "none", PipelineConfig("gpipe", 4, 1, remat=True))
     assert_matches_reference(*remat())
-    assert spmd.memory(remat.compiled).temp < spmd.memory(plain.compiled).temp
+    assert spmd.inspection.memory(remat.compiled).temp < spmd.inspection.memory(plain.compiled).temp
 
 
 def test_negative_control_wrong_stage_order_is_caught():
@@ -136,12 +136,12 @@ def test_collective_permutes_are_one_activation_each_way_per_tick():
     sched = get_schedule("1f1b", S, M)
     permutes = [x for x in spmd.hlo.collectives(c.compiled, c.mesh) if x.kind == "collective-permute"]
     act_bytes = (BATCH // M) * LENGTH * CFG.d_model * 4
-    assert len(permutes) == 2, spmd.format_collectives(permutes)
+    assert len(permutes) == 2, spmd.hlo.format_collectives(permutes)
     for p in permutes:
         assert p.axes == ("pipe",) and p.bytes == act_bytes and p.count == sched.n_ticks
     # nothing else crosses pipe but the stage-gradient/head-gradient reductions (no per-tick traffic)
     others = [x for x in spmd.hlo.collectives(c.compiled, c.mesh) if x.kind != "collective-permute"]
-    assert all(x.count == 1 for x in others), spmd.format_collectives(others)
+    assert all(x.count == 1 for x in others), spmd.hlo.format_collectives(others)
 
 
 def test_data_parallel_gradient_is_reduced_once_per_step():
@@ -151,8 +151,8 @@ def test_data_parallel_gradient_is_reduced_once_per_step():
     c = case((("data", 2), ("pipe", 2)), "dp", "1f1b", M, 1)
     ops = spmd.hlo.collectives(c.compiled, c.mesh)
     over_data = [x for x in ops if "data" in x.axes]
-    assert over_data and all(x.kind == "all-reduce" for x in over_data), spmd.format_collectives(ops)
-    assert sum(x.count for x in over_data) == 1, spmd.format_collectives(ops)
+    assert over_data and all(x.kind == "all-reduce" for x in over_data), spmd.hlo.format_collectives(ops)
+    assert sum(x.count for x in over_data) == 1, spmd.hlo.format_collectives(ops)
     # control: the trip counts are read (the per-tick permutes count once per tick), so a reduction
     # inside the schedule's loop would have shown up with count == ticks above
     ticks = get_schedule("1f1b", S, M).n_ticks
@@ -184,9 +184,9 @@ def test_fsdp_weights_gathered_and_gradients_reduced_once_per_step():
     n_params = len(jax.tree.leaves(c.params))
     gathers = [x for x in over_fsdp if x.kind == "all-gather"]
     reductions = [x for x in over_fsdp if x.kind in ("all-reduce", "reduce-scatter")]
-    assert gathers and reductions, spmd.format_collectives(ops)
-    assert all(x.count == 1 for x in over_fsdp), spmd.format_collectives(over_fsdp)
-    assert len(gathers) <= n_params and len(reductions) <= n_params, spmd.format_collectives(over_fsdp)
+    assert gathers and reductions, spmd.hlo.format_collectives(ops)
+    assert all(x.count == 1 for x in over_fsdp), spmd.hlo.format_collectives(over_fsdp)
+    assert len(gathers) <= n_params and len(reductions) <= n_params, spmd.hlo.format_collectives(over_fsdp)
     # control: loop trip counts are read (permutes run once per tick), so per-tick traffic would show
     ticks = get_schedule("1f1b", S, M).n_ticks
     permutes = [x for x in ops if x.kind == "collective-permute"]

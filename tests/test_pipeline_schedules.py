@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from spmd.pipeline import BACKWARD, FORWARD, IDLE, PipelineConfig, build_tables, get_schedule
-from spmd.pipeline.schedules import Schedule
+from spmd.pipeline import PipelineConfig, get_schedule
+from spmd.pipeline.schedules import BACKWARD, FORWARD, IDLE, Schedule
 
 CASES = [("gpipe", S, M, 1) for S in (2, 3, 4) for M in (1, 3, 8)] + \
         [("1f1b", S, M, 1) for S in (2, 3, 4) for M in (1, 3, 8)] + \
@@ -39,9 +39,9 @@ def test_stash_depth_1f1b_bounded_by_stages_gpipe_grows_with_microbatches(S, M):
     # stage s holds its S - s warm-up inputs plus (s > 0) the one that arrived ahead of its forward
     assert list(one.in_flight()) == [min(S, M)] + [min(S - s + 1, M) for s in range(1, S)]
     # the engine's stash (inputs received from the previous stage) never needs more slots than that
-    _, n_x, n_g = build_tables(one)
+    n_x, n_g = one.stash_sizes()
     assert n_x <= S and n_g <= S
-    _, n_x_g, _ = build_tables(get_schedule("gpipe", S, M))
+    n_x_g, _ = get_schedule("gpipe", S, M).stash_sizes()
     assert n_x_g == M
 
 

@@ -170,8 +170,8 @@ def test_indivisible_dims_are_traced_to_the_parameter_with_a_fix():
     # the same layout really fails where the state would be created
     import jax
 
-    with pytest.raises(spmd.RulesError, match="does not divide"):
-        spmd.spec_for((2, 32, 682), ("layers", "embed", "mlp"), "dp_tp",
+    with pytest.raises(spmd.rules.RulesError, match="does not divide"):
+        spmd.sharding.spec_for((2, 32, 682), ("layers", "embed", "mlp"), "dp_tp",
                       jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2))
     # negative control: d_ff=512 divides
     ok = override(cfg, ["model.d_ff=512"])
@@ -189,13 +189,13 @@ def test_batch_that_does_not_split_is_rejected():
 def test_large_replicated_params_and_all_to_alls_and_remat_warnings():
     infos = param_infos(recipe("gpt-small", tiny=True).model)
     sizes = {"data": 1, "fsdp": 8, "tensor": 1}
-    leaky = spmd.FSDP.replace(name="fsdp_mlp_only", params={"embed": None, "mlp": "fsdp"})  # only the MLP sharded
+    leaky = spmd.rules.FSDP.replace(name="fsdp_mlp_only", params={"embed": None, "mlp": "fsdp"})  # only the MLP sharded
     flagged = {i.path for i in check_replicated(infos, leaky, sizes)}
     assert {"embed", "head"} <= flagged and not any("mlp" in p for p in flagged)
     assert check_replicated(infos, "fsdp", sizes) == [] and check_replicated(infos, "dp", {"data": 8}) == []
 
-    ops = [spmd.Collective("all-reduce", ("data",), 1, 64, 8),
-           spmd.Collective("all-to-all", ("tensor",), 2, 4096, 4, op_name="jit(step)/jvp(GPT)/attn/reshape")]
+    ops = [spmd.hlo.Collective("all-reduce", ("data",), 1, 64, 8),
+           spmd.hlo.Collective("all-to-all", ("tensor",), 2, 4096, 4, op_name="jit(step)/jvp(GPT)/attn/reshape")]
     issues = check_collectives(ops)
     assert len(issues) == 1 and "jit(step)/jvp(GPT)/attn/reshape" in str(issues[0]) and "spmd.constrain" in str(issues[0])
 

@@ -105,7 +105,7 @@ def sharded_params_and_batch(name: str, seed: int = 0):
     rng = np.random.default_rng(seed)
 
     def fill(path, x, sharding):
-        scale = spmd.path_str(path).endswith("scale")
+        scale = spmd.sharding.path_str(path).endswith("scale")
         value = np.ones(x.shape, np.float32) if scale else rng.normal(0.0, CFG.d_model**-0.5, x.shape).astype(np.float32)
         return jax.device_put(value, sharding)
 
@@ -174,7 +174,7 @@ def test_what_each_policy_recomputes():
 def block_weight_bytes() -> int:
     """Bytes of every layer's matmul weights, whole (f32)."""
     return sum(math.prod(x.shape) * 4 for path, x in jax.tree_util.tree_leaves_with_path(abstract(CFG)[1])
-               if "blocks" in spmd.path_str(path) and len(x.shape) >= 3)
+               if "blocks" in spmd.sharding.path_str(path) and len(x.shape) >= 3)
 
 
 def test_no_policy_but_none_keeps_the_gathered_weights():
@@ -202,13 +202,13 @@ def compile_step(policy: str, name: str):
     _, shapes = abstract(CFG)
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
     tokens = jax.ShapeDtypeStruct((BATCH, LENGTH), jnp.int32, sharding=batch_sharding)
-    return jax.jit(step, out_shardings=(shardings, spmd.replicated(mesh)), donate_argnums=0).lower(
+    return jax.jit(step, out_shardings=(shardings, spmd.sharding.replicated(mesh)), donate_argnums=0).lower(
         params, {"inputs": tokens, "targets": tokens}).compile()
 
 
 @functools.cache
 def temp(policy: str, name: str) -> int:
-    return spmd.memory(compile_step(policy, name)).temp
+    return spmd.inspection.memory(compile_step(policy, name)).temp
 
 
 def test_compiled_temp_bytes_order_and_fsdp_below_dp():
@@ -228,7 +228,7 @@ def test_keeping_the_gathered_weights_would_show_in_temp(monkeypatch):
     keep = cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable,
                                       lambda prim, *_, **__: prim.name == "sharding_constraint")
     monkeypatch.setattr(remat_lib, "jax_policy", lambda policy: keep)
-    kept = spmd.memory(compile_step("save_dots", "fsdp8")).temp
+    kept = spmd.inspection.memory(compile_step("save_dots", "fsdp8")).temp
     monkeypatch.undo()
     weights = block_weight_bytes()
     assert kept - temp("save_dots", "fsdp8") >= weights / 2

@@ -9,7 +9,8 @@ from jax.sharding import PartitionSpec as P
 
 import meshes
 import spmd
-from spmd import Rules, RulesError
+from spmd import Rules
+from spmd.rules import RulesError
 
 W_IN = ("embed", "mlp")  # W_in[D, F]
 W_OUT = ("mlp", "embed")  # W_out[F, D]
@@ -45,9 +46,9 @@ ACTIVATION_DIMS = {X, H, LOGITS}
 
 
 def test_presets_are_all_covered():
-    assert set(EXPECTED) == set(spmd.PRESETS)
-    assert spmd.get_rules("fsdp_tp") is spmd.FSDP_TP
-    assert spmd.get_rules(spmd.DP) is spmd.DP
+    assert set(EXPECTED) == set(spmd.rules.RULE_SETS)
+    assert spmd.get_rules("fsdp_tp") is spmd.rules.FSDP_TP
+    assert spmd.get_rules(spmd.rules.DP) is spmd.rules.DP
 
 
 @pytest.mark.parametrize("preset, dims", [(p, d) for p, table in EXPECTED.items() for d in table])
@@ -58,22 +59,22 @@ def test_preset_specs(preset, dims):
 
 def test_params_and_activations_differ_for_the_same_dim():
     # FSDP shards the embed dim of weights, never the embed dim of activations.
-    assert spmd.FSDP.spec(("embed",), kind="params") == P("fsdp")
-    assert spmd.FSDP.spec(("embed",), kind="activations") == P()
-    assert spmd.DP.spec(("batch",), kind="params") == P()
+    assert spmd.rules.FSDP.spec(("embed",), kind="params") == P("fsdp")
+    assert spmd.rules.FSDP.spec(("embed",), kind="activations") == P()
+    assert spmd.rules.DP.spec(("batch",), kind="params") == P()
 
 
 def test_size_one_axes_are_dropped_with_mesh_sizes():
     sizes = {"data": 1, "fsdp": 8, "tensor": 1}
-    assert spmd.FSDP_TP.spec(W_IN, mesh_sizes=sizes) == P("fsdp")
-    assert spmd.FSDP_TP.spec(H, kind="activations", mesh_sizes=sizes) == P("fsdp")
-    assert spmd.FSDP_TP.spec(H, kind="activations", mesh_sizes={"data": 2, "fsdp": 2, "tensor": 2}) == P(
+    assert spmd.rules.FSDP_TP.spec(W_IN, mesh_sizes=sizes) == P("fsdp")
+    assert spmd.rules.FSDP_TP.spec(H, kind="activations", mesh_sizes=sizes) == P("fsdp")
+    assert spmd.rules.FSDP_TP.spec(H, kind="activations", mesh_sizes={"data": 2, "fsdp": 2, "tensor": 2}) == P(
         ("data", "fsdp"), None, "tensor"
     )
     # Axes the mesh lacks entirely count as size 1.
-    assert spmd.DP_TP.spec(H, kind="activations", mesh_sizes={"tensor": 4}) == P(None, None, "tensor")
+    assert spmd.rules.DP_TP.spec(H, kind="activations", mesh_sizes={"tensor": 4}) == P(None, None, "tensor")
     # Without mesh_sizes nothing is dropped (negative control).
-    assert spmd.FSDP_TP.spec(W_IN) == P("fsdp", "tensor")
+    assert spmd.rules.FSDP_TP.spec(W_IN) == P("fsdp", "tensor")
 
 
 def test_one_axis_for_two_dims_of_one_array_raises_naming_both():
@@ -93,28 +94,28 @@ def test_rule_set_validation_errors():
     with pytest.raises(RulesError, match=r"repeats a mesh axis"):
         Rules("bad", params=(("embed", ("fsdp", "fsdp")),))
     with pytest.raises(RulesError, match=r"kind must be 'params' or 'activations', got 'grads'"):
-        spmd.DP.spec(W_IN, kind="grads")
+        spmd.rules.DP.spec(W_IN, kind="grads")
     assert issubclass(RulesError, ValueError)
 
 
 def test_unknown_logical_dim_raises_and_a_rule_makes_it_known():
     with pytest.raises(RulesError, match=r"w has unknown logical dim 'experts'; known dims: batch, embed"):
-        spmd.FSDP.spec(("experts", "embed"), what="w")
-    moe = spmd.FSDP.replace(name="fsdp_ep", params={"experts": "expert"})
+        spmd.rules.FSDP.spec(("experts", "embed"), what="w")
+    moe = spmd.rules.FSDP.replace(name="fsdp_ep", params={"experts": "expert"})
     assert moe.spec(("experts", "embed")) == P("expert", "fsdp")
 
 
 def test_replace():
-    new = spmd.FSDP.replace(params={"vocab": "tensor"})
+    new = spmd.rules.FSDP.replace(params={"vocab": "tensor"})
     assert new.name == "fsdp"
     assert new.spec(EMBED) == P("tensor", "fsdp")
-    assert spmd.FSDP.spec(EMBED) == P(None, "fsdp")  # the original is unchanged (frozen data)
-    off = spmd.FSDP_TP.replace(name="fsdp_tp_novocab", params={"vocab": None}, activations={"batch": "data"})
+    assert spmd.rules.FSDP.spec(EMBED) == P(None, "fsdp")  # the original is unchanged (frozen data)
+    off = spmd.rules.FSDP_TP.replace(name="fsdp_tp_novocab", params={"vocab": None}, activations={"batch": "data"})
     assert off.name == "fsdp_tp_novocab"
     assert off.spec(EMBED) == P(None, "fsdp")
     assert off.spec(X, kind="activations") == P("data")
     with pytest.raises(RulesError, match="unknown mesh axis 'model'"):
-        spmd.FSDP.replace(params={"vocab": "model"})
+        spmd.rules.FSDP.replace(params={"vocab": "model"})
 
 
 def test_get_rules_unknown_lists_presets():
@@ -131,39 +132,39 @@ def mesh():
 
 
 def test_spec_for_divisible(mesh):
-    assert spmd.spec_for((64, 128), W_IN, "dp_tp", mesh) == P(None, "tensor")
-    assert spmd.spec_for((64, 128), W_IN, "fsdp_tp", mesh) == P(None, "tensor")  # fsdp has size 1 here
-    assert spmd.spec_for((64, 128), None, "dp_tp", mesh) == P()
+    assert spmd.sharding.spec_for((64, 128), W_IN, "dp_tp", mesh) == P(None, "tensor")
+    assert spmd.sharding.spec_for((64, 128), W_IN, "fsdp_tp", mesh) == P(None, "tensor")  # fsdp has size 1 here
+    assert spmd.sharding.spec_for((64, 128), None, "dp_tp", mesh) == P()
     with pytest.raises(RulesError, match=r"w has shape \(64, 128\) but 3 logical dims"):
-        spmd.spec_for((64, 128), W_Q, "dp_tp", mesh, path="w")
+        spmd.sharding.spec_for((64, 128), W_Q, "dp_tp", mesh, path="w")
 
 
 def test_spec_for_indivisible_raises_naming_path_dim_size_axes(mesh):
     with pytest.raises(RulesError, match=r"blocks/mlp/w_in: dim 1 \('mlp'\) has size 6.*tensor=4 = 4.*'dp_tp'"):
-        spmd.spec_for((64, 6), W_IN, "dp_tp", mesh, path="blocks/mlp/w_in")
+        spmd.sharding.spec_for((64, 6), W_IN, "dp_tp", mesh, path="blocks/mlp/w_in")
     fsdp = meshes.make_mesh({"data": 2, "fsdp": 4})
     with pytest.raises(RulesError, match=r"x: dim 0 \('batch'\) has size 12.*data=2 x fsdp=4 = 8"):
-        spmd.spec_for((12, 16), ("batch", "length"), "fsdp", fsdp, kind="activations", path="x")
+        spmd.sharding.spec_for((12, 16), ("batch", "length"), "fsdp", fsdp, kind="activations", path="x")
     with pytest.raises(RulesError, match=r"on_indivisible must be 'error' or 'replicate', got 'pad'"):
-        spmd.spec_for((64, 6), W_IN, "dp_tp", mesh, on_indivisible="pad")
+        spmd.sharding.spec_for((64, 6), W_IN, "dp_tp", mesh, on_indivisible="pad")
 
 
 def test_spec_for_indivisible_replicate_logs_a_warning(mesh, caplog):
     with caplog.at_level(logging.WARNING, logger="spmd.sharding"):
-        spec = spmd.spec_for((6, 64), W_OUT, "dp_tp", mesh, path="blocks/w_down", on_indivisible="replicate")
+        spec = spmd.sharding.spec_for((6, 64), W_OUT, "dp_tp", mesh, path="blocks/w_down", on_indivisible="replicate")
     assert spec == P()
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert "blocks/w_down" in warnings[0].getMessage() and "replicating" in warnings[0].getMessage()
     # Only the indivisible dim is replicated; a divisible one keeps its axis.
     caplog.clear()
-    rules = spmd.DP_TP.replace(params={"vocab": "data"})
+    rules = spmd.rules.DP_TP.replace(params={"vocab": "data"})
     with caplog.at_level(logging.WARNING, logger="spmd.sharding"):
-        spec = spmd.spec_for((64, 6), ("vocab", "mlp"), rules, mesh, path="w", on_indivisible="replicate")
+        spec = spmd.sharding.spec_for((64, 6), ("vocab", "mlp"), rules, mesh, path="w", on_indivisible="replicate")
     assert spec == P("data")
     assert len(caplog.records) == 1
     # A divisible array logs nothing (negative control).
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="spmd.sharding"):
-        assert spmd.spec_for((64, 8), ("vocab", "mlp"), rules, mesh, on_indivisible="replicate") == P("data", "tensor")
+        assert spmd.sharding.spec_for((64, 8), ("vocab", "mlp"), rules, mesh, on_indivisible="replicate") == P("data", "tensor")
     assert caplog.records == []

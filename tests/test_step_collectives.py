@@ -192,12 +192,12 @@ def in_scan(op) -> bool:
 
 def grad_bytes(name: str) -> int:
     """Per-device bytes of the gradients = of the parameters, as this layout shards them."""
-    return spmd.tree_bytes_per_device(layout(name).params)
+    return spmd.inspection.tree_bytes_per_device(layout(name).params)
 
 
 def block_bytes_per_layer(name: str) -> int:
     blocks = layout(name).params["blocks"]
-    return spmd.tree_bytes_per_device(blocks) // N_LAYERS
+    return spmd.inspection.tree_bytes_per_device(blocks) // N_LAYERS
 
 
 def full_bytes(tree) -> list[int]:
@@ -309,7 +309,7 @@ def test_negative_control_unsharded_mlp_has_no_mlp_all_reduce():
     """With ``mlp`` left unsharded the MLP is not row-parallel: its forward all-reduce disappears,
     while the attention one (heads still over tensor) stays. Were both present here, the Megatron
     test above could not tell a row-parallel MLP from a replicated one."""
-    rules = spmd.DP_TP.replace(name="dp_tp_no_mlp", params={"mlp": None}, activations={"mlp": None})
+    rules = spmd.rules.DP_TP.replace(name="dp_tp_no_mlp", params={"mlp": None}, activations={"mlp": None})
     mesh = layout("dp2_tp4").mesh
     graphdef, params, _ = spmd.init_params(make_model, rules, mesh)
     assert params["blocks"]["block"]["mlp"]["w_down"].sharding.is_fully_replicated
@@ -335,7 +335,7 @@ def test_negative_control_wrong_gradient_expectations_fail():
     gradients, or the gradients without the loss scalar, do not match."""
     got = summarize(step_ops("dp8"))[("all-reduce", ("data",))]["bytes"]
     assert got == grad_bytes("dp8") + LOSS_BYTES
-    for wrong in (grad_bytes("dp8"), spmd.tree_bytes_per_device(layout("dp8").opt_state),
+    for wrong in (grad_bytes("dp8"), spmd.inspection.tree_bytes_per_device(layout("dp8").opt_state),
                   grad_bytes("fsdp8") + LOSS_BYTES, grad_bytes("dp2_tp4") + LOSS_BYTES):
         assert got != wrong
     assert not np.isclose(got, grad_bytes("dp2_tp4"), rtol=0.5)

@@ -95,7 +95,7 @@ def test_default_fsdp_path_rules_and_table():
 def test_bad_path_rules_are_named(rules, match):
     mesh = _mesh(fsdp=8)
     _, params, _ = nnx.split(spmd.variables.abstract_model(lambda: Plain(nnx.Rngs(0))), nnx.Param, ...)
-    with pytest.raises(spmd.RulesError, match=match):
+    with pytest.raises(spmd.rules.RulesError, match=match):
         decide(params, "fsdp", mesh, path_rules=rules)
 
 

@@ -134,7 +134,7 @@ class OptimizerConfig:
 
 def key_path_str(path: tuple[Any, ...]) -> str:
     """'/'-joined names of a ``jax.tree_util`` key path, e.g. ``"layers/mlp/w_in"`` (every part kept)."""
-    return spmd.path_str(path, drop=())
+    return spmd.sharding.path_str(path, drop=())
 
 
 def _ndim(leaf: Any) -> int:

@@ -14,13 +14,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from spmd import remat as remat_lib
 from spmd.constraints import constrain
 from spmd.models import attention as attention_lib
-from spmd.models.loss import chunked_lm_loss
+from spmd.models.loss import chunked_lm_loss, lm_loss
 from spmd.models.layers import Attention, GatedMLP, RMSNorm, param, weight
 from spmd.pipeline import PipelineConfig, pipelined_loss
 from spmd.stack import Stack
@@ -115,21 +114,25 @@ class GPT(nnx.Module):
             self.head = param(rngs, nnx.initializers.truncated_normal(stddev=cfg.d_model**-0.5),
                               (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 
+    def embed_tokens(self, tokens_BL: jax.Array) -> jax.Array:
+        """The token embedding: ``tokens[B, L] -> x[B, L, D]`` in the compute dtype."""
+        x_BLD = jnp.take(weight(self.embed, self.cfg.compute_dtype), tokens_BL, axis=0)
+        return constrain(x_BLD, ("batch", "length", "embed"))
+
     def hidden(self, tokens_BL: jax.Array) -> jax.Array:
         """The final-normed hidden states ``x[B, L, D]`` the head reads."""
-        dt = self.cfg.compute_dtype
-        x_BLD = constrain(jnp.take(weight(self.embed, dt), tokens_BL, axis=0), ("batch", "length", "embed"))
+        x_BLD = self.embed_tokens(tokens_BL)
         positions_L = jnp.arange(tokens_BL.shape[1])
         return self.final_norm(self.blocks(x_BLD, positions_L))
 
+    @property
+    def out_weight(self) -> nnx.Param:
+        """The output head's weight: ``W[D, V]``, or ``E[V, D]`` when tied."""
+        return self.embed if self.cfg.tie_embeddings else self.head
+
     def logits(self, x_BLD: jax.Array) -> jax.Array:
         """The head: ``x[B, L, D] -> logits[B, L, V]`` in f32."""
-        cfg, dt = self.cfg, self.cfg.compute_dtype
-        if cfg.tie_embeddings:
-            logits_BLV = jnp.einsum("bld,vd->blv", x_BLD, weight(self.embed, dt)) * cfg.d_model**-0.5
-        else:
-            logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, weight(self.head, dt))
-        return constrain(logits_BLV.astype(jnp.float32), ("batch", "length", "vocab"))
+        return _head_logits(self.cfg, x_BLD, self.out_weight)
 
     def __call__(self, tokens_BL: jax.Array) -> jax.Array:
         return self.logits(self.hidden(tokens_BL))
@@ -143,49 +146,28 @@ class GPT(nnx.Module):
                 return chunked_lm_loss(self.hidden(tokens_BL), self.logits, targets_BL, chunk=self.cfg.loss_chunk,
                                        z_loss=z_loss)
             return lm_loss(self(tokens_BL), targets_BL, z_loss=z_loss)
-        cfg, dt = self.cfg, self.cfg.compute_dtype
-        x_BLD = constrain(jnp.take(weight(self.embed, dt), tokens_BL, axis=0), ("batch", "length", "embed"))
+        cfg = self.cfg
+        x_BLD = self.embed_tokens(tokens_BL)
         apply, block_state = self.blocks.split()
         norm_def, norm_state = nnx.split(self.final_norm)
-        out_var = self.embed if cfg.tie_embeddings else self.head
 
         def stage_fn(layers_state, x_BLD):
             return apply(layers_state, x_BLD, jnp.arange(x_BLD.shape[1]))
 
         def head_fn(head, y_BLD, tg_BL):
             x_BLD = nnx.merge(norm_def, head[0])(y_BLD)
-            if cfg.tie_embeddings:
-                logits_BLV = jnp.einsum("bld,vd->blv", x_BLD, weight(head[1], dt)) * cfg.d_model**-0.5
-            else:
-                logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, weight(head[1], dt))
-            logits_BLV = constrain(logits_BLV.astype(jnp.float32), ("batch", "length", "vocab"))
-            return _lm_loss_onehot(logits_BLV, tg_BL, z_loss=z_loss)
+            return lm_loss(_head_logits(cfg, x_BLD, head[1]), tg_BL, z_loss=z_loss, onehot=True)
 
-        return pipelined_loss(pipeline, stage_fn, head_fn, block_state, (norm_state, out_var), x_BLD, targets_BL)
+        return pipelined_loss(pipeline, stage_fn, head_fn, block_state, (norm_state, self.out_weight), x_BLD,
+                              targets_BL)
 
 
-def lm_loss(logits_BLV: jax.Array, targets_BL: jax.Array, *, z_loss: float = 0.0) -> tuple[jax.Array, dict]:
-    """Mean next-token cross-entropy (+ ``z_loss * mean(logsumexp^2)``, PaLM's z-loss), in f32."""
-    logits_BLV = logits_BLV.astype(jnp.float32)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
-    aux = {"ce": ce}
-    loss = ce
-    if z_loss:
-        lse_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
-        aux["z_loss"] = z_loss * jnp.mean(lse_BL**2)
-        loss = loss + aux["z_loss"]
-    return loss, aux
-
-
-def _lm_loss_onehot(logits_BLV: jax.Array, targets_BL: jax.Array, *, z_loss: float = 0.0) -> tuple[jax.Array, dict]:
-    """:func:`lm_loss` with the target logit picked by a one-hot product instead of a gather: XLA's
-    partitioner cannot partition that gather inside a pipeline stage (a shard_map manual over
-    ``pipe`` only) when the logits are sharded over ``data`` and ``tensor``."""
-    lse_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
-    target_BL = jnp.sum(logits_BLV * jax.nn.one_hot(targets_BL, logits_BLV.shape[-1], dtype=logits_BLV.dtype), axis=-1)
-    ce = jnp.mean(lse_BL - target_BL)
-    aux = {"ce": ce}
-    if not z_loss:
-        return ce, aux
-    aux["z_loss"] = z_loss * jnp.mean(lse_BL**2)
-    return ce + aux["z_loss"], aux
+def _head_logits(cfg: GPTConfig, x_BLD: jax.Array, w: nnx.Param | jax.Array) -> jax.Array:
+    """``x[B, L, D] -> logits[B, L, V]`` in f32 through the head weight ``w`` (``W[D, V]``, or the
+    embedding ``E[V, D]`` scaled by ``D**-0.5`` when ``cfg.tie_embeddings``)."""
+    dt = cfg.compute_dtype
+    if cfg.tie_embeddings:
+        logits_BLV = jnp.einsum("bld,vd->blv", x_BLD, weight(w, dt)) * cfg.d_model**-0.5
+    else:
+        logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, weight(w, dt))
+    return constrain(logits_BLV.astype(jnp.float32), ("batch", "length", "vocab"))

@@ -26,6 +26,40 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import optax
+
+
+def lm_loss(logits_BLV: jax.Array, targets_BL: jax.Array, *, z_loss: float = 0.0,
+            onehot: bool = False) -> tuple[jax.Array, dict]:
+    """Mean next-token cross-entropy (+ ``z_loss * mean(logsumexp^2)``, PaLM's z-loss), in f32.
+
+    ``onehot=True`` picks the target logit by a one-hot product instead of a gather: XLA's
+    partitioner cannot partition that gather inside a pipeline stage (a shard_map manual over
+    ``pipe`` only) when the logits are sharded over ``data`` and ``tensor``.
+    """
+    logits_BLV = logits_BLV.astype(jnp.float32)
+    if onehot:
+        ce_BL, lse_BL = _onehot_losses(logits_BLV, targets_BL)
+        return _with_z_loss(jnp.mean(ce_BL), lambda: lse_BL, z_loss)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
+    return _with_z_loss(ce, lambda: jax.nn.logsumexp(logits_BLV, axis=-1), z_loss)
+
+
+def _onehot_losses(logits_BLV: jax.Array, targets_BL: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-position cross-entropy and logsumexp, the target logit picked by a one-hot product."""
+    lse_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
+    onehot_BLV = jax.nn.one_hot(targets_BL, logits_BLV.shape[-1], dtype=logits_BLV.dtype)
+    target_BL = jnp.sum(logits_BLV * onehot_BLV, axis=-1)
+    return lse_BL - target_BL, lse_BL
+
+
+def _with_z_loss(ce: jax.Array, lse_BL: Callable[[], jax.Array], z_loss: float) -> tuple[jax.Array, dict]:
+    """``(ce [+ z_loss * mean(lse^2)], {"ce"[, "z_loss"]})``; the logsumexp is computed only when needed."""
+    aux = {"ce": ce}
+    if not z_loss:
+        return ce, aux
+    aux["z_loss"] = z_loss * jnp.mean(lse_BL() ** 2)
+    return ce + aux["z_loss"], aux
 
 
 def chunked_lm_loss(x_BLD: jax.Array, logits_fn: Callable[[jax.Array], jax.Array], targets_BL: jax.Array, *,
@@ -54,11 +88,7 @@ def chunked_lm_loss(x_BLD: jax.Array, logits_fn: Callable[[jax.Array], jax.Array
 
     @functools.partial(jax.checkpoint, prevent_cse=False)  # inside a scan CSE cannot merge the recomputation
     def chunk_losses(x_BCD: jax.Array, targets_BC: jax.Array) -> tuple[jax.Array, jax.Array]:
-        logits_BCV = logits_fn(x_BCD).astype(jnp.float32)
-        lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
-        onehot_BCV = jax.nn.one_hot(targets_BC, logits_BCV.shape[-1], dtype=logits_BCV.dtype)
-        target_BC = jnp.sum(logits_BCV * onehot_BCV, axis=-1)
-        return lse_BC - target_BC, lse_BC
+        return _onehot_losses(logits_fn(x_BCD).astype(jnp.float32), targets_BC)
 
     def body(carry: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, tuple[jax.Array, jax.Array]]:
         return carry, chunk_losses(*xs)
@@ -68,9 +98,4 @@ def chunked_lm_loss(x_BLD: jax.Array, logits_fn: Callable[[jax.Array], jax.Array
     def unchunk(y_NBC: jax.Array) -> jax.Array:
         return jnp.moveaxis(y_NBC, 0, 1).reshape(b, n * c)[:, :length]
 
-    ce = jnp.mean(unchunk(ce_NBC))
-    aux = {"ce": ce}
-    if not z_loss:
-        return ce, aux
-    aux["z_loss"] = z_loss * jnp.mean(unchunk(lse_NBC) ** 2)
-    return ce + aux["z_loss"], aux
+    return _with_z_loss(jnp.mean(unchunk(ce_NBC)), lambda: unchunk(lse_NBC), z_loss)

@@ -20,8 +20,8 @@ from typing import Any
 import jax
 
 from meshes import axis_sizes
-from spmd.constraints import constrain, current
-from spmd.pipeline.engine import HeadFn, StageFn, pipeline_loss
+from spmd.constraints import active_layout, constrain
+from spmd.pipeline.engine import HeadFn, StageFn, run_schedule
 from spmd.pipeline.schedules import NAMES, Schedule, get_schedule
 
 SCHEDULES = ("none", *NAMES)
@@ -66,7 +66,7 @@ def microbatches(x: jax.Array, m: int) -> jax.Array:
 
 def pipe_stages(axis: str = "pipe") -> int:
     """Size of the ``pipe`` axis of the active mesh (1 without one)."""
-    active = current()
+    active = active_layout()
     return 1 if active is None else axis_sizes(active[0]).get(axis, 1)
 
 
@@ -87,7 +87,7 @@ def pipelined_loss(
             config.make_schedule(1, n_layers)  # same input checks as on a real pipe axis
         return head_fn(head_params, stage_fn(stage_params, x_BLD), targets_BL)
     schedule = config.make_schedule(S, n_layers)
-    mesh = current()[0]
+    mesh, rules = active_layout()
     M = config.microbatches
-    return pipeline_loss(stage_fn, head_fn, stage_params, head_params, microbatches(x_BLD, M),
-                         microbatches(targets_BL, M), schedule=schedule, mesh=mesh, remat=config.remat)
+    return run_schedule(stage_fn, head_fn, stage_params, head_params, microbatches(x_BLD, M),
+                        microbatches(targets_BL, M), schedule=schedule, mesh=mesh, rules=rules, remat=config.remat)

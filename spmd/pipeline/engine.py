@@ -1,12 +1,12 @@
 """Running a stack of blocks as a pipeline over the ``pipe`` mesh axis, with ``shard_map``.
 
 The model's stacked block parameters are stored ``W[L_pipe, ...]`` (natural layer order, the
-``layers`` dim sharded over ``pipe``). :func:`pipeline_loss` splits the L layers into ``C = S*V``
+``layers`` dim sharded over ``pipe``). :func:`run_schedule` splits the L layers into ``C = S*V``
 chunks of ``L/C`` consecutive layers; chunk ``c`` runs on device ``c % S`` as its virtual stage
 ``v = c // S``. The embedding runs before (GSPMD) and gives ``x[M, B/M, L, D]``; the head and
 loss (``head_fn``) run on the device holding the last chunk.
 
-Inside the ``shard_map`` ``pipe`` is manual, and so are the batch axes (:func:`manual_batch_axes`:
+Inside the ``shard_map`` ``pipe`` is manual, and so are the batch axes (:mod:`spmd.pipeline.manual`:
 the axes the active rule set splits ``batch`` over, ``data`` and ``fsdp``); ``tensor`` stays
 automatic, so the blocks keep their TP layout inside a stage, and the model's constraints are
 re-targeted with the manual axes removed. A manual batch axis makes each device's gradients local
@@ -52,12 +52,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from spmd.constraints import current, use_rules
+from spmd.pipeline.layout import ParamLayout, param_layout
+from spmd.pipeline.manual import manual_batch_axes, with_inner_rules
 from spmd.rules import Rules
-from spmd.pipeline.layout import ParamLayout, axes_of, param_axes, param_layout
 from spmd.pipeline.schedules import BACKWARD, FORWARD, IDLE, Schedule
 
 StageFn = Callable[[Any, jax.Array], jax.Array]  # (chunk params [Lc, ...], x[b, L, D]) -> y
@@ -84,7 +84,7 @@ def _intervals_to_slots(intervals: list[tuple[int, int, Any]]) -> tuple[dict[Any
     return slots, max(1, len(free_at))
 
 
-def build_tables(schedule: Schedule) -> tuple[np.ndarray, int, int]:
+def _build_tables(schedule: Schedule) -> tuple[np.ndarray, int, int]:
     """The per-device program of a schedule: int32 ``[ticks, S, 8]`` plus stash and grad-buffer sizes.
 
     Per (tick, stage): kind (idle/fwd/fwd_last/bwd), m, v, first-chunk flag, the stash slot of the
@@ -166,60 +166,6 @@ def _add(a: Any, b: Any) -> Any:
     return jax.tree.map(jnp.add, a, b)
 
 
-def _manual_mesh(mesh: Mesh, axes: frozenset[str]) -> Mesh:
-    """The same devices with ``axes`` typed Manual: the context mesh inside the shard_map."""
-    types = tuple(AxisType.Manual if n in axes else t for n, t in zip(mesh.axis_names, mesh.axis_types))
-    return Mesh(mesh.devices, mesh.axis_names, axis_types=types)
-
-
-def _strip_axes(rules: Rules, axes: tuple[str, ...]) -> Rules:
-    """``rules`` with the (manual) ``axes`` removed from every mapping: inside the shard_map a
-    constraint may only name automatic axes, and a manual batch axis is already split per device."""
-    if not axes:
-        return rules
-
-    def strip(table):
-        return tuple((dim, tuple(a for a in axes_of(entry) if a not in axes) or None) for dim, entry in table)
-
-    return Rules(rules.name, strip(rules.params), strip(rules.activations))
-
-
-def manual_batch_axes(mesh: Mesh, rules: Rules | None, batch_rows: int, axis: str = "pipe", *,
-                      shard_params: bool = True) -> tuple[str, ...]:
-    """Mesh axes run Manual besides ``axis``: those ``rules`` split ``batch`` over (size > 1, in the
-    rule's order) while ``batch_rows`` per microbatch still divides. ``shard_params=False`` leaves
-    out the axes that also shard parameters (``fsdp``), which then stay automatic."""
-    if rules is None:
-        return ()
-    acts = dict(rules.activations)
-    skip = set() if shard_params else param_axes(rules)
-    sizes = dict(mesh.shape)
-    out, n = [], 1
-    for a in axes_of(acts.get("batch")):
-        if a == axis or a in skip or sizes.get(a, 1) == 1 or batch_rows % (n * sizes[a]):
-            continue
-        out.append(a)
-        n *= sizes[a]
-    return tuple(out)
-
-
-def _with_inner_rules(fn: Callable, mesh: Mesh, axis: str, batch_axes: tuple[str, ...] = ()) -> Callable:
-    """Run ``fn`` with the active rule set re-targeted at the partly manual mesh, so the model's
-    activation constraints (which never name ``pipe``, and have the manual batch axes stripped)
-    stay valid inside the shard_map."""
-    active = current()
-    if active is None:
-        return fn
-    inner = _manual_mesh(mesh, frozenset((axis, *batch_axes)))
-    rules = _strip_axes(active[1], batch_axes)
-
-    def wrapped(*args):
-        with use_rules(rules, inner):
-            return fn(*args)
-
-    return wrapped
-
-
 def _gpipe_local(stage_fn: StageFn, head_fn: HeadFn, S: int, M: int, axis: str, remat: bool,
                  layout: ParamLayout, trees: tuple[Any, Any]):
     """Per-device GPipe forward: scan over M + S - 1 ticks; autodiff gives the backward.
@@ -270,7 +216,7 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
     """
     batch_axes = layout.batch_axes
     S, M, V = schedule.n_stages, schedule.n_microbatches, schedule.n_virtual
-    table_np, n_x, n_g = build_tables(schedule)
+    table_np, n_x, n_g = _build_tables(schedule)
     ring = V > 1
 
     def stage(leaves, x):
@@ -350,7 +296,7 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
     return run
 
 
-def pipeline_loss(
+def run_schedule(
     stage_fn: StageFn,
     head_fn: HeadFn,
     stage_params: Any,
@@ -360,6 +306,7 @@ def pipeline_loss(
     *,
     schedule: Schedule,
     mesh: Mesh,
+    rules: Rules | None = None,
     remat: bool = False,
     axis: str = "pipe",
 ) -> tuple[jax.Array, dict]:
@@ -367,7 +314,8 @@ def pipeline_loss(
 
     ``stage_params`` leaves are ``[L, ...]`` in natural layer order (L divisible by S*V);
     ``stage_fn(params[Lc, ...], x)`` applies Lc consecutive layers. Differentiable w.r.t.
-    ``stage_params``, ``head_params`` and ``x_MbLD``.
+    ``stage_params``, ``head_params`` and ``x_MbLD``. ``rules``: the rule set the model's
+    constraints follow (None: plain code), re-targeted inside the ``shard_map``.
     """
     S, M, V = schedule.n_stages, schedule.n_microbatches, schedule.n_virtual
     if axis not in mesh.shape or mesh.shape[axis] != S:
@@ -379,8 +327,6 @@ def pipeline_loss(
         if a.shape[0] % (S * V):
             raise ValueError(f"{a.shape[0]} layers do not split into S*V = {S}*{V} = {S * V} equal chunks")
     pip = P(axis)
-    active = current()
-    rules = None if active is None else active[1]
     bax = manual_batch_axes(mesh, rules, x_MbLD.shape[1], axis)
     layout = param_layout(stage_params, head_params, rules, mesh, axis, bax)
     if layout is None:  # a parameter layout the manual axes cannot express: keep fsdp automatic
@@ -388,7 +334,7 @@ def pipeline_loss(
         layout = param_layout(stage_params, head_params, rules, mesh, axis, bax)
     n_batch = int(np.prod([mesh.shape[a] for a in bax], dtype=int))
     sm = dict(mesh=mesh, axis_names={axis, *bax}, check_vma=False)
-    inner = functools.partial(_with_inner_rules, mesh=mesh, axis=axis, batch_axes=bax)
+    inner = functools.partial(with_inner_rules, mesh=mesh, rules=rules, axis=axis, batch_axes=bax)
     rows = P(None, bax or None)  # x[M, B/M, ...]: the microbatch rows split over the manual batch axes
     p_leaves, p_def = jax.tree.flatten(stage_params)
     h_leaves, h_def = jax.tree.flatten(head_params)

@@ -1,7 +1,7 @@
 """How the stage and head parameters enter the pipeline's ``shard_map``: specs, one gather, one reduction.
 
 Inside the pipeline ``pipe`` is manual, and so are the mesh axes the rule set splits ``batch``
-over (:func:`spmd.pipeline.engine.manual_batch_axes`). Such a batch axis may also shard
+over (:func:`spmd.pipeline.manual.manual_batch_axes`). Such a batch axis may also shard
 parameters: under ``fsdp`` / ``fsdp_tp`` the stored layout is ``W[layers_pipe, D_fsdp, F_tensor]``
 and the head ``W[D_fsdp, V_tensor]``. Then each parameter enters the ``shard_map`` with the
 manual part of its stored spec (``P("pipe", "fsdp")``; automatic axes such as ``tensor`` stay
@@ -33,20 +33,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from spmd import collectives
-from spmd.rules import Rules, RulesError
+from spmd.pipeline.manual import param_axes
+from spmd.rules import Rules, RulesError, axes_of
 from spmd.sharding import spec_for, variable_dims
 
-Plan = tuple[tuple[int, tuple[str, ...]], ...]  # per leaf: (dim, manual axes sharding it), in dim order
-
-
-def axes_of(entry: Any) -> tuple[str, ...]:
-    """A PartitionSpec entry (None, an axis, or a tuple of axes) as a tuple of axes."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def param_axes(rules: Rules) -> set[str]:
-    """Every mesh axis the rule set shards some parameter dim over."""
-    return {a for _, entry in rules.params for a in axes_of(entry)}
+GatherPlan = tuple[tuple[int, tuple[str, ...]], ...]  # per leaf: (dim, manual axes sharding it), in dim order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +51,8 @@ class ParamLayout:
 
     stage_specs: tuple[P, ...]
     head_specs: tuple[P, ...]
-    stage_plans: tuple[Plan, ...]
-    head_plans: tuple[Plan, ...]
+    stage_plans: tuple[GatherPlan, ...]
+    head_plans: tuple[GatherPlan, ...]
     batch_axes: tuple[str, ...]
 
     @property
@@ -70,7 +61,7 @@ class ParamLayout:
         return any(self.stage_plans) or any(self.head_plans)
 
     @staticmethod
-    def gather(leaves: list[jax.Array], plans: tuple[Plan, ...]) -> list[jax.Array]:
+    def gather(leaves: list[jax.Array], plans: tuple[GatherPlan, ...]) -> list[jax.Array]:
         """``W[.., D_fsdp, ..] -> W[.., D, ..]``: tiled all-gather of each planned dim (once per step)."""
         out = []
         for x, plan in zip(leaves, plans, strict=True):
@@ -79,7 +70,7 @@ class ParamLayout:
             out.append(x)
         return out
 
-    def reduce(self, grads: list[jax.Array], plans: tuple[Plan, ...]) -> list[jax.Array]:
+    def reduce(self, grads: list[jax.Array], plans: tuple[GatherPlan, ...]) -> list[jax.Array]:
         """``G{U_batch}`` at gathered size -> ``G`` in the stored layout: reduce-scatter over the
         gathered axes, all-reduce over the other manual batch axes (one reduction per step)."""
         out = []
@@ -124,7 +115,7 @@ def param_layout(stage_params: Any, head_params: Any, rules: Rules | None, mesh:
         return ParamLayout((P(axis),) * len(stage_leaves), (P(),) * len(head_leaves),
                            ((),) * len(stage_leaves), ((),) * len(head_leaves), batch_axes)
     specs: list[list[P]] = [[], []]
-    plans: list[list[Plan]] = [[], []]
+    plans: list[list[GatherPlan]] = [[], []]
     for k, tree in enumerate((stage_params, head_params)):
         dims = _leaf_dims(tree)
         if dims is None or any(d is None for d in dims):

@@ -77,7 +77,7 @@ class Layout:
         self.step = jax.jit(
             step,
             in_shardings=(self.param_shardings, self.opt_shardings, batch_sh),
-            out_shardings=(self.param_shardings, self.opt_shardings, spmd.replicated(self.mesh)),
+            out_shardings=(self.param_shardings, self.opt_shardings, spmd.sharding.replicated(self.mesh)),
         )
         self.batch_shardings = batch_sh
 

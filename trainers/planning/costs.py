@@ -22,7 +22,7 @@ from flax import nnx
 
 import spmd
 from spmd.models import flops_per_step, flops_per_token
-from spmd.pipeline import Schedule, build_tables, get_schedule
+from spmd.pipeline import Schedule, get_schedule
 from trainers.config import Config
 from trainers.planning.diagnose import ParamInfo, param_infos, shard_divisors
 from trainers.hardware import Hardware, collective_seconds, networks
@@ -125,7 +125,7 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
             layers = M * x_in + kept(b / M, m.n_layers // S) if pipe.remat else kept(b, m.n_layers // S)
             acts = layers + 2 * M * x_in + logits(b)
         else:  # stash + gradient slots of the table, one chunk's recompute, dx[M, B/M, L, D], one head
-            _, n_x, n_g = build_tables(pipeline_schedule(cfg, S))
+            n_x, n_g = pipeline_schedule(cfg, S).stash_sizes()
             acts = (n_x + n_g + 2 + M) * x_in + kept(b / M, m.n_layers // (S * pipe.virtual_stages)) + logits(b / M)
     else:
         acts = kept(b, m.n_layers) + logits(b)

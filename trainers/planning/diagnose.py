@@ -8,7 +8,7 @@ sizes involved and a suggested fix, e.g.::
 Checks:
 
 - :func:`check_divisibility`: a parameter dim whose size does not divide by the product of the
-  mesh axes its rule maps it to (the error ``spmd.spec_for`` raises at state creation, found here
+  mesh axes its rule maps it to (the error ``spmd.sharding.spec_for`` raises at state creation, found here
   before any compile, for every parameter at once); for the built-in GPT the fix names the
   ``model.*`` field that sets the size, for any other model the dim and the mesh axes;
 - :func:`check_layout`: any model's variables on a layout, decided exactly as the run's state
@@ -137,7 +137,7 @@ class ModelVariables:
     def decisions(self, rules: spmd.Rules | str, sizes: Mapping[str, int], *,
                   on_indivisible: str = "error") -> list[Decision]:
         """How every variable (parameters first) is sharded on a mesh of these axis sizes: the same
-        :func:`spmd.variables.decide` the run's state builder calls (raises ``spmd.RulesError``)."""
+        :func:`spmd.variables.decide` the run's state builder calls (raises ``spmd.rules.RulesError``)."""
         mesh = _AxisSizes({a: sizes.get(a, 1) for a in AXES})
         return (decide(self.params, rules, mesh, path_rules=self.path_rules, on_indivisible=on_indivisible)
                 + decide(self.other, rules, mesh, path_rules=self.path_rules, on_indivisible=on_indivisible))
@@ -150,7 +150,7 @@ def model_variables(make, path_rules: PathRules = ()) -> ModelVariables:
     unit = _AxisSizes({a: 1 for a in AXES})
 
     def infos(state) -> tuple[ParamInfo, ...]:
-        leaves = {spmd.path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]}
+        leaves = {spmd.sharding.path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]}
         out = []
         for d in decide(state, "none", unit, path_rules=path_rules):
             shape, itemsize = _storage(leaves[d.path])
@@ -235,7 +235,7 @@ def check_layout(variables: ModelVariables, rules: spmd.Rules | str, sizes: Mapp
         return None, issues
     try:
         return variables.decisions(rules, sizes), []
-    except spmd.RulesError as e:
+    except spmd.rules.RulesError as e:
         return None, [Issue("rules", "variables", None, str(e), "", fatal=True)]
 
 
@@ -336,7 +336,7 @@ def check_replicated(params: Sequence[ParamInfo], rules: spmd.Rules | str, sizes
     return issues
 
 
-def check_collectives(ops: Sequence[spmd.Collective]) -> list[Issue]:
+def check_collectives(ops: Sequence[spmd.hlo.Collective]) -> list[Issue]:
     """All-to-alls in a compiled step: a reshard between disagreeing layouts, traced to its jax op
     (one issue per op and axes, however many times the program runs it)."""
     grouped: dict[tuple[str, tuple[str, ...]], list] = {}

@@ -79,10 +79,10 @@ class DryRunReport:
     params: int  # parameter count
     model_flops: float  # per step, all devices
     analytic: object | None  # trainers.planning.costs.MemoryEstimate
-    compiled: object | None  # spmd.Memory of the compiled step (per device)
+    compiled: object | None  # spmd.inspection.Memory of the compiled step (per device)
     state_bytes: int  # params + optimizer + counters, per device, from the abstract shard shapes
     batch_bytes: int
-    collectives: tuple = ()  # spmd.Collective
+    collectives: tuple = ()  # spmd.hlo.Collective
     traffic: tuple = ()  # trainers.planning.costs.Traffic from the compiled collectives
     analytic_traffic: tuple = ()
     roofline: object | None = None  # trainers.planning.costs.Roofline
@@ -367,7 +367,7 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
     ops = spmd.hlo.collectives(compiled, mesh)
     net = networks(sizes, hw, dcn_axes)
     traffic = []
-    for (kind, axes), row in spmd.summarize(ops).items():
+    for (kind, axes), row in spmd.hlo.summarize(ops).items():
         group = math.prod(sizes.get(a, 1) for a in axes)
         dcn = any(net.get(a) == "dcn" for a in axes)
         traffic.append(Traffic(kind, axes, row["count"], row["bytes"], "dcn" if dcn else "ici",
@@ -381,14 +381,14 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
         analytic_traffic = task_comm_estimate(profile, cfg, sizes, hw, dcn_axes)
         roof = task_roofline(profile, cfg, sizes, hw, analytic, traffic)
         rows = rows_per_device(cfg, sizes)
-        issues += dg.check_activation_split(spmd.memory(compiled).temp, analytic.activations,
+        issues += dg.check_activation_split(spmd.inspection.memory(compiled).temp, analytic.activations,
                                             profile.activations(cfg.data.global_batch // cfg.run.grad_accum),
                                             analytic.grads + analytic.state, rows, batch_axes(rules, sizes))
     issues += dg.check_collectives(ops) + dg.parse_remat_warnings(log[0] if log else "")
     return DryRunReport(
-        **common, analytic=analytic, compiled=spmd.memory(compiled),
-        state_bytes=spmd.tree_bytes_per_device(sharded.abstract),
-        batch_bytes=spmd.tree_bytes_per_device(batch), collectives=tuple(ops), traffic=tuple(traffic),
+        **common, analytic=analytic, compiled=spmd.inspection.memory(compiled),
+        state_bytes=spmd.inspection.tree_bytes_per_device(sharded.abstract),
+        batch_bytes=spmd.inspection.tree_bytes_per_device(batch), collectives=tuple(ops), traffic=tuple(traffic),
         analytic_traffic=tuple(analytic_traffic), roofline=roof, issues=tuple(issues), compile_s=compile_s,
         backend=backend)
 
