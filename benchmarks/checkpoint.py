@@ -137,8 +137,7 @@ def run(options: common.Options, command: str = "python -m benchmarks.checkpoint
     started = common.load()
     import orbax.checkpoint as ocp
 
-    from trainers.checkpoint.checkpointer import CheckpointConfig
-    from trainers import Checkpointer
+    from trainers.checkpoint import CheckpointConfig, Checkpointer
 
     cfg, batch, length = common.gpt_config(options.quick)
     rounds, steps = (2, 2) if options.quick else (9, 5)

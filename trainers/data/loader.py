@@ -1,35 +1,12 @@
 """Data loading: a 1-D token array -> per-process shards of each global batch.
 
-The pipeline is a grain `MapDataset`, random access all the way down, so the
-position in the stream is one integer and resuming is exact and O(1):
-
-    windows   TokenWindows(tokens, L)   window i = tokens[i*L : i*L + L + 1]
-    stream    .shuffle(seed).repeat()   a new permutation of the windows each epoch
-    local     row j of global batch k = stream[k*B + p*b + j],  b = B / P
-              .batch(b)                 {"inputs": int32[b, L], "targets": int32[b, L]}
-
-`targets` is `inputs` shifted by one token (the window has L + 1 tokens).
-Global batch k holds stream elements [k*B, (k+1)*B); process p of P reads only
-its rows [p*b, (p+1)*b), so the processes' shards are disjoint, their union is
-exactly the global batch, and no process reads another's windows. Epochs are
-counted in windows, so a global batch may straddle an epoch boundary.
-
-The user's seed is mixed (`np.random.SeedSequence`) before it reaches grain,
-whose shuffle seeds epoch e with `seed + e`: unmixed, seed 1 would replay
-seed 0 shifted by one epoch.
-
-`Loader.get_state()` is `{"step": k, ...}` in *global* batches: it does not name
-the process, so a run saved on P processes resumes on any P' that divides B.
-
-`to_global` stitches the process-local batches into one `jax.Array` with
-`jax.make_array_from_process_local_data`; with a sharding `Batch[B_data]` each
-device then holds B / n_data rows. This assumes the batch dim is split over
-every process (the usual case: hosts lie along the outer `data`/`fsdp` axes).
+A grain `MapDataset` of windows, shuffled per epoch and cut into global batches; each process reads
+only its rows, resume is exact and O(1), and `to_global` stitches the process-local rows into one
+`jax.Array`. See docs/data.md.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 from collections.abc import Iterator
@@ -39,76 +16,10 @@ import grain
 import jax
 import numpy as np
 
-from spmd.sharding import path_str
-from trainers.data import corpus as corpus_lib
 
 logger = logging.getLogger(__name__)
 
-CORPORA = ("stdlib", "text", "npy", "synthetic")
 Batch = dict[str, np.ndarray]
-
-
-@dataclasses.dataclass(frozen=True)
-class DataConfig:
-    """Where tokens come from and how they are cut into global batches.
-
-    corpus: "stdlib" (default, no download) | "text" (file or folder at `path`)
-        | "npy" (1-D token ids at `path`) | "synthetic" (random, benchmarks only).
-    max_tokens: truncate each split (tiny runs); None keeps everything.
-    synthetic_tokens: size of the synthetic train split.
-    """
-
-    corpus: str = "stdlib"
-    path: str | None = None
-    seq_len: int = 128
-    global_batch: int = 16
-    seed: int = 0
-    validation_fraction: float = 0.05
-    vocab_size: int = corpus_lib.BYTE_VOCAB_SIZE
-    max_tokens: int | None = None
-    synthetic_tokens: int = 1 << 20
-
-    def __post_init__(self) -> None:
-        if self.corpus not in CORPORA:
-            raise ValueError(f"corpus must be one of {CORPORA}, got {self.corpus!r}")
-        if self.corpus in ("text", "npy") and not self.path:
-            raise ValueError(f"corpus {self.corpus!r} needs a path to a file or folder, got path={self.path!r}")
-        if self.corpus in ("stdlib", "synthetic") and self.path is not None:
-            raise ValueError(f"path is only read by corpus 'text' or 'npy', got path={self.path!r} with corpus {self.corpus!r}")
-        for name in ("seq_len", "global_batch", "vocab_size", "synthetic_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
-        if not 0.0 <= self.validation_fraction < 1.0:
-            raise ValueError(f"validation_fraction must be in [0, 1), got {self.validation_fraction!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be a positive int or None, got {self.max_tokens!r}")
-        if self.corpus in ("stdlib", "text") and self.vocab_size < corpus_lib.BYTE_VOCAB_SIZE:
-            raise ValueError(
-                f"corpus {self.corpus!r} is byte-level and needs vocab_size >= "
-                f"{corpus_lib.BYTE_VOCAB_SIZE}, got {self.vocab_size}"
-            )
-
-
-def load_corpus(cfg: DataConfig, split: str) -> np.ndarray:
-    """The 1-D token array of one split of cfg's corpus."""
-    kw = dict(validation_fraction=cfg.validation_fraction)
-    if cfg.corpus == "stdlib":
-        return corpus_lib.stdlib_corpus(split, max_bytes=cfg.max_tokens, **kw)
-    if cfg.corpus == "text":
-        return corpus_lib.text_corpus(cfg.path, split, max_tokens=cfg.max_tokens, **kw)
-    if cfg.corpus == "npy":
-        return corpus_lib.npy_corpus(cfg.path, split, max_tokens=cfg.max_tokens, **kw)
-    if split not in corpus_lib.SPLITS:
-        raise ValueError(f"split must be one of {corpus_lib.SPLITS}, got {split!r}")
-    # Synthetic validation: a separate stream (seed + 1), sized by validation_fraction.
-    n = cfg.synthetic_tokens
-    if split == "validation":
-        n = max(int(n * cfg.validation_fraction), cfg.seq_len + 1)
-    tokens = corpus_lib.synthetic_corpus(n, cfg.vocab_size, cfg.seed + (split == "validation"))
-    return tokens[: cfg.max_tokens]
 
 
 class TokenWindows:
@@ -339,79 +250,3 @@ def eval_batches(source: Any, global_batch: int, n_batches: int, *, process_inde
             return
         rows = jax.tree.leaves(batch)[0].shape[0]
         yield batch, np.ones((rows,), np.float32)
-
-
-def process_rows(sharding: jax.sharding.Sharding, global_batch: int) -> tuple[int, int]:
-    """Which rows of a ``[global_batch, ...]`` batch this process must load: ``(block, n_blocks)``.
-
-    The rows this process's devices hold under ``sharding`` form block ``block`` of ``n_blocks``
-    equal, contiguous blocks. With hosts along ``data`` (the usual layout) that is
-    ``(process_index, process_count)``; when several processes hold the same rows (e.g. ``data=2,
-    tensor=4`` on 4 processes x 2 devices, where each ``data`` row spans two processes) they
-    load the same block, and a batch replicated over all devices is one block.
-    """
-    shape = (global_batch,)
-    rows = {(idx[0].start or 0, global_batch if idx[0].stop is None else idx[0].stop)
-            for idx in sharding.addressable_devices_indices_map(shape).values()}
-    intervals = sorted(rows)
-    start, stop = intervals[0][0], intervals[-1][1]
-    size = stop - start
-    if any(a[1] != b[0] for a, b in zip(intervals, intervals[1:])):
-        raise ValueError(
-            f"this process's devices hold non-contiguous rows {intervals} of the batch; "
-            "put the batch-sharding axes (data, fsdp) outermost so each process holds one block of rows"
-        )
-    if global_batch % size or start % size:
-        raise ValueError(
-            f"this process holds rows [{start}, {stop}) of global_batch={global_batch}: not one of equal blocks; "
-            "use a global batch divisible by the number of processes along the batch axes"
-        )
-    return start // size, global_batch // size
-
-
-def make_loader(
-    cfg: DataConfig,
-    split: str,
-    *,
-    process_index: int | None = None,
-    process_count: int | None = None,
-    sharding: jax.sharding.Sharding | None = None,
-    shuffle: bool = True,
-) -> Loader:
-    """A Loader over one split of cfg's corpus, yielding the rows this process must feed.
-
-    With ``sharding`` (the batch sharding), the rows are the ones this process's devices hold
-    (:func:`process_rows`); otherwise block ``process_index`` of ``process_count`` (default: jax's).
-    """
-    if sharding is not None:
-        if process_index is not None or process_count is not None:
-            raise ValueError("give either sharding or process_index/process_count, not both")
-        process_index, process_count = process_rows(sharding, cfg.global_batch)
-    return Loader(
-        load_corpus(cfg, split),
-        cfg.seq_len,
-        cfg.global_batch,
-        cfg.seed,
-        process_index=process_index,
-        process_count=process_count,
-        shuffle=shuffle,
-    )
-
-
-def to_global(local_batch: Any, sharding: jax.sharding.Sharding, global_batch: int) -> Any:
-    """Assemble this process's rows (block :func:`process_rows`) of any batch pytree into global
-    ``[global_batch, ...]`` arrays."""
-    block, n_blocks = process_rows(sharding, global_batch)
-    rows = global_batch // n_blocks
-
-    def one(path, local):
-        local = np.asarray(local)
-        if local.ndim < 1 or local.shape[0] != rows:
-            raise ValueError(
-                f"local batch {path_str(path) or '<root>'!r} has shape {local.shape}; expected {rows} rows "
-                f"(block {block} of {n_blocks} of global_batch={global_batch} under this batch sharding); "
-                "every leaf of a batch needs the batch as its leading dim"
-            )
-        return jax.make_array_from_process_local_data(sharding, local, (global_batch, *local.shape[1:]))
-
-    return jax.tree_util.tree_map_with_path(one, local_batch)

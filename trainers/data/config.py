@@ -1,0 +1,106 @@
+"""Data settings: which corpus, how it is split, and how it is cut into global batches; the loader they make."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from trainers.data import corpus as corpus_lib
+from trainers.data.batches import process_rows
+from trainers.data.loader import Loader
+
+CORPORA = ("stdlib", "text", "npy", "synthetic")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from and how they are cut into global batches.
+
+    corpus: "stdlib" (default, no download) | "text" (file or folder at `path`)
+        | "npy" (1-D token ids at `path`) | "synthetic" (random, benchmarks only).
+    max_tokens: truncate each split (tiny runs); None keeps everything.
+    synthetic_tokens: size of the synthetic train split.
+    """
+
+    corpus: str = "stdlib"
+    path: str | None = None
+    seq_len: int = 128
+    global_batch: int = 16
+    seed: int = 0
+    validation_fraction: float = 0.05
+    vocab_size: int = corpus_lib.BYTE_VOCAB_SIZE
+    max_tokens: int | None = None
+    synthetic_tokens: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if self.corpus not in CORPORA:
+            raise ValueError(f"corpus must be one of {CORPORA}, got {self.corpus!r}")
+        if self.corpus in ("text", "npy") and not self.path:
+            raise ValueError(f"corpus {self.corpus!r} needs a path to a file or folder, got path={self.path!r}")
+        if self.corpus in ("stdlib", "synthetic") and self.path is not None:
+            raise ValueError(f"path is only read by corpus 'text' or 'npy', got path={self.path!r} with corpus {self.corpus!r}")
+        for name in ("seq_len", "global_batch", "vocab_size", "synthetic_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
+        if not 0.0 <= self.validation_fraction < 1.0:
+            raise ValueError(f"validation_fraction must be in [0, 1), got {self.validation_fraction!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be a positive int or None, got {self.max_tokens!r}")
+        if self.corpus in ("stdlib", "text") and self.vocab_size < corpus_lib.BYTE_VOCAB_SIZE:
+            raise ValueError(
+                f"corpus {self.corpus!r} is byte-level and needs vocab_size >= "
+                f"{corpus_lib.BYTE_VOCAB_SIZE}, got {self.vocab_size}"
+            )
+
+
+def load_corpus(cfg: DataConfig, split: str) -> np.ndarray:
+    """The 1-D token array of one split of cfg's corpus."""
+    kw = dict(validation_fraction=cfg.validation_fraction)
+    if cfg.corpus == "stdlib":
+        return corpus_lib.stdlib_corpus(split, max_bytes=cfg.max_tokens, **kw)
+    if cfg.corpus == "text":
+        return corpus_lib.text_corpus(cfg.path, split, max_tokens=cfg.max_tokens, **kw)
+    if cfg.corpus == "npy":
+        return corpus_lib.npy_corpus(cfg.path, split, max_tokens=cfg.max_tokens, **kw)
+    if split not in corpus_lib.SPLITS:
+        raise ValueError(f"split must be one of {corpus_lib.SPLITS}, got {split!r}")
+    # Synthetic validation: a separate stream (seed + 1), sized by validation_fraction.
+    n = cfg.synthetic_tokens
+    if split == "validation":
+        n = max(int(n * cfg.validation_fraction), cfg.seq_len + 1)
+    tokens = corpus_lib.synthetic_corpus(n, cfg.vocab_size, cfg.seed + (split == "validation"))
+    return tokens[: cfg.max_tokens]
+
+
+def make_loader(
+    cfg: DataConfig,
+    split: str,
+    *,
+    process_index: int | None = None,
+    process_count: int | None = None,
+    sharding: jax.sharding.Sharding | None = None,
+    shuffle: bool = True,
+) -> Loader:
+    """A Loader over one split of cfg's corpus, yielding the rows this process must feed.
+
+    With ``sharding`` (the batch sharding), the rows are the ones this process's devices hold
+    (:func:`process_rows`); otherwise block ``process_index`` of ``process_count`` (default: jax's).
+    """
+    if sharding is not None:
+        if process_index is not None or process_count is not None:
+            raise ValueError("give either sharding or process_index/process_count, not both")
+        process_index, process_count = process_rows(sharding, cfg.global_batch)
+    return Loader(
+        load_corpus(cfg, split),
+        cfg.seq_len,
+        cfg.global_batch,
+        cfg.seed,
+        process_index=process_index,
+        process_count=process_count,
+        shuffle=shuffle,
+    )
