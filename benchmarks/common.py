@@ -39,6 +39,7 @@ from flax import nnx
 
 import meshes
 import spmd
+from spmd.units import fmt_bytes  # noqa: F401  (the benchmarks' byte formatter)
 from spmd.models import GPT, GPTConfig, lm_loss
 
 SIMULATED_DEVICES = 8
@@ -171,13 +172,6 @@ def timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     jax.block_until_ready(fn())
     return time.perf_counter() - start
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

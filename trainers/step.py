@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 import spmd
 from spmd.models import lm_loss
 from spmd.pipeline import PipelineConfig
+from spmd.pipeline.config import microbatches
 from trainers.faults import guard
 from trainers.optim import global_norm
 from trainers.state import ShardedState, State
@@ -57,12 +58,6 @@ def loss_and_metrics(out: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
         if not isinstance(name, str) or jnp.shape(value) != ():
             raise TypeError(f"loss metric {name!r} has shape {jnp.shape(value)}; metrics must be scalars keyed by str")
     return loss, dict(metrics)
-
-
-def _microbatches(x: jax.Array, k: int) -> jax.Array:
-    """``[B, ...] -> [k, B/k, ...]`` with microbatch j = rows j, j+k, j+2k, ... (local to each device)."""
-    x = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
-    return spmd.constrain(x, (None, "batch") + (None,) * (x.ndim - 2))
 
 
 def make_train_step(
@@ -107,7 +102,7 @@ def make_train_step(
             if grad_accum == 1:
                 (loss, (aux, new_other)), grads = grad_fn(params, other, batch, step_key)
             else:
-                micro = jax.tree.map(lambda x: _microbatches(x, grad_accum), batch)
+                micro = jax.tree.map(lambda x: microbatches(x, grad_accum), batch)
 
                 def body(carry, xs):
                     acc, other = carry

@@ -13,12 +13,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
+
+import meshes
+from trainers.config import Config, RunConfig, override
+from trainers.loop import train
+from trainers.planning.dryrun import dry_run
+from trainers.recipes import RECIPES, recipe, tiny_run
+from trainers.task import load_task
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from trainers.recipes import RECIPES
-
     p = argparse.ArgumentParser(prog="spmd-train",
                                 description="Train a recipe or a task on this host's (or every host's) devices.")
     p.add_argument("target", metavar="TARGET",
@@ -30,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mesh", help="mesh axis sizes, e.g. data=2,tensor=4 (-1 infers one axis)")
     p.add_argument("--dcn", help="axis sizes across slices / hosts (multi-slice), e.g. data=2")
     p.add_argument("--rules", help="rule set: dp, fsdp, tp, dp_tp, fsdp_tp")
-    p.add_argument("--steps", type=int, help="shorthand for --set run.steps=N (also sets the schedule's total)")
+    p.add_argument("--steps", type=int, help="shorthand for --set run.steps=N (the LR schedule ends with the run)")
     p.add_argument("--run-dir", help="shorthand for --set run.run_dir=DIR")
     p.add_argument("--simulate-devices", type=int, default=0, metavar="N",
                    help="run on N simulated CPU devices (laptops, CI); 0 = the real devices")
@@ -57,9 +63,6 @@ def is_task_target(target: str) -> bool:
 def load_target(target: str):
     """The :class:`trainers.task.Task` a ``package.module:attribute`` TARGET names (ValueError with
     what was given and what is valid otherwise)."""
-    from trainers.recipes import RECIPES
-    from trainers.task import load_task
-
     try:
         return load_task(target)
     except ValueError as e:
@@ -69,9 +72,6 @@ def load_target(target: str):
 
 def base_config(target: str, task=None, *, tiny: bool = False):
     """The config TARGET starts from: a recipe's (tiny variant with ``tiny``), or the task's."""
-    from trainers.config import Config, RunConfig
-    from trainers.recipes import RECIPES, recipe, tiny_run
-
     if task is None:
         if target not in RECIPES:
             raise ValueError(f"unknown recipe {target!r}; TARGET is a recipe ({', '.join(RECIPES)}) or a task as "
@@ -83,8 +83,6 @@ def base_config(target: str, task=None, *, tiny: bool = False):
 
 def build_config(args: argparse.Namespace, task=None):
     """The resolved config of TARGET (``task``: the loaded task when TARGET names one) and the flags."""
-    from trainers.config import override
-
     cfg = base_config(args.target, task, tiny=args.tiny)
     sets = list(args.overrides)
     if args.mesh:
@@ -113,9 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run or args.print_config:
         task = None
         if is_task:
-            import meshes
-
-            devices = args.devices or args.simulate_devices
+                    devices = args.devices or args.simulate_devices
             if args.dry_run and devices and not meshes.backend_started():
                 meshes.simulate_cpu_devices(devices)  # what dry_run does itself, before the task's module can start jax
             try:
@@ -127,12 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             return _error(e)
         if args.print_config:
-            import json
-
             print(json.dumps(dataclasses.asdict(cfg), indent=2))
             return 0
-        from trainers.planning.dryrun import dry_run
-
         try:
             report = dry_run(cfg, args.target if is_task else None, devices=args.devices or args.simulate_devices or None,
                              hardware=args.hardware)
@@ -148,8 +140,6 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             return _error(e)
 
-    import meshes
-
     try:  # before any other jax call; a no-op on one host
         meshes.distributed.initialize(args.coordinator, args.num_processes, args.process_id, timeout_s=args.init_timeout)
     except ValueError as e:
@@ -162,8 +152,6 @@ def main(argv: list[str] | None = None) -> int:
             cfg = build_config(args, task)
         except ValueError as e:
             return _error(e)
-
-    from trainers.loop import train
 
     try:
         result = train(cfg, task)
