@@ -1,34 +1,9 @@
 """Start jax's multi-controller runtime on every host, or do nothing on one host; check that the
 hosts agree before a run starts.
 
-Multi-controller SPMD: every host (process) of a pod runs the same program on its own devices,
-and jax stitches the processes' devices into one global device list. ``initialize`` connects the
-processes; afterwards ``jax.devices()`` lists every device of every process and a Mesh built
-from it spans the pod.
-
-Where the settings come from, first match wins:
-
-1. explicit arguments to :func:`initialize`;
-2. ``SPMD_COORDINATOR`` (host:port of process 0), ``SPMD_NUM_PROCESSES``, ``SPMD_PROCESS_ID``
-   (what ``spmd-launch`` sets; handy for any scheduler that can export variables);
-3. jax's own cluster detection (TPU VM pods, SLURM ``srun``, Open MPI, Kubernetes/GKE), used
-   when it recognises the environment.
-
-With none of these (or a process count of 1) this is a single-host run: nothing happens.
-
-Failure modes, made explicit:
-
-- A peer that never comes, or a coordinator that cannot be reached, would make jax wait
-  ``timeout_s`` seconds and then abort the process with a C++ stack trace. A watchdog thread
-  fires a moment earlier (one second, or 10% of a short timeout), prints which coordinator this
-  process waited for, its process id, whether the coordinator port answers, and what to check,
-  then exits with :data:`INIT_TIMEOUT_EXIT_CODE`. (jax offers no way to cancel the wait, so the
-  process has to end; an error in jax's own call is re-raised as :class:`DistributedError`.)
-- Hosts that run different code or configs fail in confusing ways much later (hangs in
-  mismatched collectives, wrong numbers). :func:`check_consistent` all-gathers a fingerprint
-  (toolkit, jax and jaxlib versions, the mesh, a hash of the config) at start-up and raises
-  :class:`ConsistencyError` on *every* process, naming the fields and the processes that
-  disagree. With one process it returns at once.
+Settings, first match wins: arguments to :func:`initialize`; ``SPMD_COORDINATOR`` /
+``SPMD_NUM_PROCESSES`` / ``SPMD_PROCESS_ID``; jax's own cluster detection. :func:`check_consistent`
+stops every process with :class:`ConsistencyError` when the hosts disagree. See docs/many-hosts.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """Named meshes for common hardware, as data.
 
-Each preset names the hardware (device count, devices per host, device kind) and a sensible
-default layout for training a dense transformer on it:
-
-- within a fast-interconnect island (a GPU node's NVLink, a TPU slice's ICI) shard parameters
-  with ``fsdp`` (ZeRO-3): it scales memory with the device count at the cost of all-gathers that
-  the interconnect hides well;
-- across slices or nodes (DCN / InfiniBand) replicate with ``data``: only one gradient
-  all-reduce per step crosses the slow network.
-
-``tensor`` is left at 1 by default: at these sizes FSDP alone fits models up to a few billion
-parameters; raise ``tensor`` (innermost, fastest links) for larger models.
+Each preset names the hardware (device count, devices per host, device kind) and a default layout
+for a dense transformer: ``fsdp`` within a fast-interconnect island, ``data`` across slices or
+nodes, ``tensor`` 1. See docs/meshes.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
-"""Simulated CPU devices for laptops, notebooks and tests.
+"""Simulated CPU devices for laptops, notebooks and tests; call before any jax work.
 
-XLA's CPU backend can split one host into N devices. The count is fixed when the backend
-starts (the first ``jax.devices()`` or computation), so this must run before any jax work.
-
-Two entry points:
-
-- ``simulate_cpu_devices(n)``: always ``n`` CPU devices (tests, CPU-only scripts).
-- ``simulate_cpu_devices_unless_accelerator(n)``: the first line of a notebook or script that
-  should use a GPU node's or TPU VM's real devices where it has them and ``n`` simulated CPU
-  devices everywhere else. It decides from what is *installed*, without starting jax's backend
-  (starting it would fix the CPU device count at 1): an accelerator means a GPU plugin (the
-  ``jax_plugins`` namespace package or ``jax_plugins`` entry points, as ``jax[cuda12]`` and the
-  ROCm plugin install) or ``libtpu`` (TPU VMs), and ``JAX_PLATFORMS`` not restricted to ``cpu``.
-  ``JAX_PLATFORMS=cpu`` therefore forces the simulation on an accelerator machine.
+``simulate_cpu_devices(n)`` always gives ``n`` CPU devices;
+``simulate_cpu_devices_unless_accelerator(n)`` gives them unless a GPU plugin or ``libtpu`` is
+installed (``JAX_PLATFORMS=cpu`` forces the simulation). See docs/meshes.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """MeshSpec: a device mesh declared as ordered axis sizes, validated before any device is touched.
 
-A mesh is data: an ordered mapping from canonical axis names to sizes, outermost (slowest
-network) first, innermost (fastest network, nearest devices) last::
+    MeshSpec.of({"data": -1, "fsdp": 1, "tensor": 2})   # outermost first; -1 inferred; others 1
 
-    MeshSpec.of({"data": -1, "fsdp": 1, "tensor": 2})
-
-At most one size may be -1; it is inferred from the device count. Axes left out have size 1,
-which costs nothing, so every mesh built from a spec carries all canonical axes and rule sets
-never have to ask whether an axis exists.
-
-Multi-slice / multi-host hybrid meshes give a second set of sizes, ``dcn``, for the axes that
-cross the slow data-centre network between slices (or hosts, on GPU clusters). The ICI sizes
-then describe one slice, and the mesh size along an axis is ``ici * dcn``.
+Optional ``dcn`` sizes describe the axes that cross the slow network between slices or hosts.
+See docs/meshes.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,8 @@
 """Explicit collectives for ``shard_map`` code, documented in the scaling book's notation.
 
-Inside ``jax.shard_map`` each device holds one block of every array; these functions move data
-between the blocks along named mesh axes. Notation: ``A[I_X, J]`` is an array whose dim I is
-sharded over axis X; ``A[I, J]{U_X}`` is an unreduced partial sum over X (each device holds a
-summand). The collectives are subscript edits:
-
-=============== ============================== =========================== ==================
-function        before                         after                       HLO op
-=============== ============================== =========================== ==================
-psum            ``A[I, J]{U_X}``               ``A[I, J]``                 all-reduce
-pmean           ``A[I, J]{U_X}``               ``A[I, J] / |X|``           all-reduce
-all_gather      ``A[I_X, J]``                  ``A[I, J]``                 all-gather
-psum_scatter    ``A[I, J]{U_X}``               ``A[I_X, J]``               reduce-scatter
-all_to_all      ``A[I_X, J]``                  ``A[I, J_X]``               all-to-all
-ppermute        ``A[I_X]`` block on device i   block moves to perm(i)      collective-permute
-=============== ============================== =========================== ==================
-
-Costs on a ring of n devices with per-link bandwidth W, for an array of V bytes in total:
-all-gather and reduce-scatter move ``V (n-1)/n`` bytes per device (~V/W time), all-reduce twice
-that (a reduce-scatter followed by an all-gather), all-to-all about a quarter of all-gather on a
-bidirectional ring, and ppermute one block per device.
+Each collective is a subscript edit: ``all_gather`` ``A[I_X, J] -> A[I, J]``, ``psum``
+``A[I, J]{U_X} -> A[I, J]``, ``psum_scatter`` ``A[I, J]{U_X} -> A[I_X, J]``, ``all_to_all``
+``A[I_X, J] -> A[I, J_X]``, ``ppermute`` moves blocks. Table and ring costs: docs/sharding.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """Activation constraints usable inside model code.
 
-Model code calls ``constrain(x_BLD, ("batch", "length", "embed"))`` at the few places where the
-layout of an activation matters (block inputs and outputs, attention heads, MLP hidden, logits).
-Outside a :func:`use_rules` context this returns ``x`` unchanged, so the same model runs as plain
-single-device code. Inside one, the dims are mapped through the rule set's *activation* table and
-the constraint is applied in the way the mesh's axis types require:
-
-- Auto axes: ``jax.lax.with_sharding_constraint`` (a hint GSPMD propagates from);
-- Explicit axes: ``jax.sharding.reshard`` (sharding is part of the type there).
-
-The context is read at trace time, so enter it inside the function being jitted (the trainer's
-step does), or around the call that traces it.
+``constrain(x_BLD, ("batch", "length", "embed"))`` returns ``x`` unchanged outside a :func:`use_rules`
+context; inside one, the dims are mapped through the rule set's activation table. The context is read
+at trace time: enter it inside the jitted function. See docs/sharding.md.
 """
 
 from __future__ import annotations

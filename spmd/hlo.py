@@ -1,20 +1,8 @@
 """What a compiled step communicates: collectives read from its optimised HLO.
 
-:func:`collectives` parses ``compiled.as_text()`` and returns one :class:`Collective` per
-collective instruction, with
-
-- ``kind``: all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute;
-- ``axes``: the mesh axes it communicates over (from its replica groups, in any of the forms XLA
-  prints: ``{{0,1},{2,3}}``, iota ``[2,4]<=[8]``, ``mesh['axis_0'=2,...] {'axis_0'}``; or from the
-  source-target pairs of a permute);
-- ``count``: how many times it runs per step (instructions inside a ``while`` loop, e.g. a scan
-  over layers, count once per iteration when XLA knows the trip count);
-- ``bytes``: per device per execution, the size of the *full* buffer: the gathered result of an
-  all-gather, the un-scattered input of a reduce-scatter, the reduced array of an all-reduce
-  (tuple all-reduces, which XLA forms by merging, add up their operands).
-
-Partition ids in replica groups are positions in the mesh's flattened device array (the jit's
-device assignment), so axes are recovered from the mesh shape alone.
+:func:`collectives` returns one :class:`Collective` per collective instruction of
+``compiled.as_text()``: its kind, the mesh axes it runs over, how many times per step, and its
+bytes per device. See docs/sharding.md.
 """
 
 from __future__ import annotations

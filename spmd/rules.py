@@ -1,30 +1,9 @@
 """Rules: logical dims -> mesh axes, as data.
 
-Model code names the dims of every parameter and activation with logical names (``embed``,
-``mlp``, ``heads`` ...). A rule set maps those names to mesh axes; nothing else in the toolkit
-spells a PartitionSpec. A rule set holds two tables, because parameters and activations of the
-same logical dim are sharded differently: under FSDP the parameters' ``embed`` dim is split over
-``fsdp`` while activations are split along ``batch`` over ``fsdp`` and keep ``embed`` whole.
-
-Presets, in the scaling book's notation (``W[D_fsdp, F_tensor]``: dim D sharded over axis fsdp):
-
-======== ======================================== ============================================
-preset   parameters                               activations
-======== ======================================== ============================================
-dp       replicated: ``W[D, F]``                  ``x[B_data, L, D]``
-fsdp     ``W[D_fsdp, F]`` (all-gathered for use)  ``x[B_(data,fsdp), L, D]``
-tp       ``W_in[D, F_tensor]``, ``W_out[F_tensor, D]``  ``x[B, L, D]``, ``h[B, L, F_tensor]``
-dp_tp    as tp                                    ``x[B_data, L, D]``, ``h[B_data, L, F_tensor]``
-fsdp_tp  ``W_in[D_fsdp, F_tensor]``               ``x[B_(data,fsdp), L, D]``, ``h[.., F_tensor]``
-======== ======================================== ============================================
-
-Every preset also splits a Stack's stacked ``layers`` dim over ``pipe`` (``W[layers_pipe, D, F]``):
-contiguous blocks of layers per pipeline stage (``spmd.pipeline``); at pipe=1 the rule drops out.
-
-What communicates: DP all-reduces gradients over ``data``; FSDP all-gathers each weight over
-``fsdp`` before use (forward and backward) and reduce-scatters its gradient; TP (Megatron)
-all-reduces the partial sums of each row-parallel matmul (attention output, MLP down) over
-``tensor``, once per block in the forward pass and once in the backward pass.
+A rule set holds two tables of (logical dim, mesh axes) pairs, one for parameters and one for
+activations; nothing else in the toolkit spells a PartitionSpec. Rule sets per strategy: ``dp``,
+``fsdp``, ``tp``, ``dp_tp``, ``fsdp_tp`` (e.g. fsdp: ``W[D_fsdp, F]``, ``x[B_(data,fsdp), L, D]``).
+Table and what communicates: docs/sharding.md.
 """
 
 from __future__ import annotations

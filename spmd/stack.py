@@ -1,19 +1,9 @@
 """A stack of identical blocks, stored with a leading ``layers`` dim and run as a scan.
 
-``Stack(lambda rngs: Block(..., rngs=rngs), n_layers, rngs=rngs)`` creates the n blocks with
-``nnx.vmap`` (each with its own init RNG), so every parameter gets a leading ``layers`` dim
-(``W[layers, D, F]``) and the logical-dims metadata gains ``"layers"`` in front. The forward pass
-is ``jax.lax.scan`` over that dim: one block's code is traced and compiled once, whatever the
-depth. ``remat`` names what each block keeps for the backward pass, applied to the scan body, so
-per block (:mod:`spmd.remat`: ``"none"`` / ``False`` keeps every intermediate, ``"full"`` / ``True``
-only the block input, ``"save_dots"`` the matmul outputs, ``"offload"`` those on the host,
-``"save_all_but_gathered"`` everything but the weights). The scan keeps what the policy keeps for
-every layer, stacked along ``layers``; the parameters themselves are scanned over, never copied,
-unless the policy keeps the weights the block computed from them (only ``none`` does: under FSDP
-those are the all-gathered weights of every layer).
+    Stack(lambda rngs: Block(..., rngs=rngs), n_layers, rngs=rngs)
 
-Keeping the stack as one array per parameter is also what lets a later layout cut it into
-pipeline stages along ``layers``.
+Parameters are ``W[layers, D, F]``; one block is traced once whatever the depth; ``remat`` names what
+each block keeps (:mod:`spmd.remat`). See docs/memory.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,8 @@
 """Every kind of NNX model state, split into sharded pure dicts: params and the rest.
 
-A research model holds more than parameters: ``nnx.BatchNorm`` keeps batch statistics
-(``nnx.BatchStat``), ``nnx.Dropout(rngs=...)`` keeps an RNG stream (``nnx.RngKey`` and
-``nnx.RngCount``), and users define their own ``nnx.Variable`` kinds. :func:`init_model` creates all
-of them directly sharded and returns a :class:`ModelVars`:
-
-- ``params``: every ``nnx.Param``, as a pure dict (what gradients and the optimizer see);
-- ``other``: every other variable, as a pure dict (carried through the step, never differentiated);
-  RNG keys are stored as their raw key data (``uint32``) so that checkpoints hold plain arrays;
-- ``shardings``: ``{"params": ..., "other": ...}``, NamedShardings of the same structure.
-
-How each variable is sharded (:func:`decide`, one :class:`Decision` per variable, printable with
-:func:`format_decisions`), first match wins:
-
-1. **annotation**: logical dims in the variable's metadata (``nnx.with_partitioning``,
-   ``sharding=``/``out_sharding=`` on the variable, ``spmd.models.param``), mapped by the rule set;
-2. **path rule**: ``path_rules``, data of the form ``((regex, dims), ...)`` matched (``re.search``)
-   against the variable's path (``"blocks/mlp/kernel"``); ``dims`` is a tuple of logical dims mapped
-   by the rule set, or a ``PartitionSpec`` of mesh axes used as is;
-3. **default**: a variable of at least ``min_default_size`` elements, under a rule set that shards
-   parameters' ``embed`` dim (fsdp presets), is sharded over those axes on its largest dim that
-   divides (FSDP without annotations); everything else (small variables, batch statistics, RNG
-   state, or no such dim) is replicated.
-
-Flax 0.12 shards annotated variables eagerly when they are constructed, which needs a mesh in
-context; the toolkit creates models with eager sharding off (``nnx.use_eager_sharding(False)``)
-and shards them itself from the metadata, so ``nnx.with_partitioning`` works without flags.
+:func:`init_model` creates every variable directly sharded and returns a :class:`ModelVars`
+(``params``, ``other``, ``shardings``). :func:`decide` picks each variable's sharding, first match
+wins: annotation, path rule, FSDP default; :func:`format_decisions` prints them. See docs/sharding.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,8 @@
 """Hardware data for planning: what one device of a target machine can compute, hold and move.
 
-A :class:`Hardware` is a frozen record of datasheet figures for one accelerator model, per
-device (one GPU, one TPU chip as JAX shows it):
-
-- ``peak_bf16`` / ``peak_f32``: dense matmul FLOP/s (never the 2:4-sparsity figures). ``f32`` is
-  what XLA runs an f32 matmul at by default: TF32 tensor cores on NVIDIA, one bf16 MXU pass on TPU.
-- ``hbm_bytes`` and ``hbm_bw``: memory capacity (bytes) and bandwidth (bytes/s).
-- ``ici_bw``: the fast network inside a node / slice (NVLink, TPU ICI), bytes/s per device, as
-  the datasheet gives it: the *bidirectional aggregate* over all of the device's links.
-- ``dcn_bw``: the slow network between nodes / slices (InfiniBand, data-centre network), bytes/s
-  per device, one direction.
-- ``domain``: how many devices share the fast network (8 GPUs of an NVLink node, a TPU pod's
-  chips). A mesh axis whose collective groups span more devices than this crosses the DCN.
-
-Every figure carries its source in a comment. The roofline in :mod:`trainers.planning.dryrun` uses
-``ici_bw / 2`` as the bandwidth a collective along one mesh axis gets (one direction of the
-aggregate): optimistic where several mesh axes share the same links at the same time, pessimistic
-where an algorithm drives both directions of every link. Treat estimates as +-2x.
-
-``cpu`` is a stand-in for tests and laptops (numbers of a generic server socket), and
-:func:`custom` builds an artificial device (e.g. a tiny HBM to see what gets rejected).
+A :class:`Hardware` is a frozen record of datasheet figures per device (peak FLOP/s, HBM size and
+bandwidth, fast and slow network bandwidth, fast-network domain), each with its source in a comment.
+Treat estimates as +-2x. See docs/planning.md.
 """
 
 from __future__ import annotations

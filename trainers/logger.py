@@ -1,20 +1,7 @@
 """Run logging: one call writes a step's metrics to JSONL, TensorBoard and the progress bar.
 
-A run directory holds:
-
-    run_dir/config.json         the resolved config (`write_config`)
-    run_dir/metrics.jsonl       one JSON object per `RunLogger.log` call
-    run_dir/tensorboard/        TensorBoard event files, tags "<split>/<metric>" ("train/loss")
-
-Each JSONL line is `{"step": int, "split": str, "time": unix seconds, <metric>: float | null}`.
-JSON has no NaN or infinity, so **non-finite values are written as `null`** (strict JSON that
-every reader parses; `read_metrics` turns them back into NaN). TensorBoard gets the raw value,
-NaN and inf included. Values may be Python numbers, numpy scalars or one-element jax/numpy
-arrays; they are converted to Python floats (a jax array is fetched to the host).
-
-Multi-host: every process builds a `RunLogger`, but only the one built with `is_main=True`
-(process 0: `jax.process_index() == 0`) creates files, shows a bar or prints; the others
-accept the same calls and do nothing, so the train loop needs no `if` around logging.
+A run directory holds `config.json`, `metrics.jsonl` (non-finite values as `null`) and
+`tensorboard/`; only the process built with `is_main=True` writes. See docs/metrics.md.
 """
 
 from __future__ import annotations

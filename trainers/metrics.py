@@ -1,31 +1,9 @@
 """Throughput metrics: peak FLOP/s per device, model FLOPs utilisation (MFU), step timing.
 
-MFU answers "what fraction of the hardware's dense matmul peak did the model's own arithmetic
-use?":
-
     mfu = model_flops_per_step / (step_time_s * n_devices * peak_flops_per_device)
 
-`model_flops_per_step` counts the model's FLOPs for one global step (forward + backward, all
-devices together; recomputation from rematerialisation is not counted), so MFU is comparable
-across sharding layouts and remat policies.
-
-Where the peak comes from:
-- Accelerators: `trainers.hardware.PEAK_FLOPS`, a table of vendor datasheet figures for *dense* matmuls (never the
-  2:4-sparsity figures), matched against `jax.Device.device_kind`. Two columns: `bfloat16`, and
-  `float32` as XLA runs an f32 matmul at its default precision: TF32 tensor cores on NVIDIA
-  Ampere and later, one bf16 MXU pass on TPU (so the TPU f32 figure equals its bf16 figure).
-  Figures are per chip; `devices_per_chip` divides them where JAX shows each TensorCore of a
-  chip as its own device (TPU v2, v3, 7x), because `n_devices` in the MFU formula counts JAX
-  devices.
-- CPU: measured, not looked up: the best time of a jitted square matmul through XLA on this
-  machine (`measure_cpu_matmul_peak`). Simulated CPU devices share the host's cores, so the
-  per-device peak is the measured figure divided by the number of local CPU devices; an MFU
-  over a mesh of all of them then compares against the whole machine.
-- Anything else: a warning and NaN. MFU is then NaN, never a made-up number.
-
-Matching is by substring with word boundaries (so "A100" does not match "A1000" and "H200" does
-not match "GH200"); the first entry in table order wins, so longer, more specific kinds come
-before the kinds they contain ("TPU v5 lite" before "TPU v5", "H100 PCIe" before "H100").
+Peaks come from `PEAK_FLOPS` (dense datasheet figures) or, on CPU, a measured matmul; otherwise MFU
+is NaN. See docs/metrics.md.
 """
 
 from __future__ import annotations

@@ -1,40 +1,8 @@
 """The optimizer chain: clip by global norm, then one optimizer with masked weight decay.
 
-``make_optimizer`` returns one ``optax.GradientTransformation``::
-
-    chain(clip_by_global_norm(clip_norm),          # skipped when clip_norm is None
-          <optimizer>(schedule, weight_decay, mask=decay_mask))
-
-Optimizers (all from optax building blocks):
-
-- "adamw":     Adam with decoupled weight decay, ``p -= lr * (adam(g) + wd * p)``.
-- "sgd":       SGD with (heavy-ball) momentum and L2 weight decay added to the
-               gradient before momentum, as in the classic ResNet recipe.
-- "adafactor": factored second moments (Shazeer & Stern, 2018), update clipping
-               at block RMS 1 and relative step size (the update is scaled by
-               the parameter's RMS); ``b1``/``b2`` are not used. Weight decay is
-               decoupled and scaled by the LR, like AdamW. (``optax.adafactor``
-               adds its ``weight_decay_rate`` after the LR, unscaled, so the same
-               number would mean something else; the chain is spelled out here.)
-- "lamb":      Adam moments + layer-wise trust ratio (You et al., 2019), for
-               large batches.
-- "lars":      momentum SGD + layer-wise trust ratio (You et al., 2017), for
-               large batches; masked parameters get neither decay nor trust
-               ratio, as in the paper's practice for biases and norms.
-
-Weight decay applies only where ``decay_mask`` says True. By default that is
-every parameter with ``ndim >= 2`` whose '/'-joined key path matches none of
-``DEFAULT_NO_DECAY``: embeddings, biases and norm scales are not decayed. The
-name patterns matter for layer stacks run as a scan, where a norm scale carries
-a leading ``layers`` dim and is 2-D. The mask is a function of the tree it is
-given, computed from shapes and paths only, so the optimizer state can be built
-abstractly (``jax.eval_shape`` on ``jax.ShapeDtypeStruct`` params) and sharded
-like the params before any array exists.
-
-Optimizer state mirrors the params tree leaf by leaf (AdamW: ``mu``, ``nu``
-with each param's shape), so it takes the params' shardings; the update is
-elementwise except for the global norm (an all-reduce of per-shard squared
-sums) and, for LAMB/LARS, per-parameter norms.
+``make_optimizer`` returns ``chain(clip_by_global_norm(clip_norm), <optimizer>(schedule,
+weight_decay, mask=decay_mask))`` for ``adamw``, ``sgd``, ``adafactor``, ``lamb`` or ``lars``; the
+optimizer state takes the params' shardings. See docs/training.md.
 """
 
 from __future__ import annotations

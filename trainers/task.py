@@ -1,32 +1,9 @@
 """What to train: a :class:`Task` carries the model, the loss, the data and the eval metrics.
 
-``trainers.train(cfg, task)`` trains any task with every feature of the run (directly sharded
-state, warmup and decay, clipping, accumulation, the loss-spike guard, preemption, exact resume,
-eval, MFU, JSONL and TensorBoard). The built-in GPT is one task among others (:func:`lm_task`),
-built through the same seam. The contract:
+    Task(model=lambda rngs: Model(rngs=rngs), loss=loss, data=examples, eval_metrics={...})
 
-- ``model(rngs) -> nnx.Module``: built directly sharded. Any ``nnx.Variable`` kind is welcome:
-  params, batch statistics, RNG streams, your own. Dims come from flax metadata
-  (``nnx.with_partitioning``, ``out_sharding=``), else from ``path_rules`` (``((regex, dims), ...)``,
-  see ``spmd.variables``), else the documented default.
-- ``loss(model, batch, rngs) -> loss`` or ``(loss, {name: scalar})``: called in training mode
-  (``model.train()``); ``rngs`` is an ``nnx.Rngs`` for this step (dropout keys are the same on
-  every layout and after a resume). Metrics are averaged and logged with the loss.
-- ``data``: a grain ``MapDataset`` (or any ``len``/``[i]`` sequence) of single examples, which the
-  toolkit shuffles per epoch, repeats, cuts into global batches of ``data.global_batch`` rows and
-  reads per process, resuming exactly; or a grain ``IterDataset`` / any iterable of *per-process*
-  batches (exactly resumable when its iterator has ``get_state``/``set_state``). Either may be
-  given as a function ``cfg -> data`` (built when the run starts). A batch is any pytree of arrays
-  whose leading dim is the batch.
-- ``eval_data`` likewise, and ``eval_metrics``: ``{name: fn(model, batch) -> values[B]}``, one value
-  per example (e.g. ``logits.argmax(-1) == label``), averaged over every real eval row of every
-  batch and process. ``run.eval_batches = -1`` evaluates one full pass over a finite eval set.
-- ``flops_per_example``: model FLOPs of one example's forward and backward pass, for MFU; without
-  it the run counts them from the loss's jaxpr (3 x the forward pass's matmul FLOPs, scanned
-  bodies counted once per iteration) and says so in the log.
-- ``config``: the default :class:`trainers.config.Config` of ``spmd-train module:task``.
-- ``pipelined``: set when the loss runs its ``spmd.Stack`` through ``spmd.pipeline.pipelined_loss``
-  under ``cfg.pipeline`` (the LM task does); a pipelined config with a task that does not is an error.
+``trainers.train(cfg, task)`` trains any task with every feature of the run; the built-in GPT is
+one task (:func:`lm_task`). The contract: docs/training.md.
 """
 
 from __future__ import annotations

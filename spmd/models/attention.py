@@ -1,36 +1,8 @@
 """Causal attention kernels: ``attend(q, k, v, impl=...)``, one function, several implementations.
 
-Shapes: ``q[B, L, H, K]``, ``k, v[B, L, G, K]`` with ``H = G * R`` (grouped KV heads: query head
-``h = g * R + r`` reads KV head ``g``), RoPE already applied; returns ``out[B, L, H, K]`` in ``q``'s
-dtype. Scores are scaled by ``K ** -0.5``; softmax runs in f32.
-
-Implementations (``GPTConfig.attention``) and what each keeps in memory for the backward pass:
-
-- ``naive``: the whole ``[B, G, R, L, L]`` score matrix in f32, and the probabilities that autodiff
-  saves for the backward pass (quadratic in L).
-- ``xla``: ``jax.nn.dot_product_attention(..., implementation="xla")``, the library's reference
-  path: it also materialises ``[B, H, L, L]`` (quadratic in L); GQA without repeating K/V.
-- ``cudnn``: ``jax.nn.dot_product_attention(..., implementation="cudnn")``, cuDNN's fused flash
-  attention: GPU only (bf16/f16, head_dim a multiple of 8 and <= 128); on any other backend it
-  raises an error naming the backend. Keeps q, k, v, out and the per-row softmax statistics.
-- ``blockwise``: flash attention in plain JAX (Dao et al., 2022; FlashAttention-2, 2023). A loop
-  over query blocks runs an inner loop over the key blocks at or before it (blocks entirely above
-  the diagonal are skipped, the diagonal block is masked) with an online softmax: f32 running
-  max, sum and output accumulator per query row. A ``custom_vjp`` saves only q, k, v, the output
-  and the f32 log-sum-exp per row (linear in L); the backward pass recomputes each block's
-  probabilities in a loop over key blocks with an inner loop over the query blocks at or after
-  it. Live scratch is a few ``[B, G, R, block, block]`` f32 tiles, whatever L. K/V heads are
-  never repeated: the R query heads of a group contract against its one K/V head.
-- ``auto``: ``cudnn`` on a GPU when dtype and head_dim allow it; else ``blockwise`` when
-  ``L > block``; else ``naive`` (so short sequences keep today's numerics bit for bit).
-
-Block size: when ``block`` does not divide L, the blockwise path uses ``n = ceil(L / block)``
-blocks of ``ceil(L / n)`` positions (never larger than ``block``) and pads L with zeros up to
-``n`` times that, so the padding is less than ``n`` positions. Padded keys lie after every real
-query and are removed by the causal mask; padded query rows are sliced off.
-
-Sharding: every path is single-device code; batch and heads may be sharded (the blockwise loops
-slice only the length dim). A sharded ``length`` dim (the ``seq`` axis) is not handled here.
+``q[B, L, H, K]``, ``k, v[B, L, G, K]`` (grouped KV heads), RoPE applied; returns ``out[B, L, H, K]``.
+Implementations: ``naive``, ``xla``, ``cudnn``, ``blockwise`` (flash attention in plain JAX, memory
+linear in L) and ``auto``. What each keeps in memory: docs/memory.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
 """Next-token cross-entropy from the last hidden states, in chunks so the logits never exist whole.
 
-``chunked_lm_loss(x_BLD, logits_fn, targets_BL, chunk=C)`` computes the same mean cross-entropy
-(and z-loss) as ``lm_loss(logits_fn(x_BLD), targets_BL)``, ``C`` sequence positions at a time.
-
-The logits of a language model are the largest activation of its step: ``[B, L, V]`` in f32 is
-256 MiB for one sequence of 2048 tokens over a 32768-token vocabulary, and the backward pass holds
-them (and the softmax) again. Here the sequence is cut into ``ceil(L / C)`` chunks (the last one
-padded; padded positions are dropped before the mean) and a ``jax.lax.scan`` computes, per chunk,
-``logits[B, C, V] -> logsumexp[B, C]`` and the target's logit. The per-chunk function is wrapped in
-``jax.checkpoint``, so autodiff keeps only each chunk's hidden states ``x[B, C, D]`` and the
-backward pass recomputes that chunk's logits: at most one chunk's ``[B, C, V]`` lives at a time,
-forward or backward. The price is one more head matmul per chunk (the recomputation).
-
-Sharding: chunking cuts the length dim only, so each chunk's logits keep the layout ``logits_fn``
-gives them, e.g. ``logits[B_(data,fsdp), C, V_tensor]``. The logsumexp and the target pick (a
-one-hot product, which partitions like the logsumexp where a gather on vocab-sharded logits may
-not) reduce over ``V``: an all-reduce over ``tensor`` of a ``[B, C]`` array per chunk. The head
-weight's gradient is accumulated across chunks by the scan's backward pass.
+``chunked_lm_loss(x_BLD, logits_fn, targets_BL, chunk=C)`` equals
+``lm_loss(logits_fn(x_BLD), targets_BL)``, computed ``C`` positions at a time with each chunk's
+logits recomputed in the backward pass. See docs/memory.md.
 """
 
 from __future__ import annotations

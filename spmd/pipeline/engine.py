@@ -1,46 +1,8 @@
 """Running a stack of blocks as a pipeline over the ``pipe`` mesh axis, with ``shard_map``.
 
-The model's stacked block parameters are stored ``W[L_pipe, ...]`` (natural layer order, the
-``layers`` dim sharded over ``pipe``). :func:`run_schedule` splits the L layers into ``C = S*V``
-chunks of ``L/C`` consecutive layers; chunk ``c`` runs on device ``c % S`` as its virtual stage
-``v = c // S``. The embedding runs before (GSPMD) and gives ``x[M, B/M, L, D]``; the head and
-loss (``head_fn``) run on the device holding the last chunk.
-
-Inside the ``shard_map`` ``pipe`` is manual, and so are the batch axes (:mod:`spmd.pipeline.manual`:
-the axes the active rule set splits ``batch`` over, ``data`` and ``fsdp``); ``tensor`` stays
-automatic, so the blocks keep their TP layout inside a stage, and the model's constraints are
-re-targeted with the manual axes removed. A manual batch axis makes each device's gradients local
-partial sums, ``G[..]{U_data}``, that accumulate over every tick and are reduced once per step,
-after the schedule (as Megatron and torchtitan reduce after the pipeline flush); with the axis
-automatic, GSPMD would reduce each backward's gradient on every tick. Loss and aux are averaged
-over the batch axes. A batch axis that also shards parameters (``fsdp``: ``W[L_pipe, D_fsdp, F]``)
-enters with that sharding; :mod:`spmd.pipeline.layout` all-gathers each stage's weights (and the
-head's) over it once before the tick loop and reduce-scatters their gradients once after it. That
-costs one stage's full weights per device (plus a gradient accumulator of the same size) for the
-whole step, instead of re-gathering weights and reducing gradients over ``fsdp`` on every tick.
-Without logical dims on the parameters (plain arrays) ``fsdp`` stays automatic, as before.
-
-Two engines:
-
-- **gpipe** (autodiff): one ``lax.scan`` over ``M + S - 1`` ticks; each tick every stage runs its
-  chunk and ``ppermute`` passes the output to the next stage. ``jax.grad`` differentiates through
-  the loop, so the scan keeps every microbatch's residuals: activation memory grows with M
-  (``remat=True`` keeps only each stage's input per tick).
-- **table** (1F1B, interleaved): one ``lax.scan`` over the :class:`Schedule`'s ticks. Each device
-  reads its action from the constant table at ``[tick, axis_index("pipe")]`` and ``lax.switch``-es
-  to idle / forward / forward+loss (last chunk) / backward. A forward stores nothing but its input
-  (in a stash of ``max in-flight`` slots), a backward recomputes its chunk from the stashed input
-  with ``jax.vjp``, adds the parameter gradient and sends the input gradient back. So activation
-  memory is about S microbatches' stage inputs whatever M is. Every tick does exactly two
-  ``ppermute`` over ``pipe`` (outside the switch): one ``x[B/M, L, D]`` forward, one of the same
-  size backward (zeros when idle). The whole thing is a ``jax.custom_vjp``: its forward rule runs
-  the schedule and keeps the gradients, its backward rule scales them by the loss cotangent; the
-  primal alone (evaluation) runs the forward-only table.
-
-Interleaved (V > 1) layout cost: device s needs chunks ``s, s+S, ...`` but stores layers
-``[s*L/S, (s+1)*L/S)``, so each step reorders ``W[L]`` as ``[V, S, L/C] -> [S, V, L/C]`` under the
-``pipe`` sharding (GSPMD moves ``(S-1)/S`` of the block parameters over ``pipe``, and the gradients
-back). With V = 1 the split is the stored sharding and nothing moves.
+:func:`run_schedule` splits the stacked layers ``W[L_pipe, ...]`` into chunks, one or more per
+stage, and runs the schedule: ``gpipe`` by autodiff through one scan, ``1f1b`` and ``interleaved``
+from a :class:`Schedule` table with a recomputing backward. See docs/pipelines.md.
 """
 
 from __future__ import annotations

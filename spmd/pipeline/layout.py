@@ -1,25 +1,8 @@
 """How the stage and head parameters enter the pipeline's ``shard_map``: specs, one gather, one reduction.
 
-Inside the pipeline ``pipe`` is manual, and so are the mesh axes the rule set splits ``batch``
-over (:func:`spmd.pipeline.manual.manual_batch_axes`). Such a batch axis may also shard
-parameters: under ``fsdp`` / ``fsdp_tp`` the stored layout is ``W[layers_pipe, D_fsdp, F_tensor]``
-and the head ``W[D_fsdp, V_tensor]``. Then each parameter enters the ``shard_map`` with the
-manual part of its stored spec (``P("pipe", "fsdp")``; automatic axes such as ``tensor`` stay
-with GSPMD), and :class:`ParamLayout` moves it exactly twice per step:
-
-- :meth:`ParamLayout.gather`: ``W[.., D_fsdp, ..] -> W[.., D, ..]`` (tiled all-gather over the
-  axes that shard each dim), once, before the schedule's tick loop; every tick then uses the
-  gathered weights. Memory cost per device: one stage's full weights (all its V chunks) and the
-  head, plus a gradient accumulator of the same (gathered) size, instead of ``1/|fsdp|`` of each.
-- :meth:`ParamLayout.reduce`: the accumulated gradients ``G[.., D, ..]{U_(data,fsdp)}`` are
-  reduce-scattered back to ``G[.., D_fsdp, ..]{U_data}`` (psum_scatter over the gathered axes),
-  then all-reduced over the remaining manual batch axes (``data``): once per step, after the
-  schedule, as in :mod:`spmd.collectives`' notation.
-
-A parameter that a manual batch axis does not shard (replicated over it) is all-reduced over that
-axis instead. Layouts the manual axes cannot express (no logical dims on a leaf, a manual axis
-sharding a dim after an automatic one, a manual axis on the ``layers`` dim) give ``None``; the
-engine then keeps those axes automatic.
+:class:`ParamLayout` all-gathers parameters sharded over a manual batch axis (``W[layers_pipe,
+D_fsdp, F_tensor]``) once before the tick loop and reduce-scatters their gradients once after it.
+See docs/pipelines.md.
 """
 
 from __future__ import annotations

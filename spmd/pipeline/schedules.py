@@ -1,23 +1,11 @@
 """Pipeline schedules as data: which stage does what on which tick.
 
-A :class:`Schedule` is a table ``actions[tick, stage] = (kind, m, v)``: ``kind`` is idle, forward
-or backward, ``m`` the microbatch and ``v`` the virtual stage (the chunk of layers ``c = v*S + s``
-that device ``s`` holds). Every tick is one chunk-op; a value a stage produces on tick ``t`` is on
-its neighbour at the start of tick ``t + 1``.
+A :class:`Schedule` is a table ``actions[tick, stage] = (kind, m, v)``, built by :func:`gpipe`,
+:func:`one_f_one_b` or :func:`interleaved`; the bubble is what the order of ops implies.
 
-Builders, with S stages, M microbatches, V virtual stages per device:
+    print(get_schedule("1f1b", 4, 8).timeline())
 
-- :func:`gpipe`: all M forwards, then all M backwards. Stage inputs held: M.
-- :func:`one_f_one_b`: ``S - s - 1`` warm-up forwards on stage s, then one forward / one backward,
-  then the cool-down backwards; each backward runs as early as possible. Stage inputs held: <= S.
-- :func:`interleaved`: Megatron's circular schedule. Device s holds chunks ``s, s+S, ...``;
-  forwards go in groups of S microbatches chunk by chunk, backwards likewise in reverse chunk
-  order; needs ``M % S == 0``.
-
-Each builder only fixes every stage's *order* of ops; :func:`_simulate` places each op on the first
-tick where its inputs exist (forward of chunk c after forward of c-1 finished; backward of c after
-backward of c+1 and its own forward). So the bubble is what the order implies:
-``(S-1)/(M+S-1)`` for gpipe and 1f1b, ``(S-1)/(V*M+S-1)`` for interleaved (idle slots / all slots).
+See docs/pipelines.md.
 """
 
 from __future__ import annotations

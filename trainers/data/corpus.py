@@ -1,25 +1,7 @@
 """Corpora: where the token ids come from, as one flat 1-D array per split.
 
-Every corpus is a 1-D integer array of token ids; the loader (`trainers.data`)
-cuts it into windows and never needs to know where it came from.
-
-- `stdlib_corpus`: the default, real text that needs no download. The bytes of
-  the Python standard library's `*.py` files (about 730 files, 12 MB), byte-level
-  tokens (vocab 256), each file followed by `DOCUMENT_END`. `site-packages` and
-  the `test`/`tests`/`idle_test` folders are skipped (the test suites are larger
-  than the library itself and full of deliberately odd files).
-- `text_corpus`: a user's text file or folder, tokenized the same way.
-- `npy_corpus`: a `.npy` of token ids, memory-mapped, never read whole.
-- `synthetic_corpus`: uniform random tokens, for benchmarks only (nothing to learn).
-
-Train/validation splits are deterministic on every host and every run:
-- a folder of documents is split *by document*: a file goes to validation when a
-  stable hash (SHA-256, not Python's salted `hash()`) of its relative POSIX path
-  falls below `validation_fraction`, so adding a file never moves the others;
-- a single file or array is split *by position*: the last `validation_fraction`
-  of the tokens is validation.
-
-Byte corpora are `uint8`; the loader casts windows to int32.
+`stdlib_corpus` (the Python standard library's source, bytes, no download), `text_corpus`,
+`npy_corpus` and `synthetic_corpus`. Splits are deterministic on every host. See docs/data.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
     spmd-train trainers.examples.decoder:task --simulate-devices 8
 
 Parallel attention + GELU MLP blocks on one LayerNorm, learned positions, dropout, in an
-:class:`spmd.Stack`. Its layout under ``fsdp_tp``: docs/examples.md.
+:class:`spmd.Stack`. Its layout under ``fsdp_tp``: docs/models.md.
 """
 
 from __future__ import annotations

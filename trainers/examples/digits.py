@@ -4,7 +4,7 @@
     spmd-train trainers.examples.digits:task --simulate-devices 8
 
 :class:`Mixer` is plain flax NNX with logical dims; everything below it is the user's program:
-data, loss, metric, task and run. Its layout under ``fsdp_tp``: docs/examples.md.
+data, loss, metric, task and run. Its layout under ``fsdp_tp``: docs/models.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,7 @@
 """Preemption: turn SIGTERM/SIGINT into "finish this step, checkpoint it, exit cleanly".
 
-Cluster schedulers (Kubernetes, SLURM, TPU maintenance events) send SIGTERM and give a grace
-period before SIGKILL. :class:`PreemptionWatcher` installs handlers for the duration of a
-``with`` block only (``train()`` is also called from notebooks and tests, whose handlers must
-come back afterwards). A handler only sets a flag: the step in flight finishes, the loop asks
-``should_stop(step)`` after each step, saves a checkpoint at that step, waits for it to commit
-and returns with ``preempted=True``. A second SIGINT raises ``KeyboardInterrupt`` (an impatient
-Ctrl-C still works); further SIGTERMs change nothing.
-
-Many processes must stop at the *same* step, or their checkpoints would disagree (and orbax's
-save would hang in its barrier). The signal usually reaches one host first, so the local flag
-is agreed on: every ``check_every`` steps each process contributes its flag to one
-``process_allgather`` and all of them stop if any asked. The check steps are a pure function of
-the step number, so every process calls the collective at the same steps. (jax's
-``reached_preemption_sync_point`` does the same through the coordination service, but only for
-SIGTERMs its own notifier sees, after ``jax.distributed`` was started with the preemption service;
-an allgather of a flag works everywhere, with SIGINT, and with a test's own request.) With one
-process there is no collective and the flag is read every step.
-
-:func:`barrier` is a bounded wait for all processes (a clear ``TimeoutError`` instead of a hang).
+:class:`PreemptionWatcher` installs handlers for a ``with`` block; every process agrees on the
+step to stop at. :func:`barrier` is a bounded wait for all processes. See docs/faults.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,8 @@
 """``spmd-launch --processes N [--devices-per-process K] -- spmd-train ...``: a pod on one machine.
 
-Starts N copies of a command on localhost as the N processes of one multi-controller jax run,
-the way a pod scheduler would start one per host: each child gets ``SPMD_COORDINATOR``
-(127.0.0.1 and a free port), ``SPMD_NUM_PROCESSES``, ``SPMD_PROCESS_ID`` and ``SPMD_INIT_TIMEOUT``,
-which ``meshes.distributed.initialize`` reads, and K simulated CPU devices (``JAX_PLATFORMS=cpu``,
-``XLA_FLAGS=--xla_force_host_platform_device_count=K``). So ``--processes 2
---devices-per-process 4`` is one 8-device mesh spread over two processes, exactly as two 4-GPU
-hosts would be.
-
-It fails as a whole, like a pod job:
-
-- each child's output (stdout and stderr) is forwarded line by line, prefixed ``[p0] ``, ``[p1] ``...;
-- when a child exits non-zero or is killed, the others get SIGTERM, then SIGKILL after
-  ``grace_s``, and the launcher returns that first failure's status (``128 + signal`` for a
-  signal), so a crashed peer never leaves the rest hanging in a collective;
-- each child runs in its own process group (its own children are signalled too), and on Linux
-  dies with the launcher even if the launcher is SIGKILLed; SIGINT/SIGTERM to the launcher are
-  forwarded as SIGTERM to every child, then it waits and returns their status (the first
-  non-zero one; 0 if all of them shut down cleanly).
-
-``launch(cmd, processes=...)`` is the same thing as a function (notebooks, tests).
+Starts N copies of a command on localhost as the processes of one multi-controller jax run, each
+with the ``SPMD_*`` variables and K simulated CPU devices; the job fails as a whole. ``launch(cmd,
+processes=...)`` is the same as a function. See docs/many-hosts.md.
 """
 
 from __future__ import annotations

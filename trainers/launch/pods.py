@@ -1,19 +1,8 @@
 """Command lines that run one training job on every host of a real cluster.
 
-A multi-host run is the *same* ``spmd-train`` command started once per host; only how it is
-started differs. ``meshes.distributed.initialize`` then finds its peers:
-
-- **TPU VM pod** (``trainers/launch/scripts/tpu_pod.sh``): ``gcloud compute tpus tpu-vm ssh NAME
-  --worker=all --command="spmd-train ..."`` starts it on every worker; jax asks the TPU
-  metadata server for the coordinator, process count and id.
-- **SLURM GPU cluster** (``trainers/launch/scripts/slurm_gpu.sbatch``): ``srun`` starts one task per
-  node; jax reads ``SLURM_JOB_ID``, ``SLURM_STEP_NODELIST``, ``SLURM_NTASKS``, ``SLURM_PROCID``.
-- **anything else**: export ``SPMD_COORDINATOR=host0:port``, ``SPMD_NUM_PROCESSES`` and
-  ``SPMD_PROCESS_ID`` on each host (or pass ``--coordinator/--num-processes/--process-id``).
-- **one machine** (tests, laptops): ``spmd-launch --processes N -- spmd-train ...``.
-
-These builders make the command lines the scripts run, so notebooks and tests can produce and
-check them without a cloud account.
+``train_command``, ``tpu_pod_command`` and ``slurm_command`` build the command lines the scripts in
+``trainers/launch/scripts/`` run, so notebooks and tests can check them without a cloud account.
+See docs/many-hosts.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,8 @@
 """What the planning layer knows of any task without building it: its variables, its batch, its jaxpr.
 
-:func:`profile_task` reads a :class:`trainers.task.Task` abstractly (nothing allocated, no mesh):
-
-- **variables**: every ``nnx.Variable`` of the model, with logical dims and where they came from
-  (:func:`trainers.planning.diagnose.model_variables`), so any layout's shard shapes follow from
-  :func:`spmd.variables.decide` exactly as the run's state builder makes them;
-- **one example**: shapes and dtypes of one row of the train data (the first example of a
-  random-access source, or row 0 of the first per-process batch of an iterable), so a batch of
-  any size is ``[rows, ...]`` of those (:func:`abstract_batch`);
-- from the loss traced in training mode at 1 and at 2 rows (everything here is linear in the rows,
-  a fixed part plus a part per row):
-
-  - **forward FLOPs**: :func:`spmd.inspection.jaxpr_flops` (matmuls and convolutions, scan bodies
-    once per iteration), the count the run's MFU uses when the task gives no ``flops_per_example``;
-  - **saved bytes**: the values ``jax.vjp`` keeps for the backward pass (the residuals: outputs of
-    its jaxpr that are not its inputs), i.e. the activations the backward reads, before XLA's
-    fusion and rematerialisation. XLA usually keeps fewer (it fuses elementwise chains and
-    recomputes cheap values), and the transient buffers of one op are not counted, so read it as
-    an estimate that errs high for plain code; weights the model casts or transposes are in the
-    fixed part;
-  - **matmuls**: operand and output shapes of every matmul and convolution, which the estimator
-    matches against tensor-sharded weights (:mod:`trainers.planning.costs`).
-
-A loss that cannot be traced outside a mesh (e.g. one that runs ``shard_map``) leaves the jaxpr
-figures empty; :attr:`TaskProfile.note` says why, and estimates count no activations for it.
+:func:`profile_task` reads a :class:`trainers.task.Task` abstractly (nothing allocated, no mesh) into a
+:class:`TaskProfile`: variables with logical dims, one example's shapes, forward FLOPs, saved bytes
+and matmuls. See docs/planning.md.
 """
 
 from __future__ import annotations
