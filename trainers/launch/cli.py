@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run or args.print_config:
         task = None
         if is_task:
-                    devices = args.devices or args.simulate_devices
+            devices = args.devices or args.simulate_devices
             if args.dry_run and devices and not meshes.backend_started():
                 meshes.simulate_cpu_devices(devices)  # what dry_run does itself, before the task's module can start jax
             try:
