@@ -23,6 +23,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("meshes", "spmd", "trainers")
 DEFAULT_OUT = ROOT / "docs" / "api"
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+_ROLE = re.compile(r":(?:func|class|mod|meth|attr|data|exc|obj):`~?([^`]+)`")
+_DOUBLE = re.compile(r"``([^`]+?)``")
 
 
 def _setup_devices(n: int = 8) -> None:
@@ -56,10 +58,24 @@ def submodules(package: str) -> list[str]:
                   if not info.name.startswith("_"))
 
 
+def markdown(doc: str) -> str:
+    """A docstring as Markdown: reST roles and double backticks become code spans, ``::`` a colon."""
+    doc = _ROLE.sub(r"`\1`", doc)
+    doc = _DOUBLE.sub(r"`\1`", doc)
+    return re.sub(r"::$", ":", doc, flags=re.M)
+
+
+def docstring(obj: object) -> str:
+    """``obj``'s docstring; a module's keeps its indentation (indented examples stay code blocks)."""
+    if isinstance(obj, types.ModuleType):
+        return (obj.__doc__ or "").strip("\n").rstrip()
+    return inspect.getdoc(obj) or ""
+
+
 def summary(obj: object) -> str:
     """The first line of ``obj``'s docstring, or ''."""
-    doc = inspect.getdoc(obj) or ""
-    return doc.strip().splitlines()[0].strip() if doc.strip() else ""
+    doc = docstring(obj).strip()
+    return markdown(doc.splitlines()[0].strip()) if doc else ""
 
 
 def signature(obj: object) -> str:
@@ -113,7 +129,7 @@ def page(package: str) -> str:
     """The Markdown page of one package."""
     pkg = importlib.import_module(package)
     lines = [f"# `{package}`", ""]
-    doc = inspect.getdoc(pkg) or ""
+    doc = markdown(docstring(pkg))
     if doc:
         lines += [doc, ""]
     names = sorted(getattr(pkg, "__all__", []), key=lambda n: (n.lower(), n))
@@ -130,7 +146,7 @@ def page(package: str) -> str:
             lines += ["```python", f"{name} = {_constant(obj)}", "```", ""]
             continue
         lines += ["```python", f"{kind} {name}{signature(obj)}", "```", ""]
-        own = _own_doc(obj)
+        own = markdown(_own_doc(obj))
         if own:
             lines += [own, ""]
         if kind in ("class", "exception"):
