@@ -25,13 +25,13 @@ import sys
 
 import pytest
 
-from trainers.launch import cli
+from trainers.launch import cli, command
 from trainers import override
 from trainers.planning.dryrun import dry_run
 from trainers.hardware import custom
 from trainers.launch.local import launch
 from trainers.logger import read_metrics
-from trainers.planning.planner import main as plan_main
+from trainers.launch.plan import main as plan_main
 from trainers.planning.planner import plan
 
 from tests.helpers.byom_task import big, task
@@ -63,11 +63,11 @@ def test_spmd_train_trains_a_task(tiny_run, capsys):
 
 def test_task_config_is_the_base_and_flags_apply():
     args = cli.parse_args([TARGET, "--tiny", "--mesh", "fsdp=8", "--rules", "fsdp", "--set", "data.global_batch=32"])
-    cfg = cli.build_config(args, task)
+    cfg = command.build_config(args, task)
     assert (cfg.mesh.axes, cfg.rules, cfg.data.global_batch) == ("fsdp=8", "fsdp", 32)
     assert (cfg.run.name, cfg.run.steps, cfg.run.eval_batches, cfg.checkpoint.every_steps) == ("byom-tiny", 2, 1, 1)
     assert cfg.optimizer == task.config.optimizer and cfg.model == task.config.model  # the task's, not shrunk
-    full = cli.build_config(cli.parse_args([TARGET]), task)
+    full = command.build_config(cli.parse_args([TARGET]), task)
     assert full == task.config  # negative control: without flags the task's config as it is
 
 

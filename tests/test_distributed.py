@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from meshes import distributed
-from trainers.launch import cli
+from trainers.launch import cli, command
 from trainers.launch.local import child_env, free_port, launch
 from trainers.logger import read_metrics
 from trainers.loop import train
@@ -283,7 +283,7 @@ def _copy_step(src_run, dst_run, step):
 def test_losses_and_checkpoints_match_across_process_counts(tmp_path):
     """1x8 (here) vs 2x4 from scratch; a 2x4 checkpoint resumed on 1x8; a 1x8 checkpoint resumed on 4x2."""
     one, two, two_to_one, one_to_four = (str(tmp_path / n) for n in ("1x8", "2x4", "2x4-to-1x8", "1x8-to-4x2"))
-    reference = train(cli.build_config(cli.parse_args([*TRAIN_ARGS, "--run-dir", one])))
+    reference = train(command.build_config(cli.parse_args([*TRAIN_ARGS, "--run-dir", one])))
     assert sorted(reference.losses) == [1, 2, 3, 4]
     ref = _train_losses(one)
     assert _close(ref, reference.losses)
@@ -299,7 +299,7 @@ def test_losses_and_checkpoints_match_across_process_counts(tmp_path):
     assert "[p0] Mesh: 8 device(s) = data=2 x tensor=4" in out and "[p1] Mesh:" not in out
 
     _copy_step(two, two_to_one, 2)  # written by 2 processes, restored by 1
-    resumed = train(cli.build_config(cli.parse_args([*TRAIN_ARGS, "--run-dir", two_to_one])))
+    resumed = train(command.build_config(cli.parse_args([*TRAIN_ARGS, "--run-dir", two_to_one])))
     assert resumed.start_step == 2
     assert _close(_train_losses(two_to_one), {k: ref[k] for k in (3, 4)})
 

@@ -237,7 +237,7 @@ def test_every_optimizer_makes_a_finite_descent_step(name):
 @pytest.mark.parametrize("name", OPTIMIZER_NAMES)
 def test_optimizer_state_builds_abstractly(name):
     params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), toy_params())
-    tx = make_optimizer(OptimizerConfig(name=name), make_lr_schedule(LRConfig()))
+    tx = make_optimizer(OptimizerConfig(name=name), make_lr_schedule(LRConfig(), 1000))
     state = jax.eval_shape(tx.init, params)
     leaves = jax.tree.leaves(state)
     assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)

@@ -8,20 +8,49 @@ Subpackages: ``data``, ``checkpoint``, ``faults`` (guard, preemption), ``launch`
 ``planning`` (dry run, cost model, planner, diagnostics; imported by nothing else in ``trainers``).
 """
 
-from trainers.checkpoint import Checkpointer
-from trainers.config import Config, override
-from trainers.data import ExampleLoader, IterLoader
-from trainers.faults import DivergenceError
-from trainers.loop import Result, evaluate, train
-from trainers.lr import make_lr_schedule
-from trainers.optim import make_optimizer
-from trainers.recipes import recipe
-from trainers.state import create_state
-from trainers.step import make_eval_step, make_train_step
-from trainers.task import Task, lm_task, load_task
+from __future__ import annotations
 
-__all__ = [
-    "Checkpointer", "Config", "DivergenceError", "ExampleLoader", "IterLoader", "Result", "Task", "create_state",
-    "evaluate", "lm_task", "load_task", "make_eval_step", "make_optimizer", "make_lr_schedule", "make_train_step",
-    "override", "recipe", "train",
-]
+import importlib
+from typing import TYPE_CHECKING
+
+# name -> the module that defines it. Loaded on first use, so ``spmd-train --help`` and the launcher
+# answer without importing jax; ``from trainers import train`` works as usual.
+_FACE = {
+    "Checkpointer": "trainers.checkpoint", "Config": "trainers.config", "override": "trainers.config",
+    "ExampleLoader": "trainers.data", "IterLoader": "trainers.data", "DivergenceError": "trainers.faults",
+    "Result": "trainers.loop", "evaluate": "trainers.loop", "train": "trainers.loop",
+    "make_lr_schedule": "trainers.lr", "make_optimizer": "trainers.optim", "recipe": "trainers.recipes",
+    "create_state": "trainers.state", "make_eval_step": "trainers.step", "make_train_step": "trainers.step",
+    "Task": "trainers.task", "lm_task": "trainers.task", "load_task": "trainers.task",
+}
+__all__ = sorted(_FACE)
+
+if TYPE_CHECKING:
+    from trainers.checkpoint import Checkpointer
+    from trainers.config import Config, override
+    from trainers.data import ExampleLoader, IterLoader
+    from trainers.faults import DivergenceError
+    from trainers.loop import Result, evaluate, train
+    from trainers.lr import make_lr_schedule
+    from trainers.optim import make_optimizer
+    from trainers.recipes import recipe
+    from trainers.state import create_state
+    from trainers.step import make_eval_step, make_train_step
+    from trainers.task import Task, lm_task, load_task
+
+
+def __getattr__(name: str):
+    if name in _FACE:
+        value = getattr(importlib.import_module(_FACE[name]), name)
+        globals()[name] = value
+        return value
+    try:  # a submodule: trainers.config, trainers.planning, ...
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":
+            raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_FACE))

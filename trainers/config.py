@@ -10,6 +10,7 @@ and bad values with an error listing what is valid.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import types
@@ -213,22 +214,78 @@ def override(cfg: Config, assignments: Iterable[str]) -> Config:
     for item in assignments:
         key, sep, text = item.partition("=")
         key = key.strip()
-        if key.startswith("lr."):
-            warnings.warn(f"config key {key!r} is now {'lr.' + key[len('schedule.'):]!r}", DeprecationWarning,
+        old_section = "schedule."  # the LR section's old name
+        if key.startswith(old_section):
+            key = "lr." + key[len(old_section):]
+            warnings.warn(f"config key {item.partition('=')[0].strip()!r} is now {key!r}", DeprecationWarning,
                           stacklevel=2)
-            key = "lr." + key[len("lr."):]
         if not sep:
             raise ValueError(f"override {item!r} is not of the form key=value (e.g. model.d_model=256)")
         if key not in keys:
-            close = [k for k in keys if k.split(".")[-1] == key.split(".")[-1]]
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise ValueError(f"unknown config key {key!r}{hint} Valid keys: {', '.join(keys)}")
+            raise ValueError(_unknown_key(key, keys))
         node = tree
         *parents, leaf = key.split(".")
         for name in parents:
             node = node.setdefault(name, {})
         node[leaf] = (text.strip(), key)
     return _apply(cfg, tree)
+
+
+def _unknown_key(key: str, keys: list[str]) -> str:
+    """'unknown config key' with the closest keys, then the valid keys one section per line."""
+    close = [k for k in keys if k.split(".")[-1] == key.split(".")[-1]]
+    close += [k for k in difflib.get_close_matches(key, keys, n=3, cutoff=0.6) if k not in close]
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    sections: dict[str, list[str]] = {}
+    for k in keys:
+        section, _, rest = k.partition(".")
+        sections.setdefault(section if rest else "", []).append(rest or k)
+    lines = [f"  {name}.{{{', '.join(names)}}}" if name else f"  {', '.join(names)}" for name, names in sections.items()]
+    return f"unknown config key {key!r}{hint}\nValid keys:\n" + "\n".join(lines)
+
+
+def config_file_overrides(path: str) -> list[str]:
+    """The ``key=value`` assignments of a YAML or JSON config file (nested sections or dotted keys;
+    what ``--print-config`` writes), in the form :func:`override` takes."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError(f"--config {path!r}: cannot read it ({e.strerror or e})") from None
+    try:
+        if path.endswith(".json"):
+            data = json.loads(text)
+        else:
+            import yaml  # only config files need it; YAML is a superset of JSON
+
+            data = yaml.safe_load(text)
+    except Exception as e:  # json.JSONDecodeError, yaml.YAMLError
+        raise ValueError(f"--config {path!r} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: "
+                         f"{str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path!r} must hold a mapping of config keys, got {type(data).__name__}")
+    out: list[str] = []
+
+    def walk(node: dict, prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            else:
+                out.append(f"{prefix}{key}={_as_text(value)}")
+
+    walk(data, "")
+    return out
+
+
+def _as_text(value: Any) -> str:
+    """A file's value as the text ``--set`` would give (what :func:`_parse` reads back)."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return json.dumps(list(value))
+    return str(value)
 
 
 def _apply(node: Any, changes: dict[str, Any]) -> Any:

@@ -4,6 +4,5 @@ and the command lines for TPU pods and SLURM clusters (``scripts/`` holds the la
     python -m trainers gpt-small --simulate-devices 8     # = spmd-train
 """
 
-from trainers.launch import cli, local, pods
-
-__all__ = ["cli", "local", "pods"]
+# submodules, imported on use (``from trainers.launch import cli``): the CLI must start without jax
+__all__ = ["cli", "command", "local", "plan", "pods"]

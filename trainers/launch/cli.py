@@ -12,23 +12,56 @@ See docs/many-hosts.md.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
+import os
+import signal
 import sys
+import traceback
+from importlib import metadata
 
-import meshes
-from trainers.config import Config, RunConfig, override
-from trainers.loop import train
-from trainers.planning.dryrun import dry_run
-from trainers.recipes import RECIPES, recipe, tiny_run
-from trainers.task import load_task
+# Exit statuses (README, "Exit statuses"): schedulers requeue on PREEMPTED and the coordinator's 75.
+EXIT_OK = 0  # the run finished (or --print-config / a dry run that fits)
+EXIT_INTERNAL = 1  # an unexpected error: a bug; rerun with --debug for the traceback
+EXIT_USAGE = 2  # a user error: bad flag, config, mesh, data path, checkpoint mismatch (the message names it)
+EXIT_DIVERGED = 3  # run.guard stopped the run: loss or grad norm not finite or spiking (see metrics.jsonl)
+EXIT_COORDINATOR = 75  # peers or the coordinator never came (meshes.distributed.INIT_TIMEOUT_EXIT_CODE)
+EXIT_PREEMPTED = 76  # stopped by SIGTERM / SIGINT after saving a checkpoint: run the same command to resume
+EXIT_INTERRUPTED = 130  # Ctrl-C before there was anything to save
+
+# The recipes' names, for --help without importing jax (tests check it equals trainers.recipes.RECIPES).
+RECIPE_NAMES = ("gpt-small", "gpt-small-pp", "gpt-125m", "gpt-350m")
+
+EXAMPLES = """examples:
+  spmd-train gpt-small --simulate-devices 8                  the main job on 8 simulated CPU devices
+  spmd-train gpt-small --tiny --simulate-devices 8           a 2-step smoke run
+  spmd-train gpt-125m --mesh fsdp=-1 --set lr.peak_lr=1e-3   on the real devices, FSDP over all of them
+  spmd-train trainers.examples.digits:task --simulate-devices 8
+  spmd-train gpt-350m --dry-run --devices 64 --hardware tpu-v5p   compile only: memory, collectives, time
+  spmd-train gpt-small --print-config > run.json              every config key, as a file --config reads
+
+exit statuses: 0 finished, 1 internal error (rerun with --debug), 2 user error (the message names
+the flag or config key), 3 diverged (run.guard stopped it), 75 peers or coordinator never came,
+76 preempted after saving a checkpoint (run the same command to resume), 130 interrupted by Ctrl-C.
+"""
+
+
+def _version() -> str:
+    def v(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+    return f"spmd {v('spmd')} (jax {v('jax')}, jaxlib {v('jaxlib')}, flax {v('flax')}, orbax-checkpoint " \
+           f"{v('orbax-checkpoint')}, python {sys.version.split()[0]})"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="spmd-train",
+    p = argparse.ArgumentParser(prog="spmd-train", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 description="Train a recipe or a task on this host's (or every host's) devices.")
     p.add_argument("target", metavar="TARGET",
-                   help=f"a recipe ({', '.join(RECIPES)}) or a task as package.module:attribute")
+                   help=f"a recipe ({', '.join(RECIPE_NAMES)}) or a task as package.module:attribute")
+    p.add_argument("--version", action="version", version=_version())
+    p.add_argument("--config", metavar="FILE",
+                   help="a YAML or JSON config file: the keys of --set, nested or dotted (--set and flags override it)")
     p.add_argument("--tiny", action="store_true",
                    help="a 2-step smoke run (a recipe's tiny variant also shrinks its model)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -36,11 +69,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mesh", help="mesh axis sizes, e.g. data=2,tensor=4 (-1 infers one axis)")
     p.add_argument("--dcn", help="axis sizes across slices / hosts (multi-slice), e.g. data=2")
     p.add_argument("--rules", help="rule set: dp, fsdp, tp, dp_tp, fsdp_tp")
-    p.add_argument("--steps", type=int, help="shorthand for --set run.steps=N (the LR schedule ends with the run)")
+    p.add_argument("--steps", type=int, help="shorthand for --set run.steps=N, N >= 1 (the LR schedule ends with the run)")
     p.add_argument("--run-dir", help="shorthand for --set run.run_dir=DIR")
     p.add_argument("--simulate-devices", type=int, default=0, metavar="N",
                    help="run on N simulated CPU devices (laptops, CI); 0 = the real devices")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--debug", action="store_true",
+                   help="show the full traceback of an error (also: SPMD_DEBUG=1)")
     p.add_argument("--dry-run", action="store_true",
                    help="compile the train step for --devices devices (abstract state, nothing allocated), print "
                         "memory, collectives and a roofline step time for --hardware, and exit")
@@ -55,113 +90,71 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def is_task_target(target: str) -> bool:
-    """Whether TARGET names a task (``package.module:attribute``) rather than a recipe."""
-    return ":" in target
-
-
-def load_target(target: str):
-    """The :class:`trainers.task.Task` a ``package.module:attribute`` TARGET names (ValueError with
-    what was given and what is valid otherwise)."""
-    try:
-        return load_task(target)
-    except ValueError as e:
-        raise ValueError(f"{e} (TARGET is a recipe, one of {', '.join(RECIPES)}, or a task as package.module:attribute "
-                         "naming a trainers.Task or a function returning one)") from None
-
-
-def base_config(target: str, task=None, *, tiny: bool = False):
-    """The config TARGET starts from: a recipe's (tiny variant with ``tiny``), or the task's."""
-    if task is None:
-        if target not in RECIPES:
-            raise ValueError(f"unknown recipe {target!r}; TARGET is a recipe ({', '.join(RECIPES)}) or a task as "
-                             "package.module:attribute")
-        return recipe(target, tiny=tiny)
-    cfg = task.config if task.config is not None else Config(run=RunConfig(name=task.name))
-    return tiny_run(cfg) if tiny else cfg
-
-
-def build_config(args: argparse.Namespace, task=None):
-    """The resolved config of TARGET (``task``: the loaded task when TARGET names one) and the flags."""
-    cfg = base_config(args.target, task, tiny=args.tiny)
-    sets = list(args.overrides)
-    if args.mesh:
-        sets.append(f"mesh.axes={args.mesh}")
-    if args.dcn:
-        sets.append(f"mesh.dcn={args.dcn}")
-    if args.rules:
-        sets.append(f"rules={args.rules}")
-    if args.run_dir:
-        sets.append(f"run.run_dir={args.run_dir}")
-    if args.steps:
-        sets += [f"run.steps={args.steps}", "lr.total_steps=0"]  # the schedule ends with the run
-        if cfg.lr.warmup_steps > args.steps:
-            sets.append(f"lr.warmup_steps={max(args.steps // 10, 0)}")
-    return override(cfg, sets)
-
-
-def _error(message: object, code: int = 2) -> int:
+def _error(message: object, code: int = EXIT_USAGE) -> int:
     print(f"spmd-train: error: {message}", file=sys.stderr)
     return code
 
 
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text if isinstance(e, (ValueError, OSError)) else f"{type(e).__name__}: {text}"
+
+
+def _interrupt_once(signum, frame) -> None:
+    """First Ctrl-C: stop at the next Python instruction; the second one kills at once (even mid-compile)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    raise KeyboardInterrupt
+
+
+def _exit_now(code: int) -> None:
+    """Leave without interpreter teardown: jax's compile threads and atexit hooks can crash it after an
+    interrupt. Checkpoints are written atomically, so nothing on disk is half-done."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``spmd-train``: parse, then run :func:`trainers.launch.command.run`; errors become one or two
+    lines and an exit status (the traceback too with ``--debug`` or ``SPMD_DEBUG=1``)."""
     args = parse_args(argv)
-    is_task = is_task_target(args.target)
-    if args.dry_run or args.print_config:
-        task = None
-        if is_task:
-            devices = args.devices or args.simulate_devices
-            if args.dry_run and devices and not meshes.backend_started():
-                meshes.simulate_cpu_devices(devices)  # what dry_run does itself, before the task's module can start jax
-            try:
-                task = load_target(args.target)
-            except ValueError as e:
-                return _error(e)
-        try:
-            cfg = build_config(args, task)
-        except ValueError as e:
-            return _error(e)
-        if args.print_config:
-            print(json.dumps(dataclasses.asdict(cfg), indent=2))
-            return 0
-        try:
-            report = dry_run(cfg, args.target if is_task else None, devices=args.devices or args.simulate_devices or None,
-                             hardware=args.hardware)
-        except ValueError as e:
-            return _error(e)
-        print(report.format())
-        return 0 if report.fits else 1
-
-    task = None
-    if not is_task:  # a recipe's config is checked before any jax or network work
-        try:
-            cfg = build_config(args)
-        except ValueError as e:
-            return _error(e)
-
-    try:  # before any other jax call; a no-op on one host
-        meshes.distributed.initialize(args.coordinator, args.num_processes, args.process_id, timeout_s=args.init_timeout)
-    except ValueError as e:
-        return _error(e)
-    if args.simulate_devices:
-        meshes.simulate_cpu_devices(args.simulate_devices)
-    if is_task:  # imported only now: its module may start jax
-        try:
-            task = load_target(args.target)
-            cfg = build_config(args, task)
-        except ValueError as e:
-            return _error(e)
-
+    debug = args.debug or os.environ.get("SPMD_DEBUG", "") not in ("", "0")
+    if argv is None and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupt_once)  # the run's PreemptionWatcher takes over while it trains
     try:
-        result = train(cfg, task)
-    except (meshes.distributed.ConsistencyError, meshes.distributed.DistributedError) as e:
-        return _error(e, 1)
-    if result.eval_losses:
-        first, last = min(result.eval_losses), max(result.eval_losses)
-        print(f"eval loss {result.eval_losses[first]:.3f} (step {first}) -> {result.eval_losses[last]:.3f} (step {last}); "
-              f"run directory {result.run_dir}")
-    return 0
+        # imported after parsing: --help and --version answer without starting jax
+        from trainers.launch import command
+        from trainers.faults import DivergenceError
+        from meshes.distributed import ConsistencyError, DistributedError
+
+        try:
+            return command.run(args)
+        except DivergenceError as e:
+            return _report(e, EXIT_DIVERGED, debug)
+        except DistributedError as e:
+            return _report(e, EXIT_COORDINATOR, debug)
+        except (ValueError, OSError, ConsistencyError) as e:
+            return _report(e, EXIT_USAGE, debug, args)
+        except Exception as e:  # a bug: say so, briefly, and how to see more
+            if debug:
+                traceback.print_exc()
+            return _error(f"internal error: {type(e).__name__}: {e}"
+                          + ("" if debug else " (rerun with --debug for the traceback)"), EXIT_INTERNAL)
+    except KeyboardInterrupt:
+        print("spmd-train: interrupted (Ctrl-C); nothing was left half-written", file=sys.stderr)
+        if argv is None:
+            _exit_now(EXIT_INTERRUPTED)
+        return EXIT_INTERRUPTED
+
+
+def _report(e: BaseException, code: int, debug: bool, args: argparse.Namespace | None = None) -> int:
+    if debug:
+        traceback.print_exc()
+    message = _one_line(e)
+    if args is not None and not args.simulate_devices and "devices" in message and type(e).__name__ == "MeshError":
+        message += ("\n  (no accelerator here? pass --simulate-devices N to run on N simulated CPU devices, "
+                    "e.g. --simulate-devices 8)")
+    return _error(message, code)
 
 
 if __name__ == "__main__":

@@ -176,16 +176,22 @@ def launch(
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    if "--" not in argv:
-        raise ValueError("missing '--' before the command, e.g. spmd-launch --processes 2 -- spmd-train gpt-small --tiny")
-    cut = argv.index("--")
     p = argparse.ArgumentParser(prog="spmd-launch", description="Run a command as N processes of one jax run on this machine.",
-                                usage="spmd-launch --processes N [--devices-per-process K] [--port P] [--timeout S] -- CMD ...")
+                                usage="spmd-launch --processes N [--devices-per-process K] [--port P] [--timeout S] -- CMD ...",
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=(
+                                    "example:\n  spmd-launch --processes 2 --devices-per-process 4 -- "
+                                    "spmd-train gpt-small --tiny --mesh data=2,tensor=4\n\n"
+                                    "The exit status is the first non-zero status of the processes (0 if all finish)."))
     p.add_argument("--processes", type=int, required=True, help="number of processes (simulated hosts)")
     p.add_argument("--devices-per-process", type=int, default=1, help="simulated CPU devices per process (default 1)")
     p.add_argument("--port", type=int, help="coordinator port on 127.0.0.1 (default: a free one)")
     p.add_argument("--timeout", type=int, default=60, help="seconds each process may wait for the others to join (default 60)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL when stopping (default 5)")
+    if "--" not in argv:
+        if any(a in ("-h", "--help") for a in argv):
+            p.parse_args(["--help"])  # prints the help and exits 0
+        raise ValueError("missing '--' before the command, e.g. spmd-launch --processes 2 -- spmd-train gpt-small --tiny")
+    cut = argv.index("--")
     args = p.parse_args(argv[:cut])
     cmd = argv[cut + 1:]
     if not cmd:
