@@ -23,7 +23,8 @@ import meshes
 import spmd
 from spmd.models import GPT
 from trainers import create_state, make_optimizer, make_schedule, make_train_step, override, recipe
-from trainers.planning.dryrun import DryRunReport, dry_run, resolve_mesh
+from trainers.planning.dryrun import dry_run
+from trainers.planning.report import DryRunReport
 from trainers.hardware import HARDWARE, Hardware, custom, get_hardware, networks, wire_factor
 from trainers.step import lm_loss_fn
 
@@ -198,8 +199,9 @@ def _env_without_device_count() -> dict[str, str]:
 
 def test_mesh_resolution_and_bad_inputs():
     cfg = recipe("gpt-small", tiny=True)
-    assert resolve_mesh(override(cfg, ["mesh.axes=data=-1,tensor=2"]), 8)[0]["data"] == 4
-    sizes, dcn = resolve_mesh(override(cfg, ["mesh.axes=fsdp=4", "mesh.dcn=data=2"]), 8)
+    assert override(cfg, ["mesh.axes=data=-1,tensor=2"]).mesh.sizes(8)["data"] == 4
+    mesh = override(cfg, ["mesh.axes=fsdp=4", "mesh.dcn=data=2"]).mesh
+    sizes, dcn = mesh.sizes(8), mesh.dcn_axes(8)
     assert sizes["data"] == 2 and sizes["fsdp"] == 4 and dcn == ("data",)
     with pytest.raises(ValueError, match="multiply to 8, but there are 4"):
         dry_run(cfg, devices=4)
@@ -230,9 +232,9 @@ def test_hardware_table():
 def test_subprocess_hand_off_is_json_and_rebuilds_only_toolkit_types():
     import json
 
-    from trainers.planning.dryrun import _decode, _encode
+    from trainers.planning.fresh_process import decode, encode
 
     cfg = override(recipe("gpt-small", tiny=True), ["mesh.axes=data=2,tensor=4"])
-    assert _decode(json.loads(json.dumps(_encode([cfg, 8, get_hardware("h100"), 0.9])))) == [cfg, 8, get_hardware("h100"), 0.9]
+    assert decode(json.loads(json.dumps(encode([cfg, 8, get_hardware("h100"), 0.9])))) == [cfg, 8, get_hardware("h100"), 0.9]
     with pytest.raises(ValueError, match="refusing to rebuild 'os:system'"):
-        _decode({"__dataclass__": "os:system", "fields": {}})
+        decode({"__dataclass__": "os:system", "fields": {}})

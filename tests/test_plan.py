@@ -25,8 +25,10 @@ from trainers.planning.diagnose import Issue, check_collectives, check_divisibil
 from trainers.planning.dryrun import dry_run
 from trainers.hardware import custom
 from trainers.planning.costs import memory_estimate
-from trainers.planning.planner import Layout, candidates, estimate, main, plan
+from trainers.launch.plan import main
+from trainers.planning.planner import Layout, candidates, estimate_layout, plan
 from spmd.models import flops_per_step
+from spmd.pipeline import get_schedule
 
 SMALL_HBM = custom("h100", hbm_bytes=1.4e9, name="h100-1.4gb")
 
@@ -111,7 +113,7 @@ def test_pipe_layouts_carry_their_bubble_and_permutes():
     for layout in candidates(8, n_layers=16, batch=32):
         if layout.pipe == 1 or layout.remat:
             continue
-        e = estimate(cfg, layout, "h100")
+        e = estimate_layout(cfg, layout, "h100")
         if not e.buildable:  # tensor > 1 with one head
             continue
         S, M, V = layout.pipe, layout.microbatches, layout.virtual_stages
@@ -125,8 +127,16 @@ def test_pipe_layouts_carry_their_bubble_and_permutes():
         seen.add((S, M, V))
     assert {(2, 2, 1), (8, 32, 1), (4, 8, 2)} <= seen
     # negative control: more microbatches, smaller bubble, less compute time
-    few, many = (estimate(cfg, Layout((("pipe", 8),), "dp", False, "1f1b", m), "h100") for m in (8, 32))
+    few, many = (estimate_layout(cfg, Layout((("pipe", 8),), "dp", False, "1f1b", m), "h100") for m in (8, 32))
     assert many.roofline.compute_s < few.roofline.compute_s
+
+
+def test_stash_sizes_are_the_schedule_tables_buffers():
+    """1F1B holds about S stage inputs whatever M is; interleaved V=2 more; GPipe every microbatch."""
+    assert get_schedule("1f1b", 4, 8).stash_sizes() == get_schedule("1f1b", 4, 32).stash_sizes() == (4, 1)
+    assert get_schedule("interleaved", 2, 4, 2).stash_sizes() == (4, 2)
+    assert get_schedule("gpipe", 4, 8).stash_sizes() == (8, 8)
+    assert get_schedule("1f1b", 1, 4).stash_sizes() == (1, 1)  # nothing crosses a stage: one slot each still
 
 
 def test_known_answer_too_big_for_dp_picks_fsdp():
@@ -176,13 +186,13 @@ def test_indivisible_dims_are_traced_to_the_parameter_with_a_fix():
     # negative control: d_ff=512 divides
     ok = override(cfg, ["model.d_ff=512"])
     assert check_divisibility(param_infos(ok.model), "dp_tp", sizes) == []
-    e = estimate(cfg, Layout((("data", 2), ("fsdp", 1), ("tensor", 4)), "dp_tp", False), "h100")
+    e = estimate_layout(cfg, Layout((("data", 2), ("fsdp", 1), ("tensor", 4)), "dp_tp", False), "h100")
     assert not e.buildable and "mlp=682" in e.reason
 
 
 def test_batch_that_does_not_split_is_rejected():
     cfg = override(recipe("gpt-small", tiny=True), ["data.global_batch=4"])
-    e = estimate(cfg, Layout((("data", 8), ("fsdp", 1), ("tensor", 1)), "dp", False), "h100")
+    e = estimate_layout(cfg, Layout((("data", 8), ("fsdp", 1), ("tensor", 1)), "dp", False), "h100")
     assert not e.buildable and "does not divide by data=8" in e.reason and "multiple of 8" in e.reason
 
 

@@ -5,7 +5,8 @@ Nothing in the rest of ``trainers`` imports this package.
     from trainers.planning import dry_run, plan
 """
 
-from trainers.planning.dryrun import DryRunReport, dry_run
+from trainers.planning.dryrun import dry_run
 from trainers.planning.planner import Plan, plan
+from trainers.planning.report import DryRunReport
 
 __all__ = ["DryRunReport", "Plan", "dry_run", "plan"]

@@ -4,7 +4,7 @@ No compile, milliseconds per layout: what :mod:`trainers.planning.planner` ranks
 :mod:`trainers.planning.dryrun` prints beside the compiled numbers. The formulas (parameters and optimizer
 state exactly from the rule set's shard shapes; gradients, activations under each remat policy,
 pipeline stashes; ring-algorithm bytes per mesh axis; max(compute, memory) + communication) are
-described in :mod:`trainers.planning.planner`'s docstring.
+described in docs/planning.md.
 
 The built-in GPT (a ``Config`` alone) is estimated from its config with the formulas below; any
 other task from its :class:`trainers.planning.profile.TaskProfile` (``task_memory_estimate``,
@@ -23,14 +23,14 @@ from flax import nnx
 import spmd
 from spmd.models import flops_per_step, flops_per_token
 from spmd.pipeline import Schedule, get_schedule
+from spmd.rules import axes_of
 from trainers.config import Config
-from trainers.planning.diagnose import ParamInfo, param_infos, shard_divisors
 from trainers.hardware import Hardware, collective_seconds, networks
+from trainers.optim import make_optimizer
+from trainers.planning.diagnose import ParamInfo, diagnose, param_infos, shard_divisors
 from trainers.planning.profile import TaskProfile, at
+from trainers.validate import Issue, batch_axes
 
-# rule set -> (mesh axes it needs > 1, axes it may also use): one candidate per distinct layout
-RULE_AXES = {"dp": (("data",), ()), "fsdp": (("fsdp",), ("data",)), "tp": (("tensor",), ()),
-             "dp_tp": (("data", "tensor"), ()), "fsdp_tp": (("fsdp", "tensor"), ("data",))}
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 # spmd.remat policies by what a block keeps on the device for the backward pass (else: its input only)
 KEEPS_ALL = ("none", "save_all_but_gathered")  # every intermediate; the weights too under none
@@ -70,6 +70,14 @@ class Traffic:
     network: str  # "ici" | "dcn"
     seconds: float
 
+    @classmethod
+    def timed(cls, kind: str, axes: tuple[str, ...], count: int, nbytes: float, sizes: dict[str, int], hw: Hardware,
+              dcn_axes: tuple[str, ...] = ()) -> Traffic:
+        """``count`` collectives of ``nbytes`` in all over ``axes``, timed on the slow network if one crosses it."""
+        dcn = any(networks(sizes, hw, dcn_axes).get(a) == "dcn" for a in axes)
+        return cls(kind, axes, int(count), int(nbytes), "dcn" if dcn else "ici",
+                   collective_seconds(hw, kind, nbytes, math.prod(sizes.get(a, 1) for a in axes), dcn=dcn))
+
 
 @dataclasses.dataclass(frozen=True)
 class Roofline:
@@ -88,12 +96,12 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
     m, rules, data = cfg.model, spmd.get_rules(cfg.rules), cfg.data
     infos = param_infos(m)
     local = sum(math.ceil(p.size / math.prod(shard_divisors(p, rules, sizes))) * p.itemsize for p in infos)
-    optimizer = int(round(_optimizer_copies(cfg) * local))
+    f32 = {p.path: jax.ShapeDtypeStruct(p.shape, "float32") for p in infos}
+    optimizer = int(round(_optimizer_copies(cfg.optimizer, f32) * local))
     grads = local * (2 if cfg.run.grad_accum > 1 else 1)
     dt = _DTYPE_BYTES[m.dtype]
-    n_batch = math.prod(shard_divisors_for(("batch",), rules, sizes))
     t = sizes.get("tensor", 1) if any(a == "mlp" for a, _ in rules.activations) else 1
-    b = max(data.global_batch // cfg.run.grad_accum // n_batch, 1)
+    b = rows_per_device(cfg, sizes)
     L, D, F, H, G, K, V = data.seq_len, m.d_model, m.ff, m.n_heads, m.kv_heads, m.k, m.vocab_size
     qkv = (H + 2 * G) * K / t
     # attention keeps the [B, H, L, L] probabilities (f32 scores + compute-dtype probs) unless a blockwise
@@ -151,24 +159,9 @@ def pipeline_bubble(cfg: Config, pipe: int) -> float:
     return pipeline_schedule(cfg, pipe).bubble_fraction
 
 
-def shard_divisors_for(dims: tuple[str, ...], rules: spmd.Rules, sizes: dict[str, int]) -> list[int]:
-    spec = rules.spec(dims, kind="activations", mesh_sizes=sizes)
-    out = []
-    for entry in list(spec) + [None] * (len(dims) - len(spec)):
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        out.append(math.prod(sizes[a] for a in axes))
-    return out
-
-
-def _optimizer_copies(cfg: Config) -> float:
-    """Optimizer state bytes per parameter byte (2 for Adam's moments), from jax.eval_shape(tx.init)."""
-    return _copies(cfg.optimizer, {p.path: jax.ShapeDtypeStruct(p.shape, "float32") for p in param_infos(cfg.model)})
-
-
-def _copies(opt_cfg, params) -> float:
-    """Bytes of the optimizer state's parameter-shaped leaves per parameter byte (abstract ``params``)."""
-    from trainers.optim import make_optimizer
-
+def _optimizer_copies(opt_cfg, params) -> float:
+    """Bytes of the optimizer state's parameter-shaped leaves per parameter byte (abstract ``params``; 2 for
+    Adam's moments), from ``jax.eval_shape(tx.init)``."""
     state = jax.eval_shape(make_optimizer(opt_cfg, 1e-3).init, params)
     big = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state) if len(x.shape) >= 1)
     return big / max(sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params)), 1)
@@ -194,7 +187,7 @@ def comm_estimate(cfg: Config, sizes: dict[str, int], hw: Hardware, dcn_axes: tu
     add("all-gather", "fsdp", passes, tp_local * dt, f)  # weights, forward + backward (+ re-gathered unless kept)
     add("reduce-scatter", "fsdp", 1, tp_local * 4, f)  # f32 gradients onto their shards
     add("all-reduce", "data", 1, tp_local // f * 4, d)  # gradients of each shard across replicas
-    b = data.global_batch // math.prod(shard_divisors_for(("batch",), rules, sizes))
+    b = data.global_batch // math.prod(sizes[a] for a in batch_axes(rules, sizes))
     S, pipe = sizes.get("pipe", 1), cfg.pipeline
     piped = S > 1 and pipe.enabled
     recompute = m.policy in RECOMPUTES_BLOCK or (piped and pipe.schedule != "gpipe")  # 1F1B: each chunk again
@@ -247,19 +240,7 @@ def _roofline(model_flops: float, executed: float, dtype: str, n_devices: int, h
                     model_flops / (step * n_devices * peak) if step > 0 else 0.0, dominant)
 
 
-# ---------------------------------------------------------------------------------------------
 # Any task (trainers.planning.profile.TaskProfile): the same three estimates, read off its variables and jaxpr
-# ---------------------------------------------------------------------------------------------
-
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def batch_axes(rules: spmd.Rules | str, sizes: dict[str, int]) -> tuple[str, ...]:
-    """The mesh axes (size > 1) the rule set splits the batch over."""
-    spec = spmd.get_rules(rules).spec(("batch",), kind="activations", mesh_sizes=sizes)
-    return _axes(spec[0]) if len(spec) else ()
-
 
 def rows_per_device(cfg: Config, sizes: dict[str, int]) -> int:
     """Rows of one microbatch each device holds."""
@@ -270,7 +251,7 @@ def rows_per_device(cfg: Config, sizes: dict[str, int]) -> int:
 def _local_bytes(info: ParamInfo, spec, sizes: dict[str, int]) -> int:
     shape = list(info.shape)
     for i, entry in enumerate(spec):
-        shape[i] = math.ceil(shape[i] / math.prod(sizes.get(a, 1) for a in _axes(entry)))
+        shape[i] = math.ceil(shape[i] / math.prod(sizes.get(a, 1) for a in axes_of(entry)))
     return math.prod(shape) * info.itemsize
 
 
@@ -292,7 +273,7 @@ def task_memory_estimate(profile: TaskProfile, cfg: Config, sizes: dict[str, int
     decided = _decided(profile, cfg, sizes)
     n = len(profile.variables.infos)
     params, other = sum(x[2] for x in decided[:n]), sum(x[2] for x in decided[n:])
-    optimizer = int(round(_copies(cfg.optimizer, nnx.to_pure_dict(profile.variables.params)) * params))
+    optimizer = int(round(_optimizer_copies(cfg.optimizer, nnx.to_pure_dict(profile.variables.params)) * params))
     grads = params * (2 if cfg.run.grad_accum > 1 else 1)
     b = rows_per_device(cfg, sizes)
     return MemoryEstimate(params, optimizer, grads, profile.activations(b),
@@ -305,7 +286,7 @@ def _tensor_matmuls(profile: TaskProfile, decided, sizes: dict[str, int], batch:
     sharded = {}
     for info, spec, _ in decided[:len(profile.variables.infos)]:
         for k, entry in enumerate(spec):
-            axes = tuple(a for a in _axes(entry) if sizes.get(a, 1) > 1 and a not in batch)
+            axes = tuple(a for a in axes_of(entry) if sizes.get(a, 1) > 1 and a not in batch)
             if axes:
                 sharded.setdefault(info.shape, (k, axes))
                 break
@@ -334,7 +315,6 @@ def task_comm_estimate(profile: TaskProfile, cfg: Config, sizes: dict[str, int],
     parameter before XLA combines them) and in one more: a tensor-style layout the model does not
     constrain may be partitioned otherwise by GSPMD; the dry run shows what the compiler chose.
     """
-    net = networks(sizes, hw, dcn_axes)
     decided = _decided(profile, cfg, sizes)
     batch = batch_axes(cfg.rules, sizes)
     totals: dict[tuple[str, tuple[str, ...]], list[float]] = {}
@@ -346,7 +326,7 @@ def task_comm_estimate(profile: TaskProfile, cfg: Config, sizes: dict[str, int],
             row[1] += count * nbytes
 
     for info, spec, local in decided[:len(profile.variables.infos)]:
-        on = {a for e in spec for a in _axes(e) if sizes.get(a, 1) > 1}
+        on = {a for e in spec for a in axes_of(e) if sizes.get(a, 1) > 1}
         gather = tuple(a for a in batch if a in on)
         if gather:
             full = local * math.prod(sizes[a] for a in gather)
@@ -359,13 +339,7 @@ def task_comm_estimate(profile: TaskProfile, cfg: Config, sizes: dict[str, int],
             add("all-reduce", axes, 1, at(mm.out_bytes, b))
         else:
             add("all-reduce", axes, 1, at(mm.rhs_bytes if side == 0 else mm.lhs_bytes, b))
-    out = []
-    for (kind, axes), (count, nbytes) in totals.items():
-        dcn = any(net.get(a) == "dcn" for a in axes)
-        group = math.prod(sizes[a] for a in axes)
-        out.append(Traffic(kind, axes, int(count), int(nbytes), "dcn" if dcn else "ici",
-                           collective_seconds(hw, kind, nbytes, group, dcn=dcn)))
-    return out
+    return [Traffic.timed(kind, axes, count, nbytes, sizes, hw, dcn_axes) for (kind, axes), (count, nbytes) in totals.items()]
 
 
 def task_roofline(profile: TaskProfile, cfg: Config, sizes: dict[str, int], hw: Hardware, mem: MemoryEstimate,
@@ -382,3 +356,39 @@ def task_roofline(profile: TaskProfile, cfg: Config, sizes: dict[str, int], hw: 
     model_flops = profile.model_flops(rows)
     executed = model_flops / math.prod(sizes[a] for a in batch) * (1 - saved / total if total else 1)
     return _roofline(model_flops, executed, profile.compute_dtype, math.prod(sizes.values()), hw, mem, traffic)
+
+
+# One layout, the built-in GPT or any task: what the planner ranks and the dry run prints
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """A layout's static diagnostics and, when it can be built, its three estimates (else None / ())."""
+
+    issues: tuple[Issue, ...]
+    memory: MemoryEstimate | None = None
+    traffic: tuple[Traffic, ...] = ()
+    roofline: Roofline | None = None
+
+
+def layout_costs(cfg: Config, sizes: dict[str, int], hw: Hardware, *, profile: TaskProfile | None = None,
+                 dcn_axes: tuple[str, ...] = ()) -> Costs:
+    """``cfg`` on a mesh of these axis sizes: the static diagnostics (:func:`diagnose`), then memory,
+    collectives and roofline, from the built-in GPT's formulas or from a task's ``profile``."""
+    issues = tuple(diagnose(cfg.model if profile is None else profile.variables, cfg.rules, sizes,
+                            global_batch=cfg.data.global_batch, grad_accum=cfg.run.grad_accum, pipeline=cfg.pipeline))
+    if any(i.fatal for i in issues):
+        return Costs(issues)
+    if profile is None:
+        mem, traffic = memory_estimate(cfg, sizes), comm_estimate(cfg, sizes, hw, dcn_axes)
+    else:
+        mem, traffic = task_memory_estimate(profile, cfg, sizes), task_comm_estimate(profile, cfg, sizes, hw, dcn_axes)
+    return Costs(issues, mem, tuple(traffic), layout_roofline(cfg, sizes, hw, mem, traffic, profile=profile))
+
+
+def layout_roofline(cfg: Config, sizes: dict[str, int], hw: Hardware, mem: MemoryEstimate, traffic: list[Traffic], *,
+                    profile: TaskProfile | None = None) -> Roofline:
+    """:func:`roofline` (the built-in GPT) or :func:`task_roofline` of ``cfg`` on these axis sizes, timing
+    ``traffic`` (the analytic collectives, or the compiled step's)."""
+    if profile is None:
+        return roofline(cfg, math.prod(sizes.values()), hw, mem, traffic, pipe=sizes.get("pipe", 1))
+    return task_roofline(profile, cfg, sizes, hw, mem, traffic)

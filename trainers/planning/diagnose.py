@@ -1,38 +1,8 @@
 """Sharding diagnostics: when a layout fails or wastes memory, say which parameter and dim, and the fix.
 
-Each check returns :class:`Issue` records that name the parameter path, the logical dim, the
-sizes involved and a suggested fix, e.g.::
-
     blocks/block/mlp/w_gate dim mlp=688 does not divide by tensor=8: use model.d_ff a multiple of 8, or rules fsdp
 
-Checks:
-
-- :func:`check_divisibility`: a parameter dim whose size does not divide by the product of the
-  mesh axes its rule maps it to (the error ``spmd.sharding.spec_for`` raises at state creation, found here
-  before any compile, for every parameter at once); for the built-in GPT the fix names the
-  ``model.*`` field that sets the size, for any other model the dim and the mesh axes;
-- :func:`check_layout`: any model's variables on a layout, decided exactly as the run's state
-  builder decides them (:func:`spmd.variables.decide`: annotations, path rules, the FSDP default);
-- :func:`check_batch`: the global batch (per microbatch) does not divide by the batch axes;
-- :func:`check_pipeline`: a pipelined run (``pipeline.schedule != "none"``) whose layers do not
-  split into ``pipe x virtual_stages`` equal chunks, whose batch does not split into
-  ``pipeline.microbatches`` (nor each pipeline microbatch over the batch axes), or an interleaved
-  schedule whose microbatches are not a multiple of ``pipe``. :class:`trainers.config.Config`
-  runs it when built, so a bad ``--set`` fails before any compile;
-- :func:`check_replicated`: a large parameter left replicated although the rule set shards
-  parameters (each device holds a full copy);
-- :func:`check_activation_split`: compiled temporaries that look like every device holds the
-  activations of the whole batch (an unconstrained model under FSDP), from a task's estimate;
-- :func:`check_collectives`: all-to-alls in a compiled step (GSPMD resharding between layouts
-  that disagree, usually a missing ``constrain``), traced to the jax operation that emitted them;
-- :func:`parse_remat_warnings`: XLA's "Involuntary full rematerialization" warnings (the
-  partitioner could not convert between two shardings without materialising the whole tensor),
-  read from the compiler's log, which :func:`capture_stderr` collects around a compile.
-
-The model is read abstractly (no allocation): the built-in GPT from its ``GPTConfig``
-(:func:`param_infos`), any task's model through :func:`model_variables` (``make -> nnx.Module``
-and the task's path rules), whose :class:`ModelVariables` hold every variable kind, their
-logical dims and where those came from.
+Each ``check_*`` function returns :class:`Issue` records. See docs/planning.md.
 """
 
 from __future__ import annotations
@@ -55,28 +25,17 @@ import spmd
 from meshes import AXES
 from spmd.models import GPTConfig
 from spmd.pipeline import PipelineConfig
+from spmd.rules import axes_of
+from spmd.units import fmt_bytes
 from spmd.variables import Decision, PathRules, abstract_model, decide
+from trainers.task import lm_model
+from trainers.validate import Issue, batch_axes, check_pipeline
 
 # Which config field sets the size of each logical dim of the built-in GPT (for "use X a multiple of N" fixes).
 CONFIG_FIELD = {
     "mlp": "model.d_ff", "heads": "model.n_heads", "kv_heads": "model.n_kv_heads", "vocab": "model.vocab_size",
     "embed": "model.d_model", "layers": "model.n_layers", "head_dim": "model.head_dim", "batch": "data.global_batch",
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Issue:
-    """One diagnosed problem: what (kind), where (path, dim), and the suggested fix."""
-
-    kind: str  # "indivisible" | "rules" | "batch" | "pipeline" | "replicated" | "all-to-all" | "remat" | "config" | "profile"
-    path: str
-    dim: str | None
-    message: str
-    fix: str
-    fatal: bool = False  # the layout cannot be built at all
-
-    def __str__(self) -> str:
-        return f"{self.message}: {self.fix}" if self.fix else self.message
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,8 +121,6 @@ def model_variables(make, path_rules: PathRules = ()) -> ModelVariables:
 
 @functools.lru_cache(maxsize=32)
 def _gpt_variables(model: GPTConfig) -> ModelVariables:
-    from trainers.task import lm_model  # the built-in task's model, as the run builds it
-
     return model_variables(lambda: lm_model(model)(nnx.Rngs(0)))
 
 
@@ -173,17 +130,13 @@ def param_infos(model: GPTConfig | ModelVariables) -> tuple[ParamInfo, ...]:
     return (_gpt_variables(model) if isinstance(model, GPTConfig) else model).infos
 
 
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def shard_divisors(info: ParamInfo, rules: spmd.Rules, sizes: Mapping[str, int], kind: str = "params") -> list[int]:
     """Per dim, the product of the mesh axes the rule set shards it over."""
     if info.dims is None:
         return [1] * len(info.shape)
     spec = rules.spec(info.dims, kind=kind, mesh_sizes=sizes, what=info.path)
     entries = list(spec) + [None] * (len(info.shape) - len(spec))
-    return [math.prod(sizes[a] for a in _axes(e)) for e in entries]
+    return [math.prod(sizes[a] for a in axes_of(e)) for e in entries]
 
 
 def _alternative(dim: str, axes: Sequence[str]) -> str:
@@ -207,7 +160,7 @@ def check_divisibility(params: Sequence[ParamInfo], rules: spmd.Rules | str, siz
         spec = rules.spec(info.dims, kind="params", mesh_sizes=sizes, what=info.path)
         entries = list(spec) + [None] * (len(info.shape) - len(spec))
         for i, (size, dim, entry) in enumerate(zip(info.shape, info.dims, entries)):
-            axes = _axes(entry)
+            axes = axes_of(entry)
             n = math.prod(sizes[a] for a in axes)
             if n > 1 and size % n:
                 where = " x ".join(f"{a}={sizes[a]}" for a in axes)
@@ -241,9 +194,7 @@ def check_layout(variables: ModelVariables, rules: spmd.Rules | str, sizes: Mapp
 
 def check_batch(global_batch: int, grad_accum: int, rules: spmd.Rules | str, sizes: Mapping[str, int]) -> list[Issue]:
     """The per-microbatch batch must split evenly over the batch axes of the activation rules."""
-    rules = spmd.get_rules(rules)
-    spec = rules.spec(("batch",), kind="activations", mesh_sizes=sizes)
-    axes = _axes(spec[0]) if len(spec) else ()
+    axes = batch_axes(rules, sizes)
     n = math.prod(sizes[a] for a in axes)
     micro = global_batch // max(grad_accum, 1)
     if n > 1 and micro % n:
@@ -255,55 +206,6 @@ def check_batch(global_batch: int, grad_accum: int, rules: spmd.Rules | str, siz
     return []
 
 
-def check_pipeline(model: GPTConfig, pipeline: PipelineConfig, rules: spmd.Rules | str, sizes: Mapping[str, int], *,
-                   global_batch: int, grad_accum: int = 1) -> list[Issue]:
-    """What a pipelined run needs of the model, batch and mesh (nothing when ``pipeline.schedule`` is "none").
-
-    With S = ``sizes["pipe"]`` (1 if absent), V virtual stages, M microbatches: ``model.n_layers``
-    a multiple of ``S*V``; the batch per gradient-accumulation step a multiple of M; for the
-    interleaved schedule M a multiple of S; with S > 1 each pipeline microbatch split evenly over
-    the batch axes (the engine cuts microbatches from each device's own rows; no data moves).
-    An axis size of -1 (inferred later from the device count) skips the checks that need it.
-    All fatal: the engine refuses these inputs.
-    """
-    if not pipeline.enabled:
-        return []
-    S, V, M = sizes.get("pipe", 1), pipeline.virtual_stages, pipeline.microbatches
-    known = S > 0
-    S = S if known else 1
-    issues = []
-    if model.n_layers % (S * V):
-        issues.append(Issue(
-            "pipeline", "blocks", "layers",
-            f"model.n_layers={model.n_layers} does not split into pipe={S} x pipeline.virtual_stages={V} = {S * V} "
-            f"equal chunks of layers", f"use model.n_layers a multiple of {S * V}, or a smaller pipe axis", fatal=True))
-    micro = global_batch // max(grad_accum, 1)
-    if micro % M:
-        issues.append(Issue(
-            "pipeline", "batch", "batch",
-            f"batch of {micro} (data.global_batch={global_batch} / run.grad_accum={grad_accum}) does not split into "
-            f"pipeline.microbatches={M}", f"use data.global_batch a multiple of {M * grad_accum}, or "
-            f"pipeline.microbatches a divisor of {micro}", fatal=True))
-    if pipeline.schedule == "interleaved" and M % S:
-        issues.append(Issue(
-            "pipeline", "pipeline", None,
-            f"interleaved schedule needs pipeline.microbatches={M} to be a multiple of pipe={S}",
-            f"use pipeline.microbatches a multiple of {S}", fatal=True))
-    spec = spmd.get_rules(rules).spec(("batch",), kind="activations",
-                                      mesh_sizes={a: s if s > 0 else 2 for a, s in sizes.items()})
-    axes = _axes(spec[0]) if len(spec) else ()
-    if known and S > 1 and not issues and all(sizes[a] > 0 for a in axes):
-        n = math.prod(sizes[a] for a in axes)
-        if (micro // M) % n:
-            where = " x ".join(f"{a}={sizes[a]}" for a in axes)
-            issues.append(Issue(
-                "pipeline", "batch", "batch",
-                f"pipeline microbatch of {micro // M} rows (data.global_batch={global_batch} / run.grad_accum="
-                f"{grad_accum} / pipeline.microbatches={M}) does not divide by {where}",
-                f"use data.global_batch a multiple of {n * M * grad_accum}, or fewer pipeline.microbatches", fatal=True))
-    return issues
-
-
 def check_replicated(params: Sequence[ParamInfo], rules: spmd.Rules | str, sizes: Mapping[str, int], *,
                      fraction: float = 0.05, decisions: Sequence[Decision] | None = None) -> list[Issue]:
     """Parameters of more than ``fraction`` of all parameter bytes held whole on every device,
@@ -313,7 +215,7 @@ def check_replicated(params: Sequence[ParamInfo], rules: spmd.Rules | str, sizes
     (any model: annotations, path rules and the FSDP default, :meth:`ModelVariables.decisions`).
     """
     rules = spmd.get_rules(rules)
-    param_axes = {a for _, axes in rules.params for a in _axes(axes) if sizes.get(a, 1) > 1}
+    param_axes = {a for _, axes in rules.params for a in axes_of(axes) if sizes.get(a, 1) > 1}
     if not param_axes:
         return []  # pure data parallelism replicates everything by design
     specs = {d.path: d.spec for d in decisions} if decisions is not None else None
@@ -322,14 +224,14 @@ def check_replicated(params: Sequence[ParamInfo], rules: spmd.Rules | str, sizes
     for info in params:
         nbytes = info.nbytes
         if specs is not None:
-            replicated = not any(sizes.get(a, 1) > 1 for e in specs[info.path] for a in _axes(e))
+            replicated = not any(sizes.get(a, 1) > 1 for e in specs[info.path] for a in axes_of(e))
         else:
             replicated = math.prod(shard_divisors(info, rules, sizes)) == 1
         if replicated and nbytes > fraction * total:
             why = f"dims {info.dims}" if info.dims is not None else info.source
             issues.append(Issue(
                 "replicated", info.path, None,
-                f"{info.path} {info.shape} ({nbytes / 2**20:.1f} MiB, {nbytes / total:.0%} of the parameters) is replicated "
+                f"{info.path} {info.shape} ({fmt_bytes(nbytes)}, {nbytes / total:.0%} of the parameters) is replicated "
                 f"on every device under rules {rules.name!r} ({why})",
                 f"map one of its dims to {' or '.join(sorted(param_axes))} (e.g. rules.replace(params={{...}}), "
                 "an annotation or a path rule)"))
@@ -373,8 +275,8 @@ def check_activation_split(compiled_temp: int, split: int, whole: int, fixed: in
     axes = " x ".join(batch_axes)
     return [Issue(
         "activations", "activations", "batch",
-        f"compiled temporaries {compiled_temp / 2**20:.1f} MiB per device are near the activations of the whole batch "
-        f"({whole / 2**20:.1f} MiB), not of this device's {rows} rows ({split / 2**20:.1f} MiB): the activations are "
+        f"compiled temporaries {fmt_bytes(compiled_temp)} per device are near the activations of the whole batch "
+        f"({fmt_bytes(whole)}), not of this device's {rows} rows ({fmt_bytes(split)}): the activations are "
         f"probably not split over {axes}",
         f"constrain them to the batch, spmd.constrain(x, ('batch', ...)) at each block's input and output, or use "
         f"rules that shard no weight dim over {axes} (e.g. dp)")]

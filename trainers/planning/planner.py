@@ -1,80 +1,36 @@
 """``spmd-plan TARGET --devices N --hardware H``: which layout to run, decided before the pod.
 
-TARGET is a recipe (the built-in GPT) or a task (``package.module:attribute``, as for
-``spmd-train``). The planner enumerates layouts, estimates each analytically (no compile,
-milliseconds each), drops those that cannot be built or do not fit, and ranks the rest by
-estimated step time:
-
-- **candidates**: every factorisation of N over ``data x pipe x fsdp x tensor``, with each rule set
-  that uses exactly the non-pipe axes (``dp``, ``fsdp``, ``tp``, ``dp_tp``, ``fsdp_tp``), remat on
-  and off. ``pipe`` (every rule set splits the stacked ``layers`` dim over it) takes the divisors of
-  N that also divide ``n_layers``; each pipe size > 1 runs the ``1f1b`` schedule, and ``interleaved``
-  with V=2 where ``n_layers`` splits into ``2 x pipe`` chunks, with M in ``{pipe, 2 pipe, 4 pipe}``
-  microbatches that divide the batch. A :class:`Layout` is a frozen record of all of it.
-- **pruning**: divisibility (heads, kv_heads, d_ff, vocab by ``tensor``; d_model by ``fsdp``;
-  layers by ``pipe``; the microbatch by ``data x fsdp``, each pipeline microbatch too:
-  :mod:`trainers.planning.diagnose`), and per-device memory above ``headroom x HBM``.
-- **memory estimate** (per device; :mod:`trainers.planning.costs`): parameters and optimizer state exactly (shard shapes from the
-  rule set, optimizer moments from ``jax.eval_shape(tx.init)``); gradients (f32, sharded like
-  the parameters, twice with gradient accumulation); activations from a per-layer count of the
-  tensors the backward pass keeps under the model's remat policy (:mod:`spmd.remat`: all of them
-  under ``none`` and ``save_all_but_gathered``; the block input per layer plus one block's worth
-  under ``full``, ``save_block_input`` and ``offload``, whose kept values sit on the host; that plus
-  the projections' outputs under ``save_dots``) and the f32 logits; FSDP's gathered weights of one layer. With a pipe
-  axis of S stages each device holds 1/S of the block parameters (the rule set's ``layers -> pipe``);
-  activations: 1F1B / interleaved keep a stash of stage inputs (``x[B/M, L, D]``, as many slots as
-  the schedule table holds at once, about S: :func:`spmd.pipeline.build_tables`) plus one chunk's
-  recompute for one microbatch; GPipe keeps every microbatch's residuals (M, like no pipeline).
-- **time estimate** (roofline; :func:`roofline`): compute = model FLOPs per device (x4/3 with
-  ``full`` remat; ``save_dots`` / ``offload`` add attention's forward once more) / peak; memory = HBM traffic (weights read 3x per step, optimizer read/write, activations
-  written and read) / HBM bandwidth; communication = per mesh axis, the ring algorithm's bytes on
-  the wire / that axis's network bandwidth (fast network inside a node or slice, slow network
-  across: :func:`trainers.hardware.networks`). **Overlap assumption**: none. Step time =
-  max(compute, memory) + communication, an upper bound; ``step_s_overlap`` = max of all three is
-  the perfect-overlap lower bound. Real runs land between, usually nearer the lower bound for FSDP
-  (XLA prefetches gathers) and nearer the upper one for tensor parallelism (its all-reduces sit on
-  the critical path). **Pipeline**: compute is divided by ``1 - bubble`` (the schedule table's
-  ``bubble_fraction``: ``(S-1)/(M+S-1)`` for 1F1B, ``(S-1)/(VM+S-1)`` interleaved) and x4/3 for
-  the 1F1B engines' recompute of each chunk in its backward; the pipe axis carries one
-  ``x[B/M, L, D]`` collective-permute forward and one backward per tick (per tick of the table for
-  1F1B / interleaved, per tick of the forward and the backward scan for GPipe), and interleaved
-  moves ``(S-1)/S`` of the block parameters (and their gradients) to its chunk order each step.
-
-**Any other task** (``plan(cfg, devices, hardware, task=...)``) is read once, abstractly
-(:func:`trainers.planning.profile.profile_task`), and every ``data x fsdp x tensor`` factorisation with its
-matching rule set is estimated from that profile (:mod:`trainers.planning.costs`'s ``task_*``): no pipe
-axis (a task's pipelining is its own code) and no remat toggle (the model decides); state bytes
-exactly from each variable's shard shape as :func:`spmd.variables.decide` gives it on that mesh;
-activations from the values autodiff keeps for the backward pass at the device's rows (an
-estimate that errs high); FLOPs the task's ``flops_per_example`` or 3 x the jaxpr's forward
-matmuls, split over the batch axes and, for matmuls against tensor-sharded weights, over their
-axes; communication from how each parameter is sharded (FSDP gathers and reduce-scatters,
-data-parallel all-reduces, tensor-style all-reduces of the activations those matmuls leave).
-
-``--verify`` confirms the chosen layout with a real dry-run compile (:mod:`trainers.planning.dryrun`).
+Enumerates layouts (``data x pipe x fsdp x tensor``, rule sets, remat, schedules), estimates each
+analytically (:mod:`trainers.planning.costs`), drops those that cannot be built or do not fit and ranks
+the rest by estimated step time; ``--verify`` confirms the best with a dry-run compile. See
+docs/planning.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 import math
-import sys
+import warnings
 from collections.abc import Iterator
 
 import spmd
 from meshes import AXES
 from spmd import remat as remat_lib
-from spmd.models import param_count
 from spmd.pipeline import NAMES as PIPELINE_SCHEDULES
 from spmd.pipeline import PipelineConfig
+from spmd.units import fmt_bytes, fmt_seconds
 from trainers.config import Config, override
-from trainers.planning.diagnose import Issue, diagnose
-from trainers.planning.costs import RULE_AXES, MemoryEstimate, Roofline, Traffic, comm_estimate, memory_estimate, roofline, task_comm_estimate, task_memory_estimate, task_roofline
 from trainers.hardware import Hardware, get_hardware
+from trainers.planning.costs import MemoryEstimate, Roofline, Traffic, layout_costs
 from trainers.planning.profile import TaskProfile, profile_task
 from trainers.task import Task, load_task
+from trainers.validate import Issue
+
+# rule set -> (mesh axes it needs > 1, axes it may also use): one candidate per distinct layout
+RULE_AXES = {"dp": (("data",), ()), "fsdp": (("fsdp",), ("data",)), "tp": (("tensor",), ()),
+             "dp_tp": (("data", "tensor"), ()), "fsdp_tp": (("fsdp", "tensor"), ("data",))}
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -182,12 +138,12 @@ class Estimate:
         if not self.buildable:
             return str(next(i for i in self.issues if i.fatal))
         if not self.fits:
-            return f"needs {_gib(self.memory.total)} per device > budget {_gib(self.budget)}"
+            return f"needs {fmt_bytes(self.memory.total)} per device > budget {fmt_bytes(self.budget)}"
         return f"dominant cost: {self.roofline.dominant}"
 
 
-def estimate(cfg: Config, layout: Layout, hardware: str | Hardware, *, headroom: float = 0.9,
-             task: Task | TaskProfile | None = None) -> Estimate:
+def estimate_layout(cfg: Config, layout: Layout, hardware: str | Hardware, *, headroom: float = 0.9,
+                    task: Task | TaskProfile | None = None) -> Estimate:
     """The analytic estimate of ``cfg`` run with ``layout`` on ``hardware``: the built-in GPT's
     formulas, or with ``task`` (a Task or its :class:`~trainers.planning.profile.TaskProfile`) any model's."""
     hw = get_hardware(hardware)
@@ -197,24 +153,16 @@ def estimate(cfg: Config, layout: Layout, hardware: str | Hardware, *, headroom:
         run = layout.apply(cfg)
     except ValueError as e:  # the config's own checks (e.g. a pipeline microbatch that does not split)
         return Estimate(layout, None, (), None, budget, (Issue("config", "config", None, str(e), "", fatal=True),))
-    if task is not None:
-        profile = task if isinstance(task, TaskProfile) else profile_task(task, cfg)
-        issues = diagnose(profile.variables, run.rules, sizes, global_batch=run.data.global_batch,
-                          grad_accum=run.run.grad_accum)
-        if any(i.fatal for i in issues):
-            return Estimate(layout, None, (), None, budget, tuple(issues))
-        mem = task_memory_estimate(profile, run, sizes)
-        traffic = task_comm_estimate(profile, run, sizes, hw)
-        return Estimate(layout, mem, tuple(traffic), task_roofline(profile, run, sizes, hw, mem, traffic), budget,
-                        tuple(issues))
-    issues = diagnose(run.model, run.rules, sizes, global_batch=run.data.global_batch, grad_accum=run.run.grad_accum,
-                      pipeline=run.pipeline)
-    if any(i.fatal for i in issues):
-        return Estimate(layout, None, (), None, budget, tuple(issues))
-    mem = memory_estimate(run, sizes)
-    traffic = comm_estimate(run, sizes, hw)
-    return Estimate(layout, mem, tuple(traffic), roofline(run, math.prod(sizes.values()), hw, mem, traffic,
-                                                          pipe=sizes["pipe"]), budget, tuple(issues))
+    profile = task if task is None or isinstance(task, TaskProfile) else profile_task(task, cfg)
+    costs = layout_costs(run, sizes, hw, profile=profile)
+    return Estimate(layout, costs.memory, costs.traffic, costs.roofline, budget, costs.issues)
+
+
+def __getattr__(name: str) -> object:
+    if name == "estimate":  # the old name of estimate_layout
+        warnings.warn("trainers.planning.planner.estimate is now estimate_layout", DeprecationWarning, stacklevel=2)
+        return estimate_layout
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _factorisations(n: int, k: int) -> Iterator[tuple[int, ...]]:
@@ -284,12 +232,12 @@ class Plan:
     def format(self, top: int = 5) -> str:
         hw = self.hardware
         lines = [f"{len(self.ranked)} of {len(self.ranked) + len(self.rejected)} layouts of {self.devices} devices fit "
-                 f"{hw.name} ({_gib(hw.hbm_bytes)} HBM, budget {_gib(self.ranked[0].budget if self.ranked else 0)})", "",
+                 f"{hw.name} ({fmt_bytes(hw.hbm_bytes)} HBM, budget {fmt_bytes(self.ranked[0].budget if self.ranked else 0)})", "",
                  f"{'#':>2}  {'layout':<40}{'mem/device':>12}{'fits':>6}{'step':>11}{'overlap':>10}{'MFU':>7}  dominant cost"]
         for i, e in enumerate(self.ranked[:top], 1):
             r = e.roofline
-            lines.append(f"{i:>2}  {str(e.layout):<40}{_gib(e.memory.total):>12}{'yes':>6}{_ms(r.step_s):>11}"
-                         f"{_ms(r.step_s_overlap):>10}{r.mfu:>7.1%}  {r.dominant}")
+            lines.append(f"{i:>2}  {str(e.layout):<40}{fmt_bytes(e.memory.total):>12}{'yes':>6}{fmt_seconds(r.step_s):>11}"
+                         f"{fmt_seconds(r.step_s_overlap):>10}{r.mfu:>7.1%}  {r.dominant}")
         shown = [e for e in self.rejected if e.memory is not None][:3] + [e for e in self.rejected if e.memory is None][:3]
         if shown:
             lines += ["", "rejected (examples):"] + [f"    {str(e.layout):<40}{e.reason}" for e in shown]
@@ -315,63 +263,7 @@ def plan(cfg: Config, devices: int, hardware: str | Hardware, *, headroom: float
         profile = task if isinstance(task, TaskProfile) else profile_task(
             load_task(task) if isinstance(task, str) else task, cfg)
         layouts = candidates(devices, remat=(None,))
-    estimates = [estimate(cfg, layout, hw, headroom=headroom, task=profile) for layout in layouts]
+    estimates = [estimate_layout(cfg, layout, hw, headroom=headroom, task=profile) for layout in layouts]
     ranked = sorted((e for e in estimates if e.fits), key=lambda e: (e.roofline.step_s, e.memory.total))
     rejected = sorted((e for e in estimates if not e.fits), key=lambda e: e.memory.total if e.memory else math.inf)
     return Plan(devices, hw, tuple(ranked), tuple(rejected))
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.2f} MiB"
-
-
-def _ms(s: float) -> str:
-    return f"{s * 1e3:.1f} ms" if s < 10 else f"{s:.1f} s"
-
-
-def main(argv: list[str] | None = None) -> int:
-    from trainers.launch.cli import base_config, is_task_target, load_target
-    from trainers.recipes import RECIPES
-
-    p = argparse.ArgumentParser(prog="spmd-plan", description="Rank layouts of a recipe or task for N devices of a hardware.")
-    p.add_argument("target", metavar="TARGET",
-                   help=f"a recipe ({', '.join(RECIPES)}) or a task as package.module:attribute")
-    p.add_argument("--devices", type=int, required=True, help="number of devices (GPUs, TPU chips)")
-    p.add_argument("--hardware", default="h100", help="h100, h200, a100, tpu-v4, tpu-v5e, tpu-v5p, cpu")
-    p.add_argument("--tiny", action="store_true", help="the recipe's tiny variant (a task's: 2 steps)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--top", type=int, default=5, help="how many layouts to show")
-    p.add_argument("--headroom", type=float, default=0.9, help="fraction of HBM a layout may use")
-    p.add_argument("--verify", action="store_true", help="confirm the chosen layout with a dry-run compile")
-    args = p.parse_args(argv)
-    is_task = is_task_target(args.target)
-    try:
-        task = load_target(args.target) if is_task else None
-        cfg = override(base_config(args.target, task, tiny=args.tiny), args.overrides)
-        profile = profile_task(task, cfg) if is_task else None
-        result = plan(cfg, args.devices, args.hardware, headroom=args.headroom, task=profile)
-        if profile is None:
-            print(f"{args.target}: {param_count(cfg.model):,} params, global batch {cfg.data.global_batch} x "
-                  f"{cfg.data.seq_len} tokens")
-        else:
-            print(f"{args.target} (task {task.name}): {profile.variables.param_count:,} params, global batch "
-                  f"{cfg.data.global_batch}, {profile.model_flops(1):.3e} FLOPs per example"
-                  + (f"; {profile.note}" if profile.note else ""))
-        print(result.format(args.top))
-        best = result.best
-    except ValueError as e:
-        print(f"spmd-plan: error: {e}", file=sys.stderr)
-        return 2
-    print(f"spmd-train {args.target}{' --tiny' if args.tiny else ''} {best.layout.command(cfg)}"
-          + "".join(f" --set {s}" for s in args.overrides))
-    if args.verify:
-        from trainers.planning.dryrun import dry_run
-
-        report = dry_run(best.layout.apply(cfg), args.target if is_task else None, devices=args.devices,
-                         hardware=result.hardware, headroom=args.headroom)
-        print("\nverified with a dry-run compile:\n" + report.format())
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
