@@ -55,8 +55,9 @@ def dry_run(cfg: Config, task: Task | str | None = None, *, devices: int | None 
                              f"runs in a subprocess, which must rebuild task {task.name!r}: pass its "
                              "'package.module:attribute' name instead of the Task object, or devices="
                              f"{jax.device_count()}")
-        return call_with_devices(f"{__name__}:dry_run", [cfg, task], {"devices": devices, "hardware": hw,
-                                 "headroom": headroom}, devices, path=import_root(task) if task is not None else None)
+        kwargs = {"devices": devices, "hardware": hw, "headroom": headroom}
+        root = import_root(task) if task is not None else None  # the child imports the task from where we did
+        return call_with_devices(f"{__name__}:dry_run", [cfg, task], kwargs, devices, path=root)
     return _dry_run_here(cfg, load_task(task) if isinstance(task, str) else task, devices, hw, headroom)
 
 
@@ -93,7 +94,6 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
 
     # not cfg.mesh.build: the ICI x DCN sizes as one spec, since this process holds every planned slice
     mesh = meshes.make_mesh(meshes.MeshSpec.of(sizes), devices=jax.devices()[:devices], axis_type=cfg.mesh.axis_type)
-
     schedule = make_lr_schedule(cfg.lr, cfg.run.steps)
     tx = make_optimizer(cfg.optimizer, schedule)
     sharded = create_state(lambda: run.model(nnx.Rngs(cfg.run.seed)), tx, rules, mesh, seed=cfg.run.seed,
@@ -125,6 +125,5 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
         **common, analytic=analytic, compiled=spmd.inspection.memory(compiled),
         state_bytes=spmd.inspection.tree_bytes_per_device(sharded.abstract),
         batch_bytes=spmd.inspection.tree_bytes_per_device(batch), collectives=tuple(ops), traffic=tuple(traffic),
-        analytic_traffic=costs.traffic,
-        roofline=layout_roofline(cfg, sizes, hw, analytic, traffic, profile=profile), issues=tuple(issues), compile_s=compile_s,
-        backend=backend)
+        analytic_traffic=costs.traffic, roofline=layout_roofline(cfg, sizes, hw, analytic, traffic, profile=profile),
+        issues=tuple(issues), compile_s=compile_s, backend=backend)

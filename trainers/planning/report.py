@@ -64,7 +64,7 @@ class DryRunReport:
         mesh = ",".join(f"{a}={s}" for a, s in self.mesh if s > 1) or "1 device"
         out = [f"dry run: {self.name}, {self.params:,} params, mesh {mesh}"
                + (f" (dcn: {','.join(self.dcn_axes)})" if self.dcn_axes else "") + f", rules {self.rules}",
-               f"target {hw.name} x {self.devices}; compiled on {self.backend} in {self.compile_s:.1f} s", ""]
+               f"target {hw.name} x {self.devices}; compiled on {self.backend} in {fmt_seconds(self.compile_s)}", ""]
         a, c = self.analytic, self.compiled
         if a is not None:
             rows = [("params", a.params, None), ("optimizer", a.optimizer, None)]
