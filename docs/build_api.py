@@ -125,6 +125,14 @@ def _constant(obj: object) -> str:
     return text if len(text) <= 100 and "\n" not in text else f"<{type(obj).__name__}>"
 
 
+def _member(package: str, name: str) -> object:
+    """``package.name``: an attribute, or a submodule a lazy package face imports on use."""
+    try:
+        return getattr(importlib.import_module(package), name)
+    except AttributeError:
+        return importlib.import_module(f"{package}.{name}")
+
+
 def page(package: str) -> str:
     """The Markdown page of one package."""
     pkg = importlib.import_module(package)
@@ -136,7 +144,7 @@ def page(package: str) -> str:
     if names:
         lines += ["## Names", ""]
     for name in names:
-        obj = getattr(pkg, name)
+        obj = _member(package, name)
         kind = _kind(obj)
         lines += [f"### `{package}.{name}`", ""]
         if kind == "module":
