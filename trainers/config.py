@@ -16,7 +16,7 @@ import math
 import types
 import typing
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -29,6 +29,7 @@ from trainers.checkpoint import CheckpointConfig
 from trainers.data import DataConfig
 from trainers.optim import OptimizerConfig
 from trainers.lr import LRConfig
+from trainers.trace import PROCESSES, parse_steps
 from trainers.validate import check_pipeline
 
 
@@ -91,6 +92,9 @@ class RunConfig:
     spike_factor: float = 10.0  # a spike is loss or grad norm > factor x running median; 0 turns spikes off
     spike_window: int = 32  # accepted steps in the running median (spikes are flagged once it is full)
     preemption_check_every: int = 1  # steps between multi-process agreements on a stop request
+    profile_steps: str = ""  # "START:END": a jax.profiler trace of those steps (inclusive) in run_dir/tensorboard
+    profile_processes: str = "first"  # which processes trace: "first" (process 0) or "all"
+    memory_profile_step: int = 0  # > 0: a device-memory profile after that step (also on SIGUSR1) in run_dir/memory
 
     def __post_init__(self) -> None:
         from trainers.faults.guard import validate
@@ -99,6 +103,11 @@ class RunConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"run.{name} must be >= 1, got {getattr(self, name)}")
         validate(self.guard, self.spike_factor, self.spike_window)
+        parse_steps(self.profile_steps)
+        if self.profile_processes not in PROCESSES:
+            raise ValueError(f"run.profile_processes={self.profile_processes!r}; valid: {', '.join(PROCESSES)}")
+        if self.memory_profile_step < 0:
+            raise ValueError(f"run.memory_profile_step must be >= 0 (0: none), got {self.memory_profile_step}")
         if self.eval_batches < -1:
             raise ValueError(f"run.eval_batches must be >= 0, or -1 for one full pass over the eval set; got {self.eval_batches}")
         if self.z_loss < 0:
@@ -152,6 +161,32 @@ class Config:
         """Old name of :attr:`lr`."""
         warnings.warn("Config.schedule is now Config.lr", DeprecationWarning, stacklevel=2)
         return self.lr
+
+
+# Keys a resumed run may not change: the checkpoint's shapes (model), the data stream the saved position
+# points into, the optimizer state's structure. Everything else (LR, steps, cadences, mesh, rules) may.
+FIXED_ON_RESUME = ("model.", "data.corpus", "data.path", "data.seq_len", "data.vocab_size", "data.global_batch",
+                   "data.seed", "data.validation_fraction", "data.max_tokens", "data.synthetic_tokens",
+                   "data.tokenizer", "optimizer.name")
+
+
+def config_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(dotted key, old value, new value)`` for every leaf that differs between two config dicts."""
+    def flat(node: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(node, Mapping):
+            out: dict[str, Any] = {}
+            for k, v in node.items():
+                out.update(flat(v, f"{prefix}{k}."))
+            return out
+        return {prefix[:-1]: list(node) if isinstance(node, tuple) else node}
+
+    a, b = flat(old), flat(new)
+    return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def fixed_on_resume(key: str) -> bool:
+    """Whether a resumed run must keep ``key`` as its checkpoint was written with."""
+    return any(key == f or (f.endswith(".") and key.startswith(f)) for f in FIXED_ON_RESUME)
 
 
 def valid_keys(cfg: Any, prefix: str = "") -> list[str]:

@@ -206,14 +206,35 @@ def _to_json(value: Any, where: str) -> Any:
 
 
 def write_config(run_dir: str | Path, config: Mapping[str, Any]) -> Path:
-    """Write the resolved `config` to run_dir/config.json (atomically); returns the path."""
+    """Write the resolved `config` to run_dir/config.json (atomically); returns the path. A different
+    config already there is kept as ``config.<n>.json`` (n = 1, 2, ...: the run's history), never lost."""
     if not (isinstance(config, Mapping) or (dataclasses.is_dataclass(config) and not isinstance(config, type))):
         raise ValueError(f"config must be a mapping (or a dataclass instance), got {type(config).__name__}")
     data = _to_json(config, "config")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / CONFIG_FILE
+    text = json.dumps(data, indent=2, allow_nan=False) + "\n"
+    if path.exists():
+        if path.read_text(encoding="utf-8") == text:
+            return path
+        n = 1
+        while (run_dir / f"config.{n}.json").exists():
+            n += 1
+        os.replace(path, run_dir / f"config.{n}.json")  # the history: config.1.json is the first config
     tmp = path.with_name(f".{CONFIG_FILE}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
     return path
+
+
+def read_config(run_dir: str | Path) -> dict[str, Any] | None:
+    """The config a run directory holds (``config.json``), or None when it has none."""
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not a readable config ({e}); move it aside to start this run directory afresh") from None
+    return data if isinstance(data, dict) else None

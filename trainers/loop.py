@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,11 +24,11 @@ import meshes
 import spmd
 from trainers.faults import guard as guard_lib
 from trainers.checkpoint import Checkpointer, NoUsableCheckpointError, resolve_init_from
-from trainers.config import Config
+from trainers.config import Config, config_changes, fixed_on_resume
 from trainers.data import ExampleLoader, IterLoader, process_rows, to_global
 from trainers.data.loader import eval_batches
 from trainers.faults.guard import DivergenceError, Guard, GuardEvent
-from trainers.logger import RunLogger, write_config
+from trainers.logger import RunLogger, read_config, write_config
 from trainers.metrics import StepMeter, peak_flops_per_device
 from trainers.optim import make_optimizer
 from trainers.faults.preemption import PreemptionWatcher
@@ -35,6 +36,7 @@ from trainers.lr import make_lr_schedule
 from trainers.state import ShardedState, State, create_state
 from trainers.step import eval_view, loss_and_metrics, make_eval_step, make_train_step
 from trainers.task import Task, lm_task
+from trainers.trace import StepProfiler
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +174,28 @@ def _initial_state(cfg: Config, ckpt: Checkpointer, sharded: ShardedState, logge
     return 0, sharded.state, {}
 
 
+def _changes_since_last_run(cfg: Config) -> list[tuple[str, Any, Any]]:
+    """What differs from the config stored in the run directory. ValueError, before anything is
+    written, when a checkpoint will be resumed and a change cannot be (model shapes, the data stream)."""
+    directory = cfg.run.directory
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(f"run.run_dir={directory!r} is a file, not a directory; give a directory path "
+                         f"(e.g. runs/{cfg.run.name})")
+    previous = read_config(directory)
+    if previous is None:
+        return []
+    changes = config_changes(previous, cfg.to_dict())
+    ckpt_dir = cfg.checkpoint.resolve_directory(directory)
+    resumes = cfg.run.resume and os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
+    refused = [c for c in changes if fixed_on_resume(c[0])] if resumes else []
+    if refused:
+        listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in refused)
+        raise ValueError(f"cannot resume {directory} with {listed}: its checkpoints were written with the values in "
+                         f"{os.path.join(directory, 'config.json')}, which is left as it was. Keep those values, "
+                         "or give another run.run_dir")
+    return changes
+
+
 def _without_window(state: State) -> State:
     """The train state as ``create_state`` makes it (what checkpoints hold): without the guard window."""
     return {k: v for k, v in state.items() if k != "guard"}
@@ -204,6 +228,7 @@ def train(
     meshes.distributed.check_consistent(meshes.distributed.fingerprint(mesh, cfg.to_dict()))  # no-op on one process
     rules = spmd.get_rules(cfg.rules)
     is_main = jax.process_index() == 0
+    changes = _changes_since_last_run(cfg)  # refuses what cannot be resumed before anything is written
     if is_main:
         write_config(run.directory, cfg.to_dict())
 
@@ -233,6 +258,9 @@ def train(
     state = {**state, "guard": guard_lib.window_from_json(data_state.get("guard"), run.spike_window, mesh)}
     skip_batches: set[int] = set(data_state.get("skip_batches", []))
 
+    if changes:
+        logger.message("config changed since this run directory's last run (the old one is kept as config.<n>.json): "
+                       + "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changes))
     n_params = sum(x.size for x in jax.tree.leaves(sharded.state["params"]))
     logger.message(meshes.describe(mesh).splitlines()[0] + f"; rules {rules.name}; task {task.name}; {n_params:,} params")
     if any(d.source != "annotation" and d.kind == "Param" for d in sharded.model.decisions):
@@ -247,6 +275,7 @@ def train(
     eval_results: dict[int, dict[str, float]] = {}
     pending: list[tuple[int, int, dict[str, jax.Array]]] = []  # (step, batch index, metrics) not yet fetched
     preempted = False
+    profiler = StepProfiler(run.directory, run.profile_steps, run.profile_processes, run.memory_profile_step)
     step = start
     t_last, steps_since = time.perf_counter(), 0
     with PreemptionWatcher(check_every=run.preemption_check_every) as watcher:
@@ -264,8 +293,10 @@ def train(
                                       n_devices=mesh.size, peak_per_device=peak)
                     logger.message(f"MFU from {flops:.3e} model FLOPs per step, {flops_source}; peak {peak_source}")
                 with _first_batch(task, batch, "the train step") if step == start else contextlib.nullcontext():
-                    state, metrics = train_step(state, batch)  # contract errors surface at its trace, before any compile
+                    with profiler.before(step + 1):  # run.profile_steps
+                        state, metrics = train_step(state, batch)  # contract errors surface at its trace, before any compile
                 step += 1
+                profiler.after(step, metrics)
                 steps_since += 1
                 pending.append((step, index, metrics))
                 if step_hook is not None:
@@ -328,6 +359,7 @@ def train(
                     break
             ckpt.wait()
         finally:
+            profiler.close()
             ckpt.close()
             logger.close()
     summary = meter.summary() if meter is not None else {}

@@ -1,37 +1,8 @@
 """Loss-spike and divergence guard: detect bad steps inside the train step, act on them on the host.
 
-Two halves, one concept:
-
-**In the step (device).** The state the loop steps carries a small replicated ring buffer,
-``state["guard"]``::
-
-    {"loss": f32[W], "grad_norm": f32[W], "count": int32[]}
-
-holding the loss and gradient norm of the last ``W`` *accepted* steps. A step is bad when its
-loss or gradient norm is not finite, or (once the window is full and ``spike_factor > 0``) when
-either is above ``spike_factor x`` its running median. A bad step's update is not applied: the
-train step's one ``lax.cond`` keeps params and optimizer state as they were (``skip``), and the
-window only ever sees accepted values, so a spike cannot drag the median up. Nothing here leaves
-the device, so the guard costs no host sync.
-
-**In the loop (host).** :class:`Guard` reads each step's flags when the loop fetches metrics anyway
-(at log steps and before every checkpoint save), logs every bad step as a :class:`GuardEvent` (console,
-``logging`` and the metrics JSONL under the split ``guard/<kind>`` with value, threshold and
-median), and applies ``run.guard``:
-
-- ``"skip"``: carry on (the update was not applied); ``run.max_bad_steps`` bad steps in a row
-  raise :class:`DivergenceError`.
-- ``"rollback"``: restore the newest valid checkpoint and skip the offending batches (the loop
-  advances the data loader past them when it reaches them again). Also bounded by
-  ``run.max_bad_steps`` rollbacks in all.
-- ``"stop"``: raise :class:`DivergenceError` naming the step, the value and the median.
-
-The window is saved with the data-loader position as JSON in the checkpoint's ``data`` item, not
-in the ``state`` item, so checkpoints have the same arrays whatever the guard settings (a run may
-resume with another ``spike_window``; other tools restore them with ``create_state``'s target).
-
-The loop flushes pending flags before each checkpoint save, so a checkpoint is never written
-after an unhandled bad step and a rollback always lands before the offending batch.
+In the step, a replicated window ``state["guard"]`` of the last accepted losses and gradient norms
+flags a non-finite or spiking step, whose update is not applied. In the loop, :class:`Guard` logs each
+:class:`GuardEvent` and applies ``run.guard``: ``skip``, ``rollback`` or ``stop``. See docs/faults.md.
 """
 
 from __future__ import annotations
@@ -264,12 +235,12 @@ def window_from_json(data: dict[str, Any] | None, window: int, mesh: jax.shardin
 
 
 def add_window(sharded: Any, window: int, mesh: jax.sharding.Mesh) -> Any:
-    """``sharded`` (a ``trainers.state.Sharded``) with an empty replicated guard window in its state."""
-    from trainers.state import Sharded
+    """``sharded`` (a ``trainers.state.ShardedState``) with an empty replicated guard window in its state."""
+    from trainers.state import ShardedState
 
     if "guard" in sharded.state:
         raise ValueError(f"the state already has a 'guard' window; keys: {sorted(sharded.state)}")
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     window_state = jax.jit(lambda: init_state(window), out_shardings=rep)()
-    return Sharded(sharded.model, {**sharded.state, "guard": window_state},
+    return ShardedState(sharded.model, {**sharded.state, "guard": window_state},
                    {**sharded.shardings, "guard": jax.tree.map(lambda _: rep, window_state)})
