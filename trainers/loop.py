@@ -22,6 +22,7 @@ from flax import nnx
 
 import meshes
 import spmd
+from spmd.rules import RulesError
 from trainers.faults import guard as guard_lib
 from trainers.checkpoint import Checkpointer, NoUsableCheckpointError, resolve_init_from
 from trainers.config import Config, config_changes, fixed_on_resume
@@ -37,6 +38,7 @@ from trainers.state import ShardedState, State, create_state
 from trainers.step import eval_view, loss_and_metrics, make_eval_step, make_train_step
 from trainers.task import Task, lm_task
 from trainers.trace import StepProfiler
+from trainers.validate import check_batch, name_config_key
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +229,8 @@ def train(
     mesh = mesh or cfg.mesh.build()  # the run's one mesh; everything below takes it as an argument
     meshes.distributed.check_consistent(meshes.distributed.fingerprint(mesh, cfg.to_dict()))  # no-op on one process
     rules = spmd.get_rules(cfg.rules)
+    for issue in check_batch(data_cfg.global_batch, run.grad_accum, rules, dict(mesh.shape)):
+        raise ValueError(str(issue))  # before any state is built or compiled
     is_main = jax.process_index() == 0
     changes = _changes_since_last_run(cfg)  # refuses what cannot be resumed before anything is written
     if is_main:
@@ -234,8 +238,11 @@ def train(
 
     schedule = make_lr_schedule(cfg.lr, cfg.run.steps)
     tx = make_optimizer(cfg.optimizer, schedule)
-    sharded = create_state(lambda: task.model(nnx.Rngs(run.seed)), tx, rules, mesh, seed=run.seed,
-                           path_rules=task.path_rules)
+    try:
+        sharded = create_state(lambda: task.model(nnx.Rngs(run.seed)), tx, rules, mesh, seed=run.seed,
+                               path_rules=task.path_rules)
+    except RulesError as e:  # a dim that does not divide by its mesh axes
+        raise RulesError(name_config_key(e) if task.name == "lm" else str(e)) from None
     stepped = guard_lib.add_window(sharded, run.spike_window, mesh)  # what the step carries: state + guard window
     batch_sharding = spmd.batch_sharding(rules, mesh, dims=("batch",))
     train_step = make_train_step(stepped, tx, rules, mesh, batch_sharding, schedule=schedule,

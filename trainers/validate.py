@@ -1,19 +1,28 @@
 """Checks the run makes of a config before any compile, as :class:`Issue` records with a fix.
 
 :class:`trainers.config.Config` runs :func:`check_pipeline` when built, so a bad ``--set`` fails at
-once; the planning layer's diagnostics (:mod:`trainers.planning.diagnose`) report the same records.
+once; ``trainers.train`` runs :func:`check_batch` on its mesh before building anything; the planning
+layer's diagnostics (:mod:`trainers.planning.diagnose`) report the same records.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 
 import spmd
 from spmd.models import GPTConfig
 from spmd.pipeline import PipelineConfig
 from spmd.rules import axes_of
+
+
+# The config key that sets each logical dim of the built-in GPT (and the batch), for messages.
+CONFIG_FIELD = {
+    "mlp": "model.d_ff", "heads": "model.n_heads", "kv_heads": "model.n_kv_heads", "vocab": "model.vocab_size",
+    "embed": "model.d_model", "layers": "model.n_layers", "head_dim": "model.head_dim", "batch": "data.global_batch",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,3 +91,24 @@ def check_pipeline(model: GPTConfig, pipeline: PipelineConfig, rules: spmd.Rules
                 f"{grad_accum} / pipeline.microbatches={M}) does not divide by {where}",
                 f"use data.global_batch a multiple of {n * M * grad_accum}, or fewer pipeline.microbatches", fatal=True))
     return issues
+
+
+def check_batch(global_batch: int, grad_accum: int, rules: spmd.Rules | str, sizes: Mapping[str, int]) -> list[Issue]:
+    """The per-microbatch batch must split evenly over the batch axes of the activation rules."""
+    axes = batch_axes(rules, sizes)
+    n = math.prod(sizes[a] for a in axes)
+    micro = global_batch // max(grad_accum, 1)
+    if n > 1 and micro % n:
+        where = " x ".join(f"{a}={sizes[a]}" for a in axes)
+        return [Issue("batch", "batch", "batch",
+                      f"batch of {micro} per microbatch (data.global_batch={global_batch} / run.grad_accum={grad_accum}) "
+                      f"does not divide by {where}",
+                      f"use data.global_batch a multiple of {n * grad_accum}, or fewer batch-sharding devices", fatal=True)]
+    return []
+
+
+def name_config_key(error: Exception) -> str:
+    """A sharding error about the built-in GPT's parameters, with the config key that sets the dim."""
+    found = re.search(r"dim \d+ \('(\w+)'\)", str(error))
+    key = CONFIG_FIELD.get(found.group(1)) if found else None
+    return f"{error} (that size is {key})" if key else str(error)

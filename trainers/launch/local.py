@@ -20,6 +20,10 @@ from collections.abc import Mapping, Sequence
 from typing import TextIO
 
 
+# The toolkit's own commands, run through this interpreter when they are not on PATH (no venv activated).
+OWN_COMMANDS = {"spmd-train": "trainers", "spmd-plan": "trainers.launch.plan"}
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago on ``host``."""
     with socket.socket() as s:
@@ -112,7 +116,9 @@ def launch(
     if not grace_s >= 0:
         raise ValueError(f"grace_s must be >= 0 seconds, got {grace_s!r}")
     if shutil.which(cmd[0], path=(env or os.environ).get("PATH")) is None:
-        raise ValueError(f"command {cmd[0]!r} not found (not an executable on PATH or a path to one)")
+        if cmd[0] not in OWN_COMMANDS:
+            raise ValueError(f"command {cmd[0]!r} not found (not an executable on PATH or a path to one)")
+        cmd = [sys.executable, "-m", OWN_COMMANDS[cmd[0]], *cmd[1:]]  # this toolkit, without its venv on PATH
     out = sys.stdout if out is None else out
     port = free_port() if port is None else port
     lock = threading.Lock()

@@ -29,15 +29,9 @@ from spmd.rules import axes_of
 from spmd.units import fmt_bytes
 from spmd.variables import Decision, PathRules, abstract_model, decide
 from trainers.task import lm_model
-from trainers.validate import Issue, batch_axes, check_pipeline
+from trainers.validate import CONFIG_FIELD, Issue, batch_axes, check_batch, check_pipeline
 
 # Which config field sets the size of each logical dim of the built-in GPT (for "use X a multiple of N" fixes).
-CONFIG_FIELD = {
-    "mlp": "model.d_ff", "heads": "model.n_heads", "kv_heads": "model.n_kv_heads", "vocab": "model.vocab_size",
-    "embed": "model.d_model", "layers": "model.n_layers", "head_dim": "model.head_dim", "batch": "data.global_batch",
-}
-
-
 @dataclasses.dataclass(frozen=True)
 class ParamInfo:
     """One variable of a model: path, shape, logical dims (from its annotation or a path rule; None
@@ -190,20 +184,6 @@ def check_layout(variables: ModelVariables, rules: spmd.Rules | str, sizes: Mapp
         return variables.decisions(rules, sizes), []
     except spmd.rules.RulesError as e:
         return None, [Issue("rules", "variables", None, str(e), "", fatal=True)]
-
-
-def check_batch(global_batch: int, grad_accum: int, rules: spmd.Rules | str, sizes: Mapping[str, int]) -> list[Issue]:
-    """The per-microbatch batch must split evenly over the batch axes of the activation rules."""
-    axes = batch_axes(rules, sizes)
-    n = math.prod(sizes[a] for a in axes)
-    micro = global_batch // max(grad_accum, 1)
-    if n > 1 and micro % n:
-        where = " x ".join(f"{a}={sizes[a]}" for a in axes)
-        return [Issue("batch", "batch", "batch",
-                      f"batch of {micro} per microbatch (data.global_batch={global_batch} / run.grad_accum={grad_accum}) "
-                      f"does not divide by {where}",
-                      f"use data.global_batch a multiple of {n * grad_accum}, or fewer batch-sharding devices", fatal=True)]
-    return []
 
 
 def check_replicated(params: Sequence[ParamInfo], rules: spmd.Rules | str, sizes: Mapping[str, int], *,
