@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 import traceback
@@ -151,9 +152,11 @@ def _report(e: BaseException, code: int, debug: bool, args: argparse.Namespace |
     if debug:
         traceback.print_exc()
     message = _one_line(e)
-    if args is not None and not args.simulate_devices and "devices" in message and type(e).__name__ == "MeshError":
-        message += ("\n  (no accelerator here? pass --simulate-devices N to run on N simulated CPU devices, "
-                    "e.g. --simulate-devices 8)")
+    if args is not None and type(e).__name__ == "MeshError":
+        message += "\n  (the mesh is mesh.axes, set with --mesh; mesh.dcn with --dcn)"
+        if not args.simulate_devices and re.search(r"there (is|are) 1 device", message):
+            message += ("\n  (no accelerator here? pass --simulate-devices N to run on N simulated CPU devices, "
+                        "e.g. --simulate-devices 8)")
     return _error(message, code)
 
 

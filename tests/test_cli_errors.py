@@ -1,0 +1,126 @@
+"""What a new user meets: every mistake is one message naming the value, the key and a fix, with a
+documented exit status (trainers.launch.cli); --help is instant; Ctrl-C never crashes; the run
+directory keeps its config history."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from trainers.launch import cli, local
+from trainers.recipes import RECIPES
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["gpt-small", "--tiny", "--set", "run.progress=false", "--set", "run.tensorboard=false"]
+
+
+def run_cli(capsys, *args):
+    code = cli.main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--mesh", "data=16"], ["multiply to 16", "8 devices", "--mesh"]),
+    (["--mesh", "data=3"], ["{'data': 3}", "multiply to 3", "mesh.axes"]),
+    (["--set", "data.global_batch=6", "--mesh", "data=4,tensor=2"], ["data.global_batch=6", "data=4", "multiple of 4"]),
+    (["--steps", "0"], ["run.steps must be >= 1, got 0"]),
+    (["--set", "lr.peek_lr=1"], ["unknown config key 'lr.peek_lr'", "did you mean lr.peak_lr"]),
+    (["--set", "data.corpus=text", "--set", "data.path=/nonexistent/texts"], ["/nonexistent/texts"]),
+    (["--mesh", "data=1,tensor=8"], ["kv_heads", "tensor=8", "model.n_kv_heads"]),
+])
+def test_user_errors_are_one_message_and_exit_2(capsys, tmp_path, args, needles):
+    code, _, err = run_cli(capsys, *TINY, "--run-dir", str(tmp_path / "run"), *args)
+    assert code == cli.EXIT_USAGE, err
+    assert err.startswith("spmd-train: error: ") and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+
+
+def test_forgotten_simulate_devices_is_named():
+    """On a laptop (one CPU device) the likely fix is --simulate-devices."""
+    code = ("import sys\nfrom trainers.launch import cli\n"
+            "sys.exit(cli.main(['gpt-small', '--tiny', '--mesh', 'data=2,tensor=4', '--run-dir', sys.argv[1]]))")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    with tempfile.TemporaryDirectory() as run_dir:
+        result = subprocess.run([sys.executable, "-c", code, run_dir], cwd=REPO, env=env, capture_output=True, text=True)
+    assert result.returncode == cli.EXIT_USAGE, result.stderr
+    assert "there are 1 devices" in result.stderr and "--simulate-devices 8" in result.stderr, result.stderr
+
+
+def test_run_dir_that_is_a_file(capsys, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    code, _, err = run_cli(capsys, *TINY, "--run-dir", str(tmp_path / "afile"))
+    assert code == cli.EXIT_USAGE and "is a file, not a directory" in err and "run.run_dir" in err, err
+
+
+def test_debug_shows_the_traceback(capsys, tmp_path):
+    code, _, err = run_cli(capsys, *TINY, "--run-dir", str(tmp_path), "--mesh", "data=3", "--debug")
+    assert code == cli.EXIT_USAGE and "Traceback" in err and "spmd-train: error:" in err
+
+
+def test_resume_refuses_a_new_model_shape_and_keeps_the_config_history(capsys, tmp_path):
+    run_dir = str(tmp_path / "run")
+    assert run_cli(capsys, *TINY, "--run-dir", run_dir)[0] == 0
+    stored = (tmp_path / "run" / "config.json").read_bytes()
+    code, _, err = run_cli(capsys, *TINY, "--run-dir", run_dir, "--set", "model.d_model=64", "--steps", "3")
+    assert code == cli.EXIT_USAGE and "cannot resume" in err and "model.d_model" in err, err
+    assert (tmp_path / "run" / "config.json").read_bytes() == stored  # refused before anything was written
+    assert not list((tmp_path / "run").glob("config.*.json"))
+    # a change that can be resumed is allowed and noted; the earlier config is kept as config.1.json
+    code, out, err = run_cli(capsys, *TINY, "--run-dir", run_dir, "--set", "lr.peak_lr=0.001", "--steps", "3")
+    assert code == 0, err
+    assert "config changed" in out and "lr.peak_lr" in out, out
+    assert (tmp_path / "run" / "config.1.json").read_bytes() == stored
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["lr"]["peak_lr"] == 0.001
+
+
+def test_help_is_instant_and_version_names_jax():
+    code = ("import sys\nfrom trainers.launch import cli\ntry:\n    cli.parse_args(['--help'])\nexcept SystemExit:\n"
+            "    pass\nprint('jax imported:', 'jax' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert "examples:" in out and "exit statuses:" in out and "jax imported: False" in out, out
+    version = subprocess.run([sys.executable, "-m", "trainers", "--version"], cwd=REPO, capture_output=True,
+                             text=True, check=True).stdout
+    assert version.startswith("spmd ") and "jax " in version
+
+
+def test_recipe_names_in_help_are_the_recipes():
+    assert tuple(RECIPES) == cli.RECIPE_NAMES
+
+
+def test_spmd_launch_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        local.main(["--help"])
+    assert exit_info.value.code == 0 and "example:" in capsys.readouterr().out
+
+
+def test_launch_finds_the_toolkit_without_path(tmp_path):
+    """No venv activated: spmd-train is not on PATH, the launcher runs it through this interpreter."""
+    env = {**os.environ, "PATH": "/usr/bin:/bin"}
+    log = tmp_path / "out.txt"
+    with open(log, "w") as out:
+        status = local.launch(["spmd-train", "--version"], processes=1, env=env, out=out)
+    assert status == 0 and "spmd " in log.read_text(), log.read_text()
+
+
+@pytest.mark.parametrize("after_s", [0.5, 2.0, 5.0])
+def test_ctrl_c_at_any_moment_exits_cleanly(tmp_path, after_s):
+    proc = subprocess.Popen([sys.executable, "-m", "trainers", "gpt-small", "--simulate-devices", "8", "--run-dir",
+                             str(tmp_path / "run"), "--set", "run.progress=false"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(after_s)
+    proc.send_signal(signal.SIGINT)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert proc.returncode in (cli.EXIT_INTERRUPTED, cli.EXIT_PREEMPTED, -signal.SIGINT), (proc.returncode, err[-2000:])
+    assert "Segmentation fault" not in err and "Fatal Python error" not in err, err[-2000:]
