@@ -151,10 +151,15 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
+def abstract_module(make: Callable[[], nnx.Module]) -> nnx.Module:
+    """The model as shapes only (``nnx.eval_shape``), annotated variables left unsharded."""
+    with nnx.use_eager_sharding(False):  # the toolkit shards from the metadata, not flax at construction
+        return nnx.eval_shape(make)
+
+
 def abstract_model(make: Callable[[], nnx.Module]) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, abstract state) of a model without allocating it."""
-    model = nnx.eval_shape(make)
-    return nnx.split(model)
+    return nnx.split(abstract_module(make))
 
 
 def init_params(
@@ -167,9 +172,7 @@ def init_params(
     so each device only ever allocates its own shards. ``params`` is a pure dict of arrays;
     ``nnx.merge(graphdef, params)`` rebuilds the model inside a step.
     """
-    with nnx.use_eager_sharding(False):  # the toolkit shards from the metadata, not flax at construction
-        abstract = nnx.eval_shape(make)
-    graphdef, abstract_params, rest = nnx.split(abstract, nnx.Param, ...)
+    graphdef, abstract_params, rest = nnx.split(abstract_module(make), nnx.Param, ...)
     if jax.tree.leaves(rest):
         kinds = sorted({type(v).__name__ for _, v in _variables(rest)})
         raise RulesError(f"model has non-parameter state ({', '.join(kinds)}); init_params takes nnx.Param state only: "

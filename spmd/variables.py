@@ -7,10 +7,10 @@ wins: annotation, path rule, FSDP default; :func:`format_decisions` prints them.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshes import axis_sizes
 from spmd.rules import Rules, RulesError, axes_of, get_rules
-from spmd.sharding import path_str, spec_for, variable_dims
+from spmd.sharding import abstract_module, path_str, spec_for, variable_dims
 
 PathRules = Sequence[tuple[str, Any]]
 MIN_DEFAULT_SIZE = 1 << 10  # elements; smaller unannotated variables stay replicated
@@ -140,18 +140,6 @@ def format_decisions(decisions: Sequence[Decision]) -> str:
     return "\n".join(lines)
 
 
-@contextlib.contextmanager
-def _no_eager_sharding():
-    with nnx.use_eager_sharding(False):
-        yield
-
-
-def abstract_model(make: Callable[[], nnx.Module]) -> nnx.Module:
-    """The model as shapes only (``nnx.eval_shape``), annotated variables left unsharded."""
-    with _no_eager_sharding():
-        return nnx.eval_shape(make)
-
-
 def _to_storage(x: Any) -> Any:
     return jax.random.key_data(x) if _is_key(x) else x
 
@@ -191,7 +179,7 @@ def init_model(make: Callable[[], nnx.Module], rules: Rules | str, mesh: Mesh, *
     ``make`` is traced once abstractly to read shapes and metadata, then run under ``jax.jit`` with
     ``out_shardings``, so each device only ever allocates its own shards.
     """
-    model = abstract_model(make)
+    model = abstract_module(make)
     graphdef, params_state, other_state = nnx.split(model, nnx.Param, ...)
     decisions = decide(params_state, rules, mesh, path_rules=path_rules, on_indivisible=on_indivisible)
     decisions += decide(other_state, rules, mesh, path_rules=path_rules, on_indivisible=on_indivisible)
@@ -210,9 +198,17 @@ def init_model(make: Callable[[], nnx.Module], rules: Rules | str, mesh: Mesh, *
         other = jax.tree.map(_abstract_storage, nnx.to_pure_dict(other_state))
     else:
         def init() -> tuple[Any, Any]:
-            with _no_eager_sharding():
+            with nnx.use_eager_sharding(False):
                 _, p, o = nnx.split(make(), nnx.Param, ...)
             return nnx.to_pure_dict(p), jax.tree.map(_to_storage, nnx.to_pure_dict(o))
 
         params, other = jax.jit(init, out_shardings=(shardings["params"], shardings["other"]))()
     return ModelVars(graphdef, params, other, shardings, keys, decisions)
+
+
+def __getattr__(name: str) -> object:
+    if name == "abstract_model":  # the old name of spmd.sharding.abstract_module here
+        warnings.warn("spmd.variables.abstract_model is deprecated; use spmd.sharding.abstract_module",
+                      DeprecationWarning, stacklevel=2)
+        return abstract_module
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

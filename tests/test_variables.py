@@ -64,7 +64,7 @@ def test_with_partitioning_needs_no_flags():
 
 def test_default_fsdp_path_rules_and_table():
     mesh = _mesh(fsdp=8)
-    abstract = spmd.variables.abstract_model(lambda: Plain(nnx.Rngs(0)))
+    abstract = spmd.sharding.abstract_module(lambda: Plain(nnx.Rngs(0)))
     _, params, other = nnx.split(abstract, nnx.Param, ...)
     by_path = {d.path: d for d in decide(params, "fsdp", mesh)}
     assert by_path["up/kernel"].spec == P(None, "fsdp")  # largest dim (128) divides by 8
@@ -94,7 +94,7 @@ def test_default_fsdp_path_rules_and_table():
 ])
 def test_bad_path_rules_are_named(rules, match):
     mesh = _mesh(fsdp=8)
-    _, params, _ = nnx.split(spmd.variables.abstract_model(lambda: Plain(nnx.Rngs(0))), nnx.Param, ...)
+    _, params, _ = nnx.split(spmd.sharding.abstract_module(lambda: Plain(nnx.Rngs(0))), nnx.Param, ...)
     with pytest.raises(spmd.rules.RulesError, match=match):
         decide(params, "fsdp", mesh, path_rules=rules)
 

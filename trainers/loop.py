@@ -121,7 +121,7 @@ def _check_pipelined(cfg: Config, task: Task) -> None:
     """A pipelined config needs a task whose loss pipelines its ``spmd.Stack``: say what is missing."""
     if not cfg.pipeline.enabled or task.pipelined:
         return
-    model = spmd.variables.abstract_model(lambda: task.model(nnx.Rngs(cfg.run.seed)))
+    model = spmd.sharding.abstract_module(lambda: task.model(nnx.Rngs(cfg.run.seed)))
     stacks = ["/".join(map(str, path)) or "<root>" for path, node in nnx.iter_graph(model) if isinstance(node, spmd.Stack)]
     found = (f"its model has spmd.Stack blocks at {stacks}: run them in the loss with "
              "spmd.pipeline.pipelined_loss(cfg.pipeline, stage_fn, head_fn, stack_state, head_state, x, targets) "

@@ -27,7 +27,8 @@ from spmd.models import GPTConfig
 from spmd.pipeline import PipelineConfig
 from spmd.rules import axes_of
 from spmd.units import fmt_bytes
-from spmd.variables import Decision, PathRules, abstract_model, decide
+from spmd.sharding import abstract_module
+from spmd.variables import Decision, PathRules, decide
 from trainers.task import lm_model
 from trainers.validate import CONFIG_FIELD, Issue, batch_axes, check_batch, check_pipeline
 
@@ -98,7 +99,7 @@ class ModelVariables:
 
 def model_variables(make, path_rules: PathRules = ()) -> ModelVariables:
     """The :class:`ModelVariables` of ``make()`` (a function returning an ``nnx.Module``), traced abstractly."""
-    graphdef, params, other = nnx.split(abstract_model(make), nnx.Param, ...)
+    graphdef, params, other = nnx.split(abstract_module(make), nnx.Param, ...)
     path_rules = tuple(path_rules)
     unit = _AxisSizes({a: 1 for a in AXES})
 
