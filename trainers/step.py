@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 import spmd
 from spmd.models import lm_loss
 from spmd.pipeline import PipelineConfig
-from spmd.pipeline.config import microbatches
+from spmd.pipeline.config import split_microbatches
 from trainers.faults import guard
 from trainers.optim import global_norm
 from trainers.state import ShardedState, State
@@ -102,7 +102,7 @@ def make_train_step(
             if grad_accum == 1:
                 (loss, (aux, new_other)), grads = grad_fn(params, other, batch, step_key)
             else:
-                micro = jax.tree.map(lambda x: microbatches(x, grad_accum), batch)
+                micro = jax.tree.map(lambda x: split_microbatches(x, grad_accum), batch)
 
                 def body(carry, xs):
                     acc, other = carry

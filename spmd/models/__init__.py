@@ -6,4 +6,6 @@ from spmd.models.layers import param
 from spmd.models.loss import lm_loss
 from spmd.models.mlp import MLP, mse_loss
 
-__all__ = ["GPT", "GPTConfig", "MLP", "flops_per_step", "flops_per_token", "lm_loss", "mse_loss", "param", "param_count"]
+__all__ = [
+    "GPT", "GPTConfig", "MLP", "flops_per_step", "flops_per_token", "lm_loss", "mse_loss", "param", "param_count",
+]

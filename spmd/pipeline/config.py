@@ -56,7 +56,7 @@ class PipelineConfig:
         return get_schedule(self.schedule, n_stages, self.microbatches, self.virtual_stages, n_layers=n_layers)
 
 
-def microbatches(x: jax.Array, m: int) -> jax.Array:
+def split_microbatches(x: jax.Array, m: int) -> jax.Array:
     """``[B, ...] -> [M, B/M, ...]``, microbatch j = rows j, j+M, ... (local to each device)."""
     if x.shape[0] % m:
         raise ValueError(f"batch of {x.shape[0]} rows does not split into {m} microbatches")
@@ -89,5 +89,6 @@ def pipelined_loss(
     schedule = config.make_schedule(S, n_layers)
     mesh, rules = active_layout()
     M = config.microbatches
-    return run_schedule(stage_fn, head_fn, stage_params, head_params, microbatches(x_BLD, M),
-                        microbatches(targets_BL, M), schedule=schedule, mesh=mesh, rules=rules, remat=config.remat)
+    return run_schedule(stage_fn, head_fn, stage_params, head_params, split_microbatches(x_BLD, M),
+                        split_microbatches(targets_BL, M), schedule=schedule, mesh=mesh, rules=rules,
+                        remat=config.remat)
