@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from jax.sharding import Mesh
 
+from meshes.build import axis_sizes
+
 
 def describe(mesh: Mesh) -> str:
     """Multi-line text: one line per axis with its size and type, then devices and hosts.
@@ -14,7 +16,7 @@ def describe(mesh: Mesh) -> str:
     kinds = sorted({d.device_kind for d in devices})
     hosts = sorted({d.process_index for d in devices})
     types = dict(zip(mesh.axis_names, mesh.axis_types))
-    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    sizes = axis_sizes(mesh)
     lines = [f"Mesh: {len(devices)} device(s) = " + " x ".join(f"{n}={s}" for n, s in sizes.items() if s > 1 or len(devices) == 1)]
     for name, size in sizes.items():
         if size > 1:

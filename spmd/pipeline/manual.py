@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from jax.sharding import AxisType, Mesh
 
+from meshes import axis_sizes
 from spmd.constraints import use_rules
 from spmd.rules import Rules, axes_of
 
@@ -30,7 +31,7 @@ def manual_batch_axes(mesh: Mesh, rules: Rules | None, batch_rows: int, axis: st
         return ()
     acts = dict(rules.activations)
     skip = set() if shard_params else param_axes(rules)
-    sizes = dict(mesh.shape)
+    sizes = axis_sizes(mesh)
     out, n = [], 1
     for a in axes_of(acts.get("batch")):
         if a == axis or a in skip or sizes.get(a, 1) == 1 or batch_rows % (n * sizes[a]):
