@@ -168,3 +168,14 @@ def test_spec_for_indivisible_replicate_logs_a_warning(mesh, caplog):
     with caplog.at_level(logging.WARNING, logger="spmd.sharding"):
         assert spmd.sharding.spec_for((64, 8), ("vocab", "mlp"), rules, mesh, on_indivisible="replicate") == P("data", "tensor")
     assert caplog.records == []
+
+
+def test_old_names_warn_and_reach_the_new_objects():
+    with pytest.warns(DeprecationWarning, match="RULE_SETS"):
+        assert spmd.rules.PRESETS is spmd.rules.RULE_SETS
+    with pytest.warns(DeprecationWarning, match="spmd.rules.FSDP"):
+        assert spmd.FSDP is spmd.rules.FSDP
+    with pytest.warns(DeprecationWarning, match="compiled_flops"):
+        assert spmd.flops is spmd.inspection.compiled_flops
+    with pytest.raises(AttributeError):
+        spmd.no_such_name
