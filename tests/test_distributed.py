@@ -259,7 +259,7 @@ TRAIN_ARGS = ["gpt-small", "--tiny", "--mesh", "data=2,tensor=4", "--rules", "dp
 def test_version_and_config_mismatch_fails_on_every_process(tmp_path):
     cmd = [sys.executable, WORKER, "mismatch", *TRAIN_ARGS, "--run-dir", str(tmp_path / "run")]
     code, out, _ = _launch(cmd, 2, 4, timeout_s=60)
-    assert code == 1, out[-3000:]
+    assert code == cli.EXIT_USAGE, out[-3000:]  # processes started with different configs: a user error
     for i in range(2):
         assert f"[p{i}] spmd-train: error: process {i}: the 2 processes of this run disagree" in out, out[-3000:]
     assert "[p0]   spmd: process(es) [0] have '" in out and "process(es) [1] have '0.0.0-other'" in out
