@@ -124,9 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, _interrupt_once)  # the run's PreemptionWatcher takes over while it trains
     try:
         # imported after parsing: --help and --version answer without starting jax
-        from trainers.launch import command
-        from trainers.faults import DivergenceError
         from meshes.distributed import ConsistencyError, DistributedError
+        from trainers.checkpoint import NoUsableCheckpointError
+        from trainers.faults import DivergenceError
+        from trainers.launch import command
 
         try:
             return command.run(args)
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             return _report(e, EXIT_DIVERGED, debug)
         except DistributedError as e:
             return _report(e, EXIT_COORDINATOR, debug)
-        except (ValueError, OSError, ConsistencyError) as e:
+        except (ValueError, OSError, ConsistencyError, NoUsableCheckpointError) as e:
             return _report(e, EXIT_USAGE, debug, args)
         except Exception as e:  # a bug: say so, briefly, and how to see more
             if debug:
