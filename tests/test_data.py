@@ -147,7 +147,7 @@ def test_loader_errors():
     [
         (dict(corpus="wiki"), r"corpus must be one of .* got 'wiki'"),
         (dict(corpus="text"), r"corpus 'text' needs a path"),
-        (dict(path="/x"), r"path is only read by corpus 'text' or 'npy', got path='/x' with corpus 'stdlib'"),
+        (dict(path="/x"), r"path is only read by corpus 'text', 'npy' or 'tokens', got path='/x' with corpus 'stdlib'"),
         (dict(seq_len=0), r"seq_len must be a positive int, got 0"),
         (dict(global_batch=-2), r"global_batch must be a positive int, got -2"),
         (dict(seed=-1), r"seed must be a non-negative int, got -1"),

@@ -167,11 +167,13 @@ class Config:
 # points into, the optimizer state's structure. Everything else (LR, steps, cadences, mesh, rules) may.
 FIXED_ON_RESUME = ("model.", "data.corpus", "data.path", "data.seq_len", "data.vocab_size", "data.global_batch",
                    "data.seed", "data.validation_fraction", "data.max_tokens", "data.synthetic_tokens",
-                   "data.tokenizer", "optimizer.name")
+                   "data.tokenizer", "data.separator", "optimizer.name")
 
 
 def config_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
-    """``(dotted key, old value, new value)`` for every leaf that differs between two config dicts."""
+    """``(dotted key, old value, new value)`` for every leaf that differs between two config dicts.
+
+    A key the old dict lacks (written before the key existed) counts as the key's default."""
     def flat(node: Any, prefix: str = "") -> dict[str, Any]:
         if isinstance(node, Mapping):
             out: dict[str, Any] = {}
@@ -181,6 +183,8 @@ def config_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple
         return {prefix[:-1]: list(node) if isinstance(node, tuple) else node}
 
     a, b = flat(old), flat(new)
+    defaults = flat(Config().to_dict())
+    a.update({k: defaults[k] for k in b if k not in a and k in defaults})
     return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 

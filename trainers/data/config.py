@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import numpy as np
 
 from trainers.data import corpus as corpus_lib
+from trainers.data import prepare as prepare_lib
+from trainers.data import tokenizer as tok_lib
 from trainers.data.batches import process_rows
 from trainers.data.loader import Loader
 
-CORPORA = ("stdlib", "text", "npy", "synthetic")
+CORPORA = ("stdlib", "text", "npy", "synthetic", "tokens")
+_PATH_CORPORA = ("text", "npy", "tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +23,11 @@ class DataConfig:
     """Where tokens come from and how they are cut into global batches.
 
     corpus: "stdlib" (default, no download) | "text" (file or folder at `path`)
-        | "npy" (1-D token ids at `path`) | "synthetic" (random, benchmarks only).
+        | "npy" (1-D token ids at `path`) | "synthetic" (random, benchmarks only)
+        | "tokens" (a folder `spmd-tokenize` prepared at `path`, memory-mapped).
+    tokenizer: a tokenizer.json that encodes the text corpora ("stdlib", "text"); "" = bytes.
+        `vocab_size` must cover its vocab (it is never derived: the config says what it trains).
+    separator: the token that ends each document with a tokenizer; "" = its end-of-text token.
     max_tokens: truncate each split (tiny runs); None keeps everything.
     synthetic_tokens: size of the synthetic train split.
     """
@@ -33,14 +41,16 @@ class DataConfig:
     vocab_size: int = corpus_lib.BYTE_VOCAB_SIZE
     max_tokens: int | None = None
     synthetic_tokens: int = 1 << 20
+    tokenizer: str = ""
+    separator: str = ""
 
     def __post_init__(self) -> None:
         if self.corpus not in CORPORA:
             raise ValueError(f"corpus must be one of {CORPORA}, got {self.corpus!r}")
-        if self.corpus in ("text", "npy") and not self.path:
+        if self.corpus in _PATH_CORPORA and not self.path:
             raise ValueError(f"corpus {self.corpus!r} needs a path to a file or folder, got path={self.path!r}")
         if self.corpus in ("stdlib", "synthetic") and self.path is not None:
-            raise ValueError(f"path is only read by corpus 'text' or 'npy', got path={self.path!r} with corpus {self.corpus!r}")
+            raise ValueError(f"path is only read by corpus 'text', 'npy' or 'tokens', got path={self.path!r} with corpus {self.corpus!r}")
         for name in ("seq_len", "global_batch", "vocab_size", "synthetic_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -51,16 +61,65 @@ class DataConfig:
             raise ValueError(f"validation_fraction must be in [0, 1), got {self.validation_fraction!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be a positive int or None, got {self.max_tokens!r}")
-        if self.corpus in ("stdlib", "text") and self.vocab_size < corpus_lib.BYTE_VOCAB_SIZE:
+        self._check_source()
+        if self.corpus in ("stdlib", "text") and not self.tokenizer and self.vocab_size < corpus_lib.BYTE_VOCAB_SIZE:
             raise ValueError(
                 f"corpus {self.corpus!r} is byte-level and needs vocab_size >= "
                 f"{corpus_lib.BYTE_VOCAB_SIZE}, got {self.vocab_size}"
             )
 
+    def _check_source(self) -> None:
+        """data.path, data.tokenizer and data.separator name things that exist and fit data.vocab_size."""
+        if self.tokenizer and self.corpus not in ("stdlib", "text", "tokens"):
+            raise ValueError(f"data.tokenizer={self.tokenizer!r} is read only by corpus 'stdlib', 'text' or 'tokens', "
+                             f"got corpus {self.corpus!r}; set data.tokenizer=''")
+        if self.separator and not self.tokenizer and self.corpus != "tokens":
+            raise ValueError(f"data.separator={self.separator!r} is read only with data.tokenizer; set data.tokenizer "
+                             "to a tokenizer.json or data.separator=''")
+        if self.corpus == "tokens":
+            prepare_lib.check_tokens_dir(self.path, self.vocab_size, self.tokenizer, self.separator)
+            return
+        if self.corpus in ("text", "npy"):
+            _check_path(self.corpus, self.path)
+        if self.tokenizer:
+            tok, _ = tok_lib.load_tokenizer(self.tokenizer)
+            tok_lib.separator_id(tok, self.separator)
+            n = tok_lib.vocab_size_of(tok)
+            if self.vocab_size < n:
+                raise ValueError(f"data.vocab_size={self.vocab_size} does not cover the {n} tokens of data.tokenizer="
+                                 f"{self.tokenizer!r}; set data.vocab_size and model.vocab_size to at least {n}")
+
+
+def _check_path(corpus: str, path: str) -> None:
+    """A one-line ValueError naming data.path when it cannot hold corpus `corpus`."""
+    p = os.path.expanduser(path)
+    valid = ("a text file or a folder of files ending in " + ", ".join(corpus_lib.TEXT_SUFFIXES) if corpus == "text"
+             else "a .npy file of 1-D token ids")
+    if not os.path.exists(p):
+        raise ValueError(f"data.path={path!r} does not exist; corpus {corpus!r} reads {valid}")
+    if os.path.isfile(p) and os.path.getsize(p) == 0:
+        raise ValueError(f"data.path={path!r} is an empty file; corpus {corpus!r} reads {valid}")
+    if os.path.isdir(p) and (corpus == "npy" or not _has_text_file(p)):
+        raise ValueError(f"data.path={path!r} is a folder with no {'text ' if corpus == 'text' else ''}files; "
+                         f"corpus {corpus!r} reads {valid}")
+
+
+def _has_text_file(root: str) -> bool:
+    for _, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in corpus_lib._SKIPPED_DIRS]  # as the corpus walks
+        if any(f.endswith(corpus_lib.TEXT_SUFFIXES) for f in filenames):
+            return True
+    return False
+
 
 def load_corpus(cfg: DataConfig, split: str) -> np.ndarray:
     """The 1-D token array of one split of cfg's corpus."""
     kw = dict(validation_fraction=cfg.validation_fraction)
+    if cfg.corpus == "tokens":
+        return prepare_lib.tokens_corpus(cfg.path, split, max_tokens=cfg.max_tokens)
+    if cfg.tokenizer:  # "stdlib" or "text", encoded with the tokenizer
+        return tok_lib.tokenized_corpus(cfg.path, split, cfg.tokenizer, separator=cfg.separator,
+                                        max_tokens=cfg.max_tokens, **kw)
     if cfg.corpus == "stdlib":
         return corpus_lib.stdlib_corpus(split, max_bytes=cfg.max_tokens, **kw)
     if cfg.corpus == "text":

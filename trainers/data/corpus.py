@@ -41,6 +41,16 @@ def split_of(relative_path: str, validation_fraction: float) -> str:
     return "validation" if u < validation_fraction else "train"
 
 
+def split_files(relpaths: Sequence[str], split: str, validation_fraction: float) -> list[str]:
+    """The documents of relpaths that fall in split (:func:`split_of`), in their order."""
+    return [f for f in relpaths if split_of(f, validation_fraction) == split]
+
+
+def text_files(root: str | os.PathLike, suffixes: Sequence[str] = TEXT_SUFFIXES) -> list[str]:
+    """Relative POSIX paths of the text files under a folder (the documents of a text corpus), sorted."""
+    return _walk(Path(root), suffixes)
+
+
 def _walk(root: Path, suffixes: Sequence[str]) -> list[str]:
     """Relative POSIX paths of files under root with one of suffixes, sorted; skipped dirs pruned."""
     found = []
@@ -133,7 +143,7 @@ def text_corpus(
     files = _walk(p, suffixes)
     if not files:
         raise ValueError(f"empty corpus: no files with suffixes {tuple(suffixes)} under {str(p)!r}")
-    chosen = [f for f in files if split_of(f, validation_fraction) == split]
+    chosen = split_files(files, split, validation_fraction)
     hint = (
         f"{len(files)} files are split by a hash of their path with validation_fraction="
         f"{validation_fraction}; use more files, a larger validation_fraction, or a single file "

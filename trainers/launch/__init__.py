@@ -5,4 +5,4 @@ and the command lines for TPU pods and SLURM clusters (``scripts/`` holds the la
 """
 
 # submodules, imported on use (``from trainers.launch import cli``): the CLI must start without jax
-__all__ = ["cli", "command", "local", "plan", "pods"]
+__all__ = ["cli", "command", "local", "plan", "pods", "tokenize"]

@@ -1,0 +1,70 @@
+"""``spmd-tokenize SOURCE --tokenizer tokenizer.json --out DIR``: encode a text folder once for training.
+
+    spmd-tokenize ~/corpus --tokenizer tokenizer.json --out ~/corpus-tok
+    spmd-train gpt-small --set data.corpus=tokens --set data.path=~/corpus-tok \\
+        --set data.vocab_size=32000 --set model.vocab_size=32000
+
+The format and its reader: :mod:`trainers.data.prepare`; see docs/data.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="spmd-tokenize",
+        description="Encode a text folder (or file) with a Hugging Face tokenizer.json into one memory-mapped "
+                    "token file per split (DIR/train.bin, DIR/validation.bin, each with a .json of metadata); "
+                    "train on it with --set data.corpus=tokens --set data.path=DIR.",
+    )
+    p.add_argument("source", metavar="SOURCE", help="a folder of text files (split by document) or one text file "
+                                                    "(split by token position)")
+    p.add_argument("--tokenizer", required=True, metavar="TOKENIZER_JSON", help="a tokenizers tokenizer.json")
+    p.add_argument("--out", required=True, metavar="DIR", help="the folder to write (created if missing)")
+    p.add_argument("--validation-fraction", type=float, default=0.05,
+                   help="share of documents (of tokens, for one file) in the validation split (default 0.05)")
+    p.add_argument("--separator", default="", metavar="TOKEN",
+                   help="the token that ends each document (default: the tokenizer's end-of-text token, if any)")
+    p.add_argument("--suffixes", default=None, help="comma-separated file endings that count as text (default: "
+                                                    "the text corpus's, .txt,.md,.rst,.py,.json,.jsonl,.csv,.html,.tex)")
+    p.add_argument("--overwrite", action="store_true", help="replace a prepared corpus already in DIR")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, then :func:`trainers.data.prepare.prepare`; a ValueError or OSError becomes exit status 2."""
+    args = parse_args(argv)
+    import os
+
+    # imported after parsing: --help answers without starting jax
+    from trainers.data import prepare as prepare_lib
+
+    try:
+        if not args.overwrite and os.path.exists(os.path.join(os.path.expanduser(args.out), "train.json")):
+            raise ValueError(f"--out={args.out!r} already holds a prepared corpus; pass --overwrite to replace it")
+        kw = {}
+        if args.suffixes is not None:
+            kw["suffixes"] = tuple(s.strip() for s in args.suffixes.split(",") if s.strip())
+            if not kw["suffixes"]:
+                raise ValueError(f"--suffixes={args.suffixes!r} names no file endings; give e.g. .txt,.md")
+        metas = prepare_lib.prepare(args.source, args.tokenizer, args.out, validation_fraction=args.validation_fraction,
+                                    separator=args.separator, progress=args.progress, **kw)
+    except (ValueError, OSError) as e:
+        print(f"spmd-tokenize: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
+    train = metas["train"]
+    for split, meta in metas.items():
+        print(f"{split}: {meta['count']:,} tokens ({meta['dtype']}) from {len(meta['files'])} files -> "
+              f"{os.path.join(args.out, split + '.bin')}")
+    print(f"vocab {train['vocab_size']}, separator {train['separator']!r}; train with: --set data.corpus=tokens "
+          f"--set data.path={args.out} --set data.vocab_size={train['vocab_size']} "
+          f"--set model.vocab_size={train['vocab_size']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
