@@ -177,6 +177,9 @@ def test_resume_false_refuses_a_directory_with_checkpoints(tmp_path, reference):
 # ----------------------------------------------------------------------------- mismatches and params only
 def test_shape_mismatch_lists_paths_stored_vs_expected(tmp_path, reference):
     run_dir = _copy(reference, tmp_path)
+    with pytest.raises(ValueError, match=r"cannot resume .* with model.d_model: 32 -> 48"):  # the stored config says so
+        train(tiny_config(run_dir, STEPS, "model.d_model=48"))
+    os.remove(os.path.join(run_dir, "config.json"))  # without it, the checkpoint itself catches the change
     with pytest.raises(ValueError, match=r"(?s)does not match the restore target.*: checkpoint \([^)]*32[^)]*\) float32 vs expected \([^)]*48[^)]*\) float32"):
         train(tiny_config(run_dir, STEPS, "model.d_model=48"))
     params = reference[1]["params"]

@@ -18,6 +18,7 @@ still run in CI); ``-m "not slow"`` leaves them out locally.
 from __future__ import annotations
 
 import os
+import pkgutil
 import re
 import time
 import types
@@ -70,8 +71,10 @@ def code_cells(nb) -> list:
 
 
 def public_submodules(package: types.ModuleType) -> set[str]:
-    """Submodules a package exports in ``__all__`` (e.g. ``spmd.hlo``, ``spmd.models``)."""
-    return {name for name in package.__all__ if isinstance(getattr(package, name, None), types.ModuleType)}
+    """Submodules a package exports in ``__all__`` (e.g. ``spmd.hlo``, ``spmd.models``) and its subpackages
+    (e.g. ``trainers.planning``), each of which has its own face."""
+    exported = {name for name in package.__all__ if isinstance(getattr(package, name, None), types.ModuleType)}
+    return exported | {m.name for m in pkgutil.iter_modules(package.__path__) if m.ispkg}
 
 
 def non_public_imports(source: str) -> list[str]:
@@ -89,9 +92,12 @@ def test_import_check_catches_private_modules():
     """Negative control for the import check: private module paths are flagged, public ones are not."""
     ok = "import meshes\nimport spmd\nfrom spmd import collectives as C\nfrom spmd.models import GPT\nimport spmd.hlo\n"
     assert non_public_imports(ok) == []
-    bad = ("from spmd.sharding import spec_for\nimport trainers.loop\nfrom spmd.models.gpt import GPT\n"
-           "from jax._src import xla_bridge\n")
-    assert non_public_imports(bad) == ["spmd.sharding", "trainers.loop", "spmd.models.gpt", "jax._src"]
+    ok += "from trainers.planning import dry_run\nfrom spmd.sharding import spec_for\n"
+    assert non_public_imports(ok) == []
+    bad = ("from spmd.constraints import constrain\nimport trainers.loop\nfrom spmd.models.gpt import GPT\n"
+           "from trainers.planning.dryrun import dry_run\nfrom jax._src import xla_bridge\n")
+    assert non_public_imports(bad) == ["spmd.constraints", "trainers.loop", "spmd.models.gpt", "trainers.planning.dryrun",
+                                       "jax._src"]
 
 
 def test_device_setup_check():

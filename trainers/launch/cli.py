@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import traceback
 from importlib import metadata
 
@@ -96,20 +97,26 @@ def _error(message: object, code: int = EXIT_USAGE) -> int:
     return code
 
 
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip() or type(e).__name__
-    return text if isinstance(e, (ValueError, OSError)) else f"{type(e).__name__}: {text}"
+_interrupted = threading.Event()  # Ctrl-C was pressed before the run's PreemptionWatcher took over
+INTERRUPT_GRACE_S = 10.0  # after a first Ctrl-C the process is gone within this, whatever it was doing
 
 
 def _interrupt_once(signum, frame) -> None:
-    """First Ctrl-C: stop at the next Python instruction; the second one kills at once (even mid-compile)."""
+    """First Ctrl-C: stop at the next Python instruction (and at the latest after INTERRUPT_GRACE_S, in
+    case a library swallows the KeyboardInterrupt); the second one kills at once, even mid-compile."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    _interrupted.set()
+    timer = threading.Timer(INTERRUPT_GRACE_S, _exit_now, (EXIT_INTERRUPTED, True))
+    timer.daemon = True
+    timer.start()
     raise KeyboardInterrupt
 
 
-def _exit_now(code: int) -> None:
+def _exit_now(code: int, say: bool = False) -> None:
     """Leave without interpreter teardown: jax's compile threads and atexit hooks can crash it after an
     interrupt. Checkpoints are written atomically, so nothing on disk is half-done."""
+    if say:
+        print("spmd-train: interrupted (Ctrl-C); nothing was left half-written", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -138,11 +145,15 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, OSError, ConsistencyError, NoUsableCheckpointError) as e:
             return _report(e, EXIT_USAGE, debug, args)
         except Exception as e:  # a bug: say so, briefly, and how to see more
+            if _interrupted.is_set():  # e.g. an import that Ctrl-C broke half-way
+                raise KeyboardInterrupt from e
             if debug:
                 traceback.print_exc()
             return _error(f"internal error: {type(e).__name__}: {e}"
                           + ("" if debug else " (rerun with --debug for the traceback)"), EXIT_INTERNAL)
-    except KeyboardInterrupt:
+    except BaseException as e:
+        if not isinstance(e, KeyboardInterrupt) and not (_interrupted.is_set() and isinstance(e, Exception)):
+            raise
         print("spmd-train: interrupted (Ctrl-C); nothing was left half-written", file=sys.stderr)
         if argv is None:
             _exit_now(EXIT_INTERRUPTED)
@@ -152,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
 def _report(e: BaseException, code: int, debug: bool, args: argparse.Namespace | None = None) -> int:
     if debug:
         traceback.print_exc()
-    message = _one_line(e)
+    message = str(e).strip() or type(e).__name__
     if args is not None and type(e).__name__ == "MeshError":
         message += "\n  (the mesh is mesh.axes, set with --mesh; mesh.dcn with --dcn)"
         if not args.simulate_devices and re.search(r"there (is|are) 1 device", message):
