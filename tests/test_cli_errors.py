@@ -124,3 +124,29 @@ def test_ctrl_c_at_any_moment_exits_cleanly(tmp_path, after_s):
         raise
     assert proc.returncode in (cli.EXIT_INTERRUPTED, cli.EXIT_PREEMPTED, -signal.SIGINT), (proc.returncode, err[-2000:])
     assert "Segmentation fault" not in err and "Fatal Python error" not in err, err[-2000:]
+
+
+def test_print_config_is_a_config_file(capsys, tmp_path):
+    """--print-config writes what --config reads (JSON, and the same as YAML); --set still overrides it."""
+    import yaml
+
+    from trainers.config import Config, config_file_overrides, override
+    from trainers.recipes import recipe
+
+    (tmp_path / "run.json").write_text(_printed(capsys, "gpt-small", "--set", "lr.peak_lr=0.002"))
+    expected = override(recipe("gpt-small"), ["lr.peak_lr=0.002"])
+    assert override(Config(), config_file_overrides(str(tmp_path / "run.json"))) == expected
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({"lr": {"peak_lr": 0.002}, "run.steps": 70}))
+    args = cli.parse_args(["gpt-small", "--config", str(tmp_path / "run.yaml"), "--set", "run.steps=90"])
+    from trainers.launch import command
+
+    cfg = command.build_config(args)
+    assert (cfg.lr.peak_lr, cfg.run.steps) == (0.002, 90)  # the file, then --set over it
+    (tmp_path / "bad.yaml").write_text("lr: [1, 2\n")
+    code, _, err = run_cli(capsys, "gpt-small", "--config", str(tmp_path / "bad.yaml"), "--print-config")
+    assert code == cli.EXIT_USAGE and "is not valid YAML" in err, err
+
+
+def _printed(capsys, *args) -> str:
+    assert cli.main([*args, "--print-config"]) == 0
+    return capsys.readouterr().out

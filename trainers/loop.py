@@ -233,8 +233,6 @@ def train(
         raise ValueError(str(issue))  # before any state is built or compiled
     is_main = jax.process_index() == 0
     changes = _changes_since_last_run(cfg)  # refuses what cannot be resumed before anything is written
-    if is_main:
-        write_config(run.directory, cfg.to_dict())
 
     schedule = make_lr_schedule(cfg.lr, cfg.run.steps)
     tx = make_optimizer(cfg.optimizer, schedule)
@@ -243,6 +241,8 @@ def train(
                                path_rules=task.path_rules)
     except RulesError as e:  # a dim that does not divide by its mesh axes
         raise RulesError(name_config_key(e) if task.name == "lm" else str(e)) from None
+    if is_main:  # the config has passed every check that needs no step: record it
+        write_config(run.directory, cfg.to_dict())
     stepped = guard_lib.add_window(sharded, run.spike_window, mesh)  # what the step carries: state + guard window
     batch_sharding = spmd.batch_sharding(rules, mesh, dims=("batch",))
     train_step = make_train_step(stepped, tx, rules, mesh, batch_sharding, schedule=schedule,
