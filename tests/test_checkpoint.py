@@ -678,9 +678,10 @@ time.sleep(60)
 
 
 def test_a_process_killed_while_handing_a_save_to_orbax_keeps_the_previous_step(tmp_path):
-    import signal
     import subprocess
     import sys
+
+    from helpers.fault_worker import kill_at_line
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
@@ -688,18 +689,7 @@ def test_a_process_killed_while_handing_a_save_to_orbax_keeps_the_previous_step(
     root = str(tmp_path / "ckpt")
     proc = subprocess.Popen([sys.executable, "-c", _KILLED_WORKER, root], env=env, cwd=repo,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen = []
-    try:
-        for line in proc.stdout:
-            seen.append(line)
-            if line.strip() == "HANDING OFF":
-                proc.send_signal(signal.SIGKILL)
-                break
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == -signal.SIGKILL, "".join(seen)[-3000:]
+    kill_at_line(proc, "HANDING OFF")
     with Checkpointer(root, CheckpointConfig(every_steps=1)) as ck:
         assert ck.all_steps() == [1] and ck.valid_steps() == [1]
         target = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(_mesh((8,), ("fsdp",)), P("fsdp")))}

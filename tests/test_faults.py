@@ -6,7 +6,6 @@ import os
 import pickle
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers.fault_worker import REPO, tiny_config, worker_env
+from helpers.fault_worker import REPO, kill_at_line, tiny_config, worker_env
 from trainers.checkpoint import Checkpointer, CheckpointTimeoutError, NoUsableCheckpointError
 from trainers.loop import train
 
@@ -59,19 +58,7 @@ def _kill_at_random_moment(run_dir, rng):
     at = rng.randint(2, STEPS - 2)
     proc = subprocess.Popen([sys.executable, WORKER, run_dir, str(STEPS)], env=worker_env(), cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out = []
-    try:
-        for line in proc.stdout:
-            out.append(line)
-            if line.strip() == f"STEP {at}":
-                time.sleep(rng.uniform(0.0, 0.15))  # lands in a step, an async save, or a commit
-                proc.send_signal(signal.SIGKILL)
-                break
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == -signal.SIGKILL, "".join(out)[-3000:]
+    kill_at_line(proc, f"STEP {at}", lambda: rng.uniform(0.0, 0.15))  # lands in a step, an async save, or a commit
     partial = [d for d in os.listdir(_ckpt_dir(run_dir)) if "tmp" in d]
     return at, partial
 

@@ -52,6 +52,25 @@ def worker_env(devices: int = 8) -> dict[str, str]:
     return env
 
 
+def kill_at_line(proc, marker: str, delay=lambda: 0.0) -> str:
+    """Read ``proc``'s output until the line ``marker``, wait ``delay()`` s, SIGKILL it; its output so far.
+    Asserts it died of the SIGKILL (not earlier, of something else)."""
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if line.strip() == marker:
+                time.sleep(delay())
+                proc.send_signal(signal.SIGKILL)
+                break
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL, "".join(seen)[-3000:]
+    return "".join(seen)
+
+
 def last_train_losses(run_dir: str) -> dict[int, float]:
     """step -> loss from metrics.jsonl; a step logged twice (re-run after a crash) keeps its last value."""
     losses = {}
