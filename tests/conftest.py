@@ -10,7 +10,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 # Compilation dominates test time; a persistent cache makes re-runs cheap.
-_cache = os.environ.get("SPMD_TEST_COMPILE_CACHE", os.path.join(os.path.dirname(__file__), "..", ".jax_cache"))
+# one directory per jax version: entries written by another jax/jaxlib are never read back
+_cache = os.environ.get(
+    "SPMD_TEST_COMPILE_CACHE", os.path.join(os.path.dirname(__file__), "..", ".jax_cache", f"jax-{jax.__version__}"))
+os.environ["SPMD_TEST_COMPILE_CACHE"] = os.path.abspath(_cache)  # worker processes and notebooks use it too
 jax.config.update("jax_compilation_cache_dir", os.path.abspath(_cache))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -25,7 +25,7 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CACHE = os.path.join(REPO, ".jax_cache")
+CACHE = os.environ.get("SPMD_TEST_COMPILE_CACHE", os.path.join(REPO, ".jax_cache"))  # conftest sets it
 
 # The one tiny run every fault test uses: 8 devices (data x fsdp x tensor), a 37k-parameter GPT,
 # checkpoints every step, kept long enough that every step a test looks at is still on disk.
