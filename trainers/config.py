@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
+import yaml
 
 import meshes
 
@@ -295,9 +296,7 @@ def config_file_overrides(path: str) -> list[str]:
         if path.endswith(".json"):
             data = json.loads(text)
         else:
-            import yaml  # only config files need it; YAML is a superset of JSON
-
-            data = yaml.safe_load(text)
+            data = yaml.safe_load(text)  # YAML is a superset of JSON
     except Exception as e:  # json.JSONDecodeError, yaml.YAMLError
         raise ValueError(f"--config {path!r} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: "
                          f"{str(e).splitlines()[0]}") from None

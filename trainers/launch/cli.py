@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, _interrupt_once)  # the run's PreemptionWatcher takes over while it trains
     try:
         # imported after parsing: --help and --version answer without starting jax
+        from meshes import MeshError
         from meshes.distributed import ConsistencyError, DistributedError
         from trainers.checkpoint import NoUsableCheckpointError
         from trainers.faults import DivergenceError
@@ -142,8 +143,10 @@ def main(argv: list[str] | None = None) -> int:
             return _report(e, EXIT_DIVERGED, debug)
         except DistributedError as e:
             return _report(e, EXIT_COORDINATOR, debug)
+        except MeshError as e:
+            return _report(e, EXIT_USAGE, debug, _mesh_hint(str(e), args))
         except (ValueError, OSError, ConsistencyError, NoUsableCheckpointError) as e:
-            return _report(e, EXIT_USAGE, debug, args)
+            return _report(e, EXIT_USAGE, debug)
         except Exception as e:  # a bug: say so, briefly, and how to see more
             if _interrupted.is_set():  # e.g. an import that Ctrl-C broke half-way
                 raise KeyboardInterrupt from e
@@ -160,16 +163,19 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
-def _report(e: BaseException, code: int, debug: bool, args: argparse.Namespace | None = None) -> int:
+def _report(e: BaseException, code: int, debug: bool, hint: str = "") -> int:
     if debug:
         traceback.print_exc()
-    message = str(e).strip() or type(e).__name__
-    if args is not None and type(e).__name__ == "MeshError":
-        message += "\n  (the mesh is mesh.axes, set with --mesh; mesh.dcn with --dcn)"
-        if not args.simulate_devices and re.search(r"there (is|are) 1 device", message):
-            message += ("\n  (no accelerator here? pass --simulate-devices N to run on N simulated CPU devices, "
-                        "e.g. --simulate-devices 8)")
-    return _error(message, code)
+    return _error((str(e).strip() or type(e).__name__) + hint, code)
+
+
+def _mesh_hint(message: str, args: argparse.Namespace) -> str:
+    """Where the mesh comes from, and on a one-device machine the likely fix."""
+    hint = "\n  (the mesh is mesh.axes, set with --mesh; mesh.dcn with --dcn)"
+    if not args.simulate_devices and re.search(r"there (is|are) 1 device", message):
+        hint += ("\n  (no accelerator here? pass --simulate-devices N to run on N simulated CPU devices, "
+                 "e.g. --simulate-devices 8)")
+    return hint
 
 
 if __name__ == "__main__":

@@ -10,12 +10,11 @@ import json
 
 import meshes
 from trainers.config import Config, RunConfig, config_file_overrides, override
+from trainers.launch.cli import EXIT_INTERNAL, EXIT_OK, EXIT_PREEMPTED
 from trainers.loop import train
 from trainers.planning.dryrun import dry_run
 from trainers.recipes import RECIPES, recipe, tiny_run
 from trainers.task import load_task
-
-EXIT_OK, EXIT_PREEMPTED = 0, 76  # trainers.launch.cli documents every status
 
 
 def is_task_target(target: str) -> bool:
@@ -82,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         report = dry_run(cfg, args.target if is_task else None, devices=args.devices or args.simulate_devices or None,
                          hardware=args.hardware)
         print(report.format())
-        return EXIT_OK if report.fits else 1
+        return EXIT_OK if report.fits else EXIT_INTERNAL  # documented: a dry run that does not fit exits 1
 
     task = None
     if not is_task:  # a recipe's config is checked before any jax or network work
