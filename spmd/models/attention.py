@@ -90,17 +90,23 @@ def _put(x: jax.Array, tile: jax.Array, i: jax.Array, size: int) -> jax.Array:
     return lax.dynamic_update_slice_in_dim(x, tile.astype(x.dtype), i * size, axis=1)
 
 
-def _scores(q_BQGRK: jax.Array, k_BSGK: jax.Array, i: jax.Array, j: jax.Array, size: int) -> jax.Array:
-    """Scaled f32 scores ``[B, G, R, Q, S]`` of query block ``i`` against key block ``j``, causally masked."""
+def _scores(q_BQGRK: jax.Array, k_BSGK: jax.Array, i: jax.Array, j: jax.Array, size: int,
+            causal: bool = True) -> jax.Array:
+    """Scaled f32 scores ``[B, G, R, Q, S]`` of query block ``i`` against key block ``j``, causally
+    masked (``causal=False``: every key visible)."""
     s = jnp.einsum("bqgrk,bsgk->bgrqs", q_BQGRK, k_BSGK, preferred_element_type=jnp.float32)
     s = s * q_BQGRK.shape[-1] ** -0.5
+    if not causal:
+        return s
     q_pos = i * size + lax.broadcasted_iota(jnp.int32, (size, size), 0)
     k_pos = j * size + lax.broadcasted_iota(jnp.int32, (size, size), 1)
     return jnp.where(q_pos >= k_pos, s, jnp.finfo(jnp.float32).min)
 
 
-def _forward(q_BLGRK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
-    """``(out[B, L, G, R, K], lse[B, G, R, L] f32)`` by online softmax over key blocks."""
+def block_forward(q_BLGRK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, size: int,
+                  causal: bool = True) -> tuple[jax.Array, jax.Array]:
+    """``(out[B, L, G, R, K], lse[B, G, R, L] f32)`` by online softmax over key blocks of ``size``
+    (``causal=False``: q and k are different spans, every key visible; used by context parallelism)."""
     b, l, g, r, k = q_BLGRK.shape
     n = l // size
     low = jnp.finfo(jnp.float32).min
@@ -111,7 +117,7 @@ def _forward(q_BLGRK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, size: int
 
         def key_block(j, acc):
             m_BGRQ, sum_BGRQ, o_BGRQK = acc
-            s = _scores(q_i, _tile(k_BLGK, j, size), i, j, size)
+            s = _scores(q_i, _tile(k_BLGK, j, size), i, j, size, causal)
             m_new = jnp.maximum(m_BGRQ, s.max(axis=-1))
             p = jnp.exp(s - m_new[..., None])
             rescale = jnp.exp(m_BGRQ - m_new)
@@ -121,7 +127,7 @@ def _forward(q_BLGRK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, size: int
 
         init = (jnp.full((b, g, r, size), low, jnp.float32), jnp.zeros((b, g, r, size), jnp.float32),
                 jnp.zeros((b, g, r, size, k), jnp.float32))
-        m_BGRQ, sum_BGRQ, o_BGRQK = lax.fori_loop(0, i + 1, key_block, init)  # blocks j <= i only
+        m_BGRQ, sum_BGRQ, o_BGRQK = lax.fori_loop(0, i + 1 if causal else n, key_block, init)  # causal: j <= i
         o_BQGRK = jnp.transpose(o_BGRQK / sum_BGRQ[..., None], (0, 3, 1, 2, 4))
         lse_BGRQ = m_BGRQ + jnp.log(sum_BGRQ)
         return _put(out_BLGRK, o_BQGRK, i, size), lax.dynamic_update_slice_in_dim(lse_BGRL, lse_BGRQ, i * size, axis=3)
@@ -130,8 +136,12 @@ def _forward(q_BLGRK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, size: int
     return lax.fori_loop(0, n, query_block, init)
 
 
-def _backward(size: int, residuals: tuple, dout_BLGRK: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """FlashAttention-2 backward: probabilities recomputed per block from the saved log-sum-exp."""
+def block_backward(size: int, residuals: tuple, dout_BLGRK: jax.Array,
+                   causal: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """FlashAttention-2 backward: probabilities recomputed per block from the saved log-sum-exp.
+
+    ``residuals = (q, k, v, out, lse)``; ``out`` and ``lse`` may be those of a longer attention that
+    this span is part of (context parallelism), so each span's gradient is its exact share."""
     q_BLGRK, k_BLGK, v_BLGK, out_BLGRK, lse_BGRL = residuals
     l, k = q_BLGRK.shape[1], q_BLGRK.shape[-1]
     n, scale = l // size, k**-0.5
@@ -147,7 +157,7 @@ def _backward(size: int, residuals: tuple, dout_BLGRK: jax.Array) -> tuple[jax.A
             q_i, do_i = _tile(q_BLGRK, i, size), _tile(dout_BLGRK, i, size)
             lse_i = lax.dynamic_slice_in_dim(lse_BGRL, i * size, size, axis=3)
             delta_i = lax.dynamic_slice_in_dim(delta_BGRL, i * size, size, axis=3)
-            p = jnp.exp(_scores(q_i, k_j, i, j, size) - lse_i[..., None])
+            p = jnp.exp(_scores(q_i, k_j, i, j, size, causal) - lse_i[..., None])
             dv_SGK = dv_SGK + jnp.einsum("bgrqs,bqgrk->bsgk", p.astype(do_i.dtype), do_i,
                                          preferred_element_type=jnp.float32)
             dp = jnp.einsum("bqgrk,bsgk->bgrqs", do_i, v_j, preferred_element_type=jnp.float32)
@@ -158,7 +168,7 @@ def _backward(size: int, residuals: tuple, dout_BLGRK: jax.Array) -> tuple[jax.A
             return dq_BLGRK, dk_SGK, dv_SGK
 
         zeros = jnp.zeros(k_j.shape, jnp.float32)
-        dq_BLGRK, dk_j, dv_j = lax.fori_loop(j, n, query_block, (dq_BLGRK, zeros, zeros))  # blocks i >= j only
+        dq_BLGRK, dk_j, dv_j = lax.fori_loop(j if causal else 0, n, query_block, (dq_BLGRK, zeros, zeros))
         return dq_BLGRK, _put(dk_BLGK, dk_j, j, size), _put(dv_BLGK, dv_j, j, size)
 
     init = (jnp.zeros(q_BLGRK.shape, jnp.float32), jnp.zeros(k_BLGK.shape, jnp.float32),
@@ -169,15 +179,15 @@ def _backward(size: int, residuals: tuple, dout_BLGRK: jax.Array) -> tuple[jax.A
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _flash(q_BLGRK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, size: int) -> jax.Array:
-    return _forward(q_BLGRK, k_BLGK, v_BLGK, size)[0]
+    return block_forward(q_BLGRK, k_BLGK, v_BLGK, size)[0]
 
 
 def _flash_fwd(q_BLGRK, k_BLGK, v_BLGK, size):
-    out_BLGRK, lse_BGRL = _forward(q_BLGRK, k_BLGK, v_BLGK, size)
+    out_BLGRK, lse_BGRL = block_forward(q_BLGRK, k_BLGK, v_BLGK, size)
     return out_BLGRK, (q_BLGRK, k_BLGK, v_BLGK, out_BLGRK, lse_BGRL)
 
 
-_flash.defvjp(_flash_fwd, _backward)
+_flash.defvjp(_flash_fwd, block_backward)
 
 
 # ------------------------------------------------------------------------------------ dispatch

@@ -1,0 +1,214 @@
+"""Context parallelism: causal attention with the sequence split over the ``seq`` axis.
+
+With ``seq`` = n, the length is cut into 2n chunks and shard i holds chunks i and 2n-1-i
+(:func:`balanced_positions`): every shard then has the same causal work. K/V reach every shard
+either around a ring (``exchange="ring"``: n-1 ``ppermute`` hops of the local ``[B, L/n, G, K]``
+K and V, each overlapping the attention of the block already there) or by one all-gather
+(``exchange="allgather"``: ``K[B, L_seq, G, K] -> K[B, L, G, K]``, the whole K/V held per device).
+Both move (n-1)/n of K/V per device in the forward pass; the backward sends K/V again and the dK/dV
+partial sums home (ring: n-1 hops with K/V + one more; all-gather: a reduce-scatter). Attention
+per block is the flash kernel of spmd.models.attention. See docs/context.md.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from spmd.models.attention import block_backward, block_forward, blockwise
+
+EXCHANGES = ("ring", "allgather")
+
+
+def balanced_positions(length: int, n: int) -> np.ndarray:
+    """Global position of each stored index: shard i's ``length / n`` slots hold chunks i, 2n-1-i."""
+    if length % (2 * n):
+        raise ValueError(f"context parallelism over seq={n} needs the length divisible by 2 x seq = {2 * n}, "
+                         f"got length {length}; valid lengths are multiples of {2 * n}")
+    c = length // (2 * n)
+    chunks = [x for i in range(n) for x in (i, 2 * n - 1 - i)]
+    return np.concatenate([np.arange(ch * c, (ch + 1) * c) for ch in chunks]).astype(np.int32)
+
+
+def _block_size(span: int, block: int) -> int:
+    """The largest divisor of ``span`` that is at most ``block`` (flash blocks must tile a span exactly)."""
+    return max(d for d in range(1, min(span, block) + 1) if span % d == 0)
+
+
+def _weights(lse_BGRL: jax.Array, new_BGRL: jax.Array) -> jax.Array:
+    """``exp(lse - new)`` laid out like ``out[B, L, G, R, 1]``."""
+    return jnp.moveaxis(jnp.exp(lse_BGRL - new_BGRL), -1, 1)[..., None]
+
+
+def _merge(o, lse, o2, lse2):
+    """Two partial softmax attentions over disjoint keys -> their joint one (f32)."""
+    new = jnp.logaddexp(lse, lse2)
+    return o * _weights(lse, new) + o2.astype(jnp.float32) * _weights(lse2, new), new
+
+
+def _remote_forward(q, k, v, earlier, size):
+    """Attention of the local queries ``[a, b]`` to a remote K/V block ``[chunk j, chunk 2n-1-j]``:
+    from an earlier shard (j < i) both query chunks see its first chunk only; from a later shard
+    only chunk b sees it, whole. Either way two ``c x c`` flash blocks: the load balance."""
+    c = q.shape[1] // 2
+    f32 = jnp.float32
+
+    def from_earlier(q, k, v):
+        o_a, l_a = block_forward(q[:, :c], k[:, :c], v[:, :c], size, causal=False)
+        o_b, l_b = block_forward(q[:, c:], k[:, :c], v[:, :c], size, causal=False)
+        return jnp.concatenate([o_a, o_b], 1).astype(f32), jnp.concatenate([l_a, l_b], -1)
+
+    def from_later(q, k, v):
+        o1, l1 = block_forward(q[:, c:], k[:, :c], v[:, :c], size, causal=False)
+        o2, l2 = block_forward(q[:, c:], k[:, c:], v[:, c:], size, causal=False)
+        o_b, l_b = _merge(o1.astype(f32), l1, o2, l2)
+        return (jnp.concatenate([jnp.zeros_like(o_b), o_b], 1),
+                jnp.concatenate([jnp.full_like(l_b, -jnp.inf), l_b], -1))
+
+    return lax.cond(earlier, from_earlier, from_later, q, k, v)
+
+
+def _remote_backward(q, k, v, o, lse, do, earlier, size):
+    """Gradients of :func:`_remote_forward`'s share: ``(dq[local], dk, dv[remote block])`` in f32,
+    with ``o``/``lse`` the final (all-block) output and log-sum-exp of the local queries."""
+    c = q.shape[1] // 2
+    a, b = slice(0, c), slice(c, 2 * c)
+
+    def span(keys, rows):
+        res = (q[:, rows], k[:, keys], v[:, keys], o[:, rows], lse[..., rows])
+        return [g.astype(jnp.float32) for g in block_backward(size, res, do[:, rows], causal=False)]
+
+    def from_earlier():
+        dq_a, dk_a, dv_a = span(a, a)
+        dq_b, dk_b, dv_b = span(a, b)
+        zero = jnp.zeros_like(dk_a)
+        return (jnp.concatenate([dq_a, dq_b], 1), jnp.concatenate([dk_a + dk_b, zero], 1),
+                jnp.concatenate([dv_a + dv_b, zero], 1))
+
+    def from_later():
+        dq_1, dk_1, dv_1 = span(a, b)
+        dq_2, dk_2, dv_2 = span(b, b)
+        return (jnp.concatenate([jnp.zeros_like(dq_1), dq_1 + dq_2], 1), jnp.concatenate([dk_1, dk_2], 1),
+                jnp.concatenate([dv_1, dv_2], 1))
+
+    return lax.cond(earlier, from_earlier, from_later)
+
+
+# ------------------------------------------------------------------------------- the exchange
+def _ring(kv, axis: str, n: int):
+    """Send each shard's K/V to the next shard around the ring (one collective-permute)."""
+    return lax.ppermute(kv, axis, [(d, (d + 1) % n) for d in range(n)])
+
+
+def _source(i, s, n):
+    """The shard whose K/V block a shard holds at ring step ``s``, and whether it comes earlier."""
+    j = (i - s) % n
+    return j, j < i
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _attend_local(q, k, v, axis: str, n: int, size: int, exchange: str):
+    return _forward(q, k, v, axis, n, size, exchange)[0]
+
+
+def _forward(q, k, v, axis, n, size, exchange):
+    """Local ``q[B, 2c, G, R, K]`` against every shard's ``k, v[B, 2c, G, K]``: (out, residuals)."""
+    i = lax.axis_index(axis)
+    if exchange == "allgather":
+        k_all, v_all = (lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v))
+        block = lambda s: tuple(lax.dynamic_slice_in_dim(x, _source(i, s, n)[0] * k.shape[1], k.shape[1], 1)
+                                for x in (k_all, v_all))
+        o, lse = block_forward(q, k, v, size, causal=True)
+        o = o.astype(jnp.float32)
+
+        def body(s, carry):
+            kb, vb = block(s)
+            return _merge(*carry, *_remote_forward(q, kb, vb, _source(i, s, n)[1], size))
+
+        o, lse = lax.fori_loop(1, n, body, (o, lse))
+    else:
+        nxt = _ring((k, v), axis, n)  # in flight while the local block is computed
+        o, lse = block_forward(q, k, v, size, causal=True)
+        o = o.astype(jnp.float32)
+
+        def body(s, carry):
+            o, lse, kv = carry
+            ahead = _ring(kv, axis, n)
+            o, lse = _merge(o, lse, *_remote_forward(q, *kv, _source(i, s, n)[1], size))
+            return o, lse, ahead
+
+        o, lse, kv = lax.fori_loop(1, n - 1, body, (o, lse, nxt))
+        o, lse = _merge(o, lse, *_remote_forward(q, *kv, _source(i, n - 1, n)[1], size))
+    out = o.astype(q.dtype)
+    return out, (q, k, v, out, lse)
+
+
+def _attend_fwd(q, k, v, axis, n, size, exchange):
+    return _forward(q, k, v, axis, n, size, exchange)
+
+
+def _attend_bwd(axis, n, size, exchange, residuals, do):
+    q, k, v, o, lse = residuals
+    i = lax.axis_index(axis)
+    f32 = jnp.float32
+    dq, dk, dv = (g.astype(f32) for g in block_backward(size, residuals, do, causal=True))
+    if exchange == "allgather":
+        k_all, v_all = (lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v))
+        span = k.shape[1]
+        dk_all = lax.dynamic_update_slice_in_dim(jnp.zeros(k_all.shape, f32), dk, i * span, 1)
+        dv_all = lax.dynamic_update_slice_in_dim(jnp.zeros(v_all.shape, f32), dv, i * span, 1)
+
+        def body(s, carry):
+            dq, dk_all, dv_all = carry
+            j, earlier = _source(i, s, n)
+            kb, vb = (lax.dynamic_slice_in_dim(x, j * span, span, 1) for x in (k_all, v_all))
+            dq_s, dk_s, dv_s = _remote_backward(q, kb, vb, o, lse, do, earlier, size)
+            add = lambda acc, g: lax.dynamic_update_slice_in_dim(
+                acc, lax.dynamic_slice_in_dim(acc, j * span, span, 1) + g, j * span, 1)
+            return dq + dq_s, add(dk_all, dk_s), add(dv_all, dv_s)
+
+        dq, dk_all, dv_all = lax.fori_loop(1, n, body, (dq, dk_all, dv_all))
+        dk, dv = (lax.psum_scatter(x, axis, scatter_dimension=1, tiled=True) for x in (dk_all, dv_all))
+    else:
+        def body(s, carry):
+            dq, travel = carry
+            travel = _ring(travel, axis, n)  # K/V and their dK/dV partial sums move on together
+            kb, vb, dk_acc, dv_acc = travel
+            dq_s, dk_s, dv_s = _remote_backward(q, kb, vb, o, lse, do, _source(i, s, n)[1], size)
+            return dq + dq_s, (kb, vb, dk_acc + dk_s, dv_acc + dv_s)
+
+        dq, (_, _, dk, dv) = lax.fori_loop(1, n, body, (dq, (k, v, dk, dv)))
+        dk, dv = _ring((dk, dv), axis, n)  # each block's sums go home: one hop on
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_attend_local.defvjp(_attend_fwd, _attend_bwd)
+
+
+def context_attend(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, *, mesh: Mesh, axis: str = "seq",
+                   exchange: str = "ring", block: int = 512) -> jax.Array:
+    """Causal attention of ``q[B, L_seq, H, K]`` over ``k, v[B, L_seq, G, K]`` whose length is in
+    :func:`balanced_positions` order and sharded over ``axis`` (other axes stay automatic)."""
+    if exchange not in EXCHANGES:
+        raise ValueError(f"context exchange {exchange!r} is not one of {EXCHANGES}")
+    n = mesh.shape[axis]
+    if n == 1:
+        return blockwise(q_BLHK, k_BLGK, v_BLGK, block)
+    b, length, h, kd = q_BLHK.shape
+    g = k_BLGK.shape[2]
+    balanced_positions(length, n)  # the divisibility check, with its message
+    size = _block_size(length // (2 * n), block)
+
+    def local(q, k, v):
+        out = _attend_local(q.reshape(*q.shape[:2], g, h // g, kd), k, v, axis, n, size, exchange)
+        return out.reshape(q.shape)
+
+    spec = P(None, axis)
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, axis_names={axis},
+                         check_vma=False)(q_BLHK, k_BLGK, v_BLGK)
