@@ -133,18 +133,18 @@ def _forward(q, k, v, axis, n, size, exchange):
 
         o, lse = lax.fori_loop(1, n, body, (o, lse))
     else:
-        nxt = _ring((k, v), axis, n)  # in flight while the local block is computed
+        nxt = _ring(jnp.stack([k, v]), axis, n)  # K/V as one buffer, in flight while the local block runs
         o, lse = block_forward(q, k, v, size, causal=True)
         o = o.astype(jnp.float32)
 
         def body(s, carry):
             o, lse, kv = carry
             ahead = _ring(kv, axis, n)
-            o, lse = _merge(o, lse, *_remote_forward(q, *kv, _source(i, s, n)[1], size))
+            o, lse = _merge(o, lse, *_remote_forward(q, kv[0], kv[1], _source(i, s, n)[1], size))
             return o, lse, ahead
 
         o, lse, kv = lax.fori_loop(1, n - 1, body, (o, lse, nxt))
-        o, lse = _merge(o, lse, *_remote_forward(q, *kv, _source(i, n - 1, n)[1], size))
+        o, lse = _merge(o, lse, *_remote_forward(q, kv[0], kv[1], _source(i, n - 1, n)[1], size))
     out = o.astype(q.dtype)
     return out, (q, k, v, out, lse)
 
@@ -177,14 +177,13 @@ def _attend_bwd(axis, n, size, exchange, residuals, do):
         dk, dv = (lax.psum_scatter(x, axis, scatter_dimension=1, tiled=True) for x in (dk_all, dv_all))
     else:
         def body(s, carry):
-            dq, travel = carry
-            travel = _ring(travel, axis, n)  # K/V and their dK/dV partial sums move on together
-            kb, vb, dk_acc, dv_acc = travel
-            dq_s, dk_s, dv_s = _remote_backward(q, kb, vb, o, lse, do, _source(i, s, n)[1], size)
-            return dq + dq_s, (kb, vb, dk_acc + dk_s, dv_acc + dv_s)
+            dq, kv, dkv = carry
+            kv, dkv = _ring(kv, axis, n), _ring(dkv, axis, n)  # a block's dK/dV sums travel with it
+            dq_s, dk_s, dv_s = _remote_backward(q, kv[0], kv[1], o, lse, do, _source(i, s, n)[1], size)
+            return dq + dq_s, kv, dkv + jnp.stack([dk_s, dv_s])
 
-        dq, (_, _, dk, dv) = lax.fori_loop(1, n, body, (dq, (k, v, dk, dv)))
-        dk, dv = _ring((dk, dv), axis, n)  # each block's sums go home: one hop on
+        dq, _, dkv = lax.fori_loop(1, n, body, (dq, jnp.stack([k, v]), jnp.stack([dk, dv])))
+        dk, dv = _ring(dkv, axis, n)  # each block's sums go home: one hop on
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
