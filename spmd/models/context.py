@@ -21,7 +21,10 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from spmd.constraints import active_layout
+from spmd.models import attention
 from spmd.models.attention import block_backward, block_forward, blockwise
+from spmd.rules import axes_of
 
 EXCHANGES = ("ring", "allgather")
 
@@ -34,6 +37,33 @@ def balanced_positions(length: int, n: int) -> np.ndarray:
     c = length // (2 * n)
     chunks = [x for i in range(n) for x in (i, 2 * n - 1 - i)]
     return np.concatenate([np.arange(ch * c, (ch + 1) * c) for ch in chunks]).astype(np.int32)
+
+
+def seq_shards(axis: str = "seq") -> int:
+    """How many ways the active layout splits the length (1: no context parallelism): the size of
+    ``axis`` when the rule set maps activation ``length`` to it."""
+    active = active_layout()
+    if active is None:
+        return 1
+    mesh, rules = active
+    if axis not in axes_of(dict(rules.activations).get("length")):
+        return 1
+    return dict(mesh.shape).get(axis, 1)
+
+
+def sequence_order(length: int) -> np.ndarray | None:
+    """The stored order of positions under the active layout (None: natural order)."""
+    n = seq_shards()
+    return balanced_positions(length, n) if n > 1 else None
+
+
+def attend(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, *, impl: str = "auto", block: int = 512,
+           exchange: str = "ring") -> jax.Array:
+    """Causal attention under the active layout: :func:`context_attend` when the length is split
+    over ``seq`` (inputs in :func:`sequence_order`), else ``spmd.models.attention.attend``."""
+    if seq_shards() == 1:
+        return attention.attend(q_BLHK, k_BLGK, v_BLGK, impl=impl, block=block)
+    return context_attend(q_BLHK, k_BLGK, v_BLGK, mesh=active_layout()[0], exchange=exchange, block=block)
 
 
 def _block_size(span: int, block: int) -> int:
