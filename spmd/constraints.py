@@ -39,15 +39,20 @@ def active_layout() -> tuple[Mesh, Rules] | None:
     return _CURRENT.get()
 
 
-def constrain(x: jax.Array, dims: Sequence[str | None]) -> jax.Array:
-    """Constrain activation ``x`` (logical ``dims``) to the active rule set; no-op without one."""
+def constrain(x: jax.Array, dims: Sequence[str | None], *, kind: str = "activations") -> jax.Array:
+    """Constrain ``x`` (logical ``dims``) to the active rule set; no-op without one.
+
+    ``kind="activations"`` (the default) uses the activation table; ``kind="params"`` the parameter
+    table, for a value that must keep its parameter's layout (a weight cast on its own shard).
+    """
     active = _CURRENT.get()
     if active is None:
         return x
     mesh, rules = active
     if len(dims) != x.ndim:
         raise ValueError(f"constrain: array of shape {x.shape} given {len(dims)} dims {tuple(dims)}")
-    sharding = NamedSharding(mesh, rules.spec(dims, kind="activations", mesh_sizes=axis_sizes(mesh), what="activation"))
+    what = "activation" if kind == "activations" else "parameter"
+    sharding = NamedSharding(mesh, rules.spec(dims, kind=kind, mesh_sizes=axis_sizes(mesh), what=what))
     if all(t == AxisType.Explicit for t in mesh.axis_types):
         return jax.sharding.reshard(x, sharding)
     return jax.lax.with_sharding_constraint(x, sharding)

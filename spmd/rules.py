@@ -2,7 +2,8 @@
 
 A rule set holds two tables of (logical dim, mesh axes) pairs, one for parameters and one for
 activations; nothing else in the toolkit spells a PartitionSpec. Rule sets per strategy: ``dp``,
-``fsdp``, ``tp``, ``dp_tp``, ``fsdp_tp`` (e.g. fsdp: ``W[D_fsdp, F]``, ``x[B_(data,fsdp), L, D]``).
+``fsdp``, ``tp``, ``dp_tp``, ``fsdp_tp`` (e.g. fsdp: ``W[D_fsdp, F]``, ``x[B_(data,fsdp), L, D]``), and
+sequence-parallel ``dp_tp_sp``, ``fsdp_tp_sp`` (residual stream ``x[B_data, L_tensor, D]``, Megatron-SP).
 Table and what communicates: docs/sharding.md.
 """
 
@@ -19,6 +20,7 @@ from meshes import AXES
 # Logical dims models annotate (docs/architecture.md, vocabulary).
 LOGICAL_DIMS: tuple[str, ...] = (
     "batch", "length", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "layers", "stage",
+    "residual_length",
 )
 
 Axes = str | tuple[str, ...] | None
@@ -136,11 +138,25 @@ FSDP_TP = Rules(
     "fsdp_tp", params=_PIPE + (("embed", "fsdp"),) + _TP_PARAMS, activations=(("batch", ("data", "fsdp")),) + _TP_ACTS
 )
 
-RULE_SETS: dict[str, Rules] = {r.name: r for r in (NONE, DP, FSDP, TP, DP_TP, FSDP_TP)}
+# Megatron sequence parallelism: the residual stream and the norms (``residual_length``; everything
+# between a row-parallel output and the next column-parallel input) split L over ``tensor`` too, so
+# each row-parallel all-reduce becomes a reduce-scatter and each column-parallel input an all-gather
+# (the same bytes), and those activations take 1/t of the memory. Inside attention and the MLP,
+# ``length`` stays whole (``heads`` / ``mlp`` hold ``tensor`` there).
+_SP_ACTS: Table = (("residual_length", "tensor"),)
+
+
+def _with_sp(rules: Rules) -> Rules:
+    return Rules(f"{rules.name}_sp", params=rules.params, activations=rules.activations + _SP_ACTS)
+
+
+DP_TP_SP, FSDP_TP_SP = _with_sp(DP_TP), _with_sp(FSDP_TP)
+
+RULE_SETS: dict[str, Rules] = {r.name: r for r in (NONE, DP, FSDP, TP, DP_TP, FSDP_TP, DP_TP_SP, FSDP_TP_SP)}
 
 
 def get_rules(name: str | Rules) -> Rules:
-    """A preset by name (``"dp"``, ``"fsdp"``, ``"tp"``, ``"dp_tp"``, ``"fsdp_tp"``, ``"none"``)."""
+    """A preset by name (``"dp"``, ``"fsdp"``, ``"tp"``, ``"dp_tp"``, ``"fsdp_tp"``, ``"none"``, ...: RULE_SETS)."""
     if isinstance(name, Rules):
         return name
     try:

@@ -50,13 +50,16 @@ class Stack(nnx.Module):
 
     def __call__(self, x: jax.Array, *args: Any) -> jax.Array:
         """Scan the blocks over ``x``; variables the blocks update (batch statistics, RNG counts) are
-        carried out of the scan and written back, one slice per layer."""
+        carried out of the scan and written back, one slice per layer. A block may return ``(x, aux)``
+        (``aux`` a pytree of arrays, e.g. MoE losses): the stack then returns ``(y, aux summed over layers)``."""
         graphdef, params, rest = nnx.split(self.block, nnx.Param, ...)
 
         def body(carry, layer):
             block = nnx.merge(graphdef, *layer)
-            return block(carry, *args), nnx.state(block, nnx.Not(nnx.Param))
+            out = block(carry, *args)
+            y, aux = out if isinstance(out, tuple) else (out, None)
+            return y, (nnx.state(block, nnx.Not(nnx.Param)), aux)
 
-        y, rest = jax.lax.scan(remat_lib.wrap(body, self.remat), x, (params, rest))
+        y, (rest, aux) = jax.lax.scan(remat_lib.wrap(body, self.remat), x, (params, rest))
         nnx.update(self.block, rest)
-        return y
+        return y if aux is None else (y, jax.tree.map(lambda a: a.sum(0), aux))

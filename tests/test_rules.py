@@ -20,6 +20,7 @@ STACKED = ("layers", "embed", "mlp")  # a Stack's W_in[layers, D, F]
 X = ("batch", "length", "embed")  # x[B, L, D]
 H = ("batch", "length", "mlp")  # h[B, L, F]
 LOGITS = ("batch", "length", "vocab")
+RES = ("batch", "residual_length", "embed")  # the residual stream x[B, L, D]
 
 # preset -> {dims: (param spec, activation spec)}
 EXPECTED = {
@@ -35,14 +36,23 @@ EXPECTED = {
     },
     "dp_tp": {
         W_IN: P(None, "tensor"), W_OUT: P("tensor"), EMBED: P("tensor"), W_Q: P(None, "tensor"),
-        X: P("data"), H: P("data", None, "tensor"),
+        X: P("data"), H: P("data", None, "tensor"), RES: P("data"),
     },
     "fsdp_tp": {
         W_IN: P("fsdp", "tensor"), W_OUT: P("tensor", "fsdp"), EMBED: P("tensor", "fsdp"), W_Q: P("fsdp", "tensor"),
         STACKED: P("pipe", "fsdp", "tensor"), X: P(("data", "fsdp")), H: P(("data", "fsdp"), None, "tensor"),
     },
+    # sequence parallel: the parameters of dp_tp / fsdp_tp, and the residual stream's L over tensor
+    "dp_tp_sp": {
+        W_IN: P(None, "tensor"), W_OUT: P("tensor"), W_Q: P(None, "tensor"),
+        X: P("data"), H: P("data", None, "tensor"), RES: P("data", "tensor"),
+    },
+    "fsdp_tp_sp": {
+        W_IN: P("fsdp", "tensor"), W_OUT: P("tensor", "fsdp"), STACKED: P("pipe", "fsdp", "tensor"),
+        X: P(("data", "fsdp")), H: P(("data", "fsdp"), None, "tensor"), RES: P(("data", "fsdp"), "tensor"),
+    },
 }
-ACTIVATION_DIMS = {X, H, LOGITS}
+ACTIVATION_DIMS = {X, H, LOGITS, RES}
 
 
 def test_presets_are_all_covered():

@@ -5,7 +5,8 @@ from spmd.models.gpt import GPT, GPTConfig
 from spmd.models.layers import param
 from spmd.models.loss import lm_loss
 from spmd.models.mlp import MLP, mse_loss
+from spmd.models.moe import MoE
 
 __all__ = [
-    "GPT", "GPTConfig", "MLP", "flops_per_step", "flops_per_token", "lm_loss", "mse_loss", "param", "param_count",
+    "GPT", "GPTConfig", "MLP", "MoE", "flops_per_step", "flops_per_token", "lm_loss", "mse_loss", "param", "param_count",
 ]

@@ -97,9 +97,23 @@ class Block(nnx.Module):
         self.mlp = GatedMLP(cfg.d_model, cfg.ff, rngs=rngs, dtype=cfg.compute_dtype)
 
     def __call__(self, x_BLD: jax.Array, positions_L: jax.Array) -> jax.Array:
-        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_L)
-        x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
-        return constrain(x_BLD, ("batch", "length", "embed"))
+        x_BLD = x_BLD + residual(self.attn(sub_block_input(self.attn_norm(x_BLD)), positions_L))
+        x_BLD = x_BLD + residual(self.mlp(sub_block_input(self.mlp_norm(x_BLD))))
+        return residual(x_BLD)
+
+
+def residual(x_BLD: jax.Array) -> jax.Array:
+    """The residual stream's layout ``x[B, residual_length, D]``: a sub-block's output joins it here.
+
+    Under sequence parallelism (``*_sp`` rules: ``x[B_data, L_tensor, D]``) a row-parallel output
+    ``[B, L, D]{U_tensor}`` is reduce-scattered here instead of all-reduced; otherwise L stays whole."""
+    return constrain(x_BLD, ("batch", "residual_length", "embed"))
+
+
+def sub_block_input(h_BLD: jax.Array) -> jax.Array:
+    """A norm's output, computed on the residual layout, then whole along L for attention or the MLP:
+    under sequence parallelism the all-gather ``h[B, L_tensor, D] -> h[B, L, D]`` over ``tensor``."""
+    return constrain(residual(h_BLD), ("batch", "length", "embed"))
 
 
 class GPT(nnx.Module):
@@ -115,15 +129,19 @@ class GPT(nnx.Module):
                               (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 
     def embed_tokens(self, tokens_BL: jax.Array) -> jax.Array:
-        """The token embedding: ``tokens[B, L] -> x[B, L, D]`` in the compute dtype."""
+        """The token embedding: ``tokens[B, L] -> x[B, L, D]`` in the compute dtype, on the residual layout.
+
+        The lookup is constrained whole along L before the residual layout: under sequence parallelism
+        its vocab-parallel partial sums are then one reduce-scatter (a lookup constrained straight to
+        ``L_tensor`` makes GSPMD gather the tokens over the batch axes and permute the result)."""
         x_BLD = jnp.take(weight(self.embed, self.cfg.compute_dtype), tokens_BL, axis=0)
-        return constrain(x_BLD, ("batch", "length", "embed"))
+        return residual(constrain(x_BLD, ("batch", "length", "embed")))
 
     def hidden(self, tokens_BL: jax.Array) -> jax.Array:
         """The final-normed hidden states ``x[B, L, D]`` the head reads."""
         x_BLD = self.embed_tokens(tokens_BL)
         positions_L = jnp.arange(tokens_BL.shape[1])
-        return self.final_norm(self.blocks(x_BLD, positions_L))
+        return residual(self.final_norm(self.blocks(x_BLD, positions_L)))
 
     @property
     def out_weight(self) -> nnx.Param:

@@ -40,12 +40,14 @@ def weight(var: nnx.Param, dtype: jnp.dtype) -> jax.Array:
     so explicitly gives GSPMD the clean plan: one all-gather per weight per pass.
     """
     dims = var.get_metadata().get("out_sharding")
-    value = var[...].astype(dtype)
+    value = var[...]
     if dims is None:
-        return value
+        return value.astype(dtype)
     dims = tuple(dims)
     while len(dims) > value.ndim and dims[0] in ("layers", "stage"):
         dims = dims[1:]  # inside a Stack's scan the stacked dims are sliced away
+    if value.dtype != dtype:
+        value = constrain(value.astype(dtype), dims, kind="params")
     return constrain(value, dims)
 
 

@@ -23,6 +23,8 @@ LAYOUTS = {
     "fsdp8": ({"fsdp": 8}, "fsdp"),
     "dp2_tp4": ({"data": 2, "tensor": 4}, "dp_tp"),
     "dp2_fsdp2_tp2": ({"data": 2, "fsdp": 2, "tensor": 2}, "fsdp_tp"),
+    "dp2_tp4_sp": ({"data": 2, "tensor": 4}, "dp_tp_sp"),
+    "dp2_fsdp2_tp2_sp": ({"data": 2, "fsdp": 2, "tensor": 2}, "fsdp_tp_sp"),
 }
 
 

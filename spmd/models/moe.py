@@ -1,0 +1,171 @@
+"""Mixture-of-experts MLP, with expert parallelism over the ``expert`` mesh axis.
+
+``MoE(...)(x[B, L, D]) -> (y[B, L, D], stats)``: a router (:mod:`spmd.models.router`) sends each
+token to k of E SwiGLU experts ``w_gate_up[E, D, 2, F]``, ``w_down[E, F, D]``; optional shared
+experts run on every token. Each device routes its own tokens (the ``expert`` axis shards the
+batch outside the layer), packs them into a static buffer ``x[E, C, D]``, and a ``shard_map`` over
+the token axes and ``expert`` moves it with two all-to-alls (dispatch, combine) per forward pass,
+two more in the backward. Capacity ``C`` per expert per device: ``ceil(cf * T * k / E)`` tokens
+(overflow dropped), or ``T`` when dropless (``cf = 0``). Bytes and diagrams: docs/moe.md.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from meshes import axis_sizes
+from spmd import collectives
+from spmd.constraints import active_layout, constrain
+from spmd.models import router as router_lib
+from spmd.models.layers import GatedMLP, fan_in_init, param, weight
+from spmd.rules import Rules, axes_of
+
+EP_PRESETS = "dp_ep, fsdp_ep, fsdp_tp_ep"
+
+
+def experts_mlp(x_SECD: jax.Array, w_gate_up_EDTF: jax.Array, w_down_EFD: jax.Array) -> jax.Array:
+    """The experts: ``y[S, E, C, D] = down_e(silu(x @ gate_e) * (x @ up_e))`` for every expert e
+    (S = source devices, C = slots); ``F`` may be sharded over ``tensor`` (XLA all-reduces the
+    row-parallel ``w_down`` output over it)."""
+    h_SECTF = jnp.einsum("secd,edtf->sectf", x_SECD, w_gate_up_EDTF)
+    h_SECF = jax.nn.silu(h_SECTF[..., 0, :]) * h_SECTF[..., 1, :]
+    return jnp.einsum("secf,efd->secd", h_SECF, w_down_EFD)
+
+
+def dispatch_combine(x_TD: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array, w_gate_up_EDTF: jax.Array,
+                     w_down_EFD: jax.Array, *, n_experts: int, capacity: int,
+                     axis: str | None = None) -> tuple[jax.Array, jax.Array]:
+    """One device's tokens through their experts: ``(y[T, D], kept[T, K])``.
+
+    Without ``axis`` every expert is local (``w[E, ...]``). With ``axis`` (inside a ``shard_map``
+    manual over it, |axis| = ep) this device holds experts ``w[E_axis, ...]`` (E/ep of them) and:
+
+        x[E, C, D]                 this device's tokens, packed by expert (slot order: router.slots)
+        -> all_to_all(axis)        dispatch: x[E_axis, (axis, C), D], i.e. [ep sources, E/ep, C, D]
+        -> experts_mlp             y[ep, E/ep, C, D]
+        -> all_to_all(axis)        combine: y[E, C, D], back on the devices that own the tokens
+
+    Each all-to-all moves ``E * C * D`` elements per device, ``(ep-1)/ep`` of them off the device.
+    """
+    t, d = x_TD.shape
+    slot_TK, kept_TK = router_lib.slots(experts_TK, n_experts, capacity)
+    x_TKD = jnp.broadcast_to(x_TD[:, None, :], (t, experts_TK.shape[1], d))
+    # each (expert, slot) receives at most one token; slots >= capacity fall outside and are dropped
+    x_ECD = jnp.zeros((n_experts, capacity, d), x_TD.dtype).at[experts_TK, slot_TK].add(x_TKD, mode="drop")
+    if axis is None:
+        y_ECD = experts_mlp(x_ECD[None], w_gate_up_EDTF, w_down_EFD)[0]
+    else:
+        ep = n_experts // w_gate_up_EDTF.shape[0]
+        x_ECD = collectives.all_to_all(x_ECD, axis, split_dim=0, concat_dim=0)  # dispatch
+        x_SECD = x_ECD.reshape(ep, n_experts // ep, capacity, d)
+        y_ECD = experts_mlp(x_SECD, w_gate_up_EDTF, w_down_EFD).reshape(n_experts, capacity, d)
+        y_ECD = collectives.all_to_all(y_ECD, axis, split_dim=0, concat_dim=0)  # combine
+    y_TKD = y_ECD.at[experts_TK, slot_TK].get(mode="fill", fill_value=0)
+    weights_TK = jnp.where(kept_TK, gates_TK, 0.0)
+    y_TD = jnp.einsum("tkd,tk->td", y_TKD.astype(jnp.float32), weights_TK)
+    return y_TD.astype(x_TD.dtype), kept_TK
+
+
+def expert_layout(rules: Rules, sizes: dict[str, int], n_experts: int) -> tuple[int, P, tuple[str, ...]]:
+    """``(ep, token spec, manual axes)`` of an MoE layer under ``rules`` on a mesh of axis ``sizes``.
+
+    The tokens ``x[B, L, D]`` stay where the activation rules put batch and length (``embed`` must
+    not be sharded); the shard_map is manual over those axes and ``expert`` (ep = its size).
+    Raises a ValueError naming the rule set when it cannot give expert parallelism.
+    """
+    ep = sizes.get("expert", 1)
+    acts = rules.spec(("expert",), kind="activations", mesh_sizes=sizes)
+    params = rules.spec(("expert",), kind="params", mesh_sizes=sizes)
+    want = P("expert") if ep > 1 else P()
+    if acts != want or params != want:
+        raise ValueError(
+            f"rule set {rules.name!r} maps the MoE dim 'expert' to params {params} / activations {acts} on a mesh "
+            f"with expert={ep}; experts must shard over the expert axis only ({want}): use an expert-parallel "
+            f"preset ({EP_PRESETS}) or the rule expert -> expert in both tables")
+    spec = rules.spec(("batch", "length", "embed"), kind="activations", mesh_sizes=sizes, what="MoE input")
+    spec = P(*(tuple(spec) + (None,) * 3)[:3])
+    if spec[2] is not None:
+        raise ValueError(f"rule set {rules.name!r} shards the MoE input's embed dim over {spec[2]!r}; the router "
+                         f"and experts need whole tokens (activations must not shard 'embed')")
+    token_axes = axes_of(spec[0]) + axes_of(spec[1])
+    if ep > 1 and "expert" not in token_axes:
+        raise ValueError(
+            f"rule set {rules.name!r} does not split the batch over the expert axis (batch -> {spec[0]!r}, "
+            f"mesh expert={ep}): each device must route its own tokens; use an expert-parallel preset ({EP_PRESETS})")
+    if n_experts % ep:
+        raise ValueError(f"n_experts={n_experts} does not divide over the expert axis of size {ep}; use a multiple of {ep}")
+    return ep, spec, tuple(a for a in ("data", "pipe", "fsdp", "seq", "expert", "tensor") if a in token_axes)
+
+
+class MoE(nnx.Module):
+    """Top-k mixture of SwiGLU experts: ``(y[B, L, D], stats) = moe(x[B, L, D])``.
+
+    Parameters: router ``W[D, E]`` (f32, replicated), experts ``w_gate_up[E_expert, D, 2, F]`` and
+    ``w_down[E_expert, F, D]`` (dims ``expert, embed, -, mlp``: under ``fsdp_tp_ep`` that is
+    ``w_gate_up[E_expert, D_fsdp, 2, F_tensor]``, gathered over ``fsdp`` before use), and with
+    ``n_shared > 0`` a shared :class:`GatedMLP` of width ``n_shared * F`` added on every token.
+
+    ``stats`` (f32 scalars): ``aux_loss``, ``z_loss``, ``load_max``, ``load_min`` (from
+    :func:`spmd.models.router.route`) and ``dropped`` (fraction of assignments over capacity). A
+    model adds ``w_aux * aux_loss + w_z * z_loss`` to its loss.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, n_experts: int, k: int = 2, *, rngs: nnx.Rngs,
+                 capacity_factor: float = 0.0, router: str = "softmax", n_shared: int = 0,
+                 dtype: jnp.dtype = jnp.float32):
+        if n_experts < 1 or not 1 <= k <= n_experts:
+            raise ValueError(f"MoE needs n_experts >= 1 and 1 <= k <= n_experts, got n_experts={n_experts}, k={k}")
+        if router not in router_lib.ROUTERS:
+            raise ValueError(f"MoE router {router!r} is not one of {router_lib.ROUTERS}")
+        if capacity_factor < 0 or n_shared < 0:
+            raise ValueError(f"MoE capacity_factor (0 = dropless) and n_shared must be >= 0, got "
+                             f"{capacity_factor}, {n_shared}")
+        self.w_router = param(rngs, fan_in_init(d_model), (d_model, n_experts), ("embed", None))
+        self.w_gate_up = param(rngs, fan_in_init(d_model), (n_experts, d_model, 2, d_ff),
+                               ("expert", "embed", None, "mlp"))
+        self.w_down = param(rngs, fan_in_init(d_ff), (n_experts, d_ff, d_model), ("expert", "mlp", "embed"))
+        self.shared = GatedMLP(d_model, n_shared * d_ff, rngs=rngs, dtype=dtype) if n_shared else None
+        self.n_experts, self.k, self.capacity_factor, self.router, self.dtype = (
+            n_experts, k, capacity_factor, router, dtype)
+
+    def __call__(self, x_BLD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        b, length, d = x_BLD.shape
+        x_BLD = constrain(x_BLD, ("batch", "length", "embed"))
+        logits_BLE = jnp.einsum("bld,de->ble", x_BLD.astype(jnp.float32), weight(self.w_router, jnp.float32))
+        routing = router_lib.route(logits_BLE.reshape(b * length, self.n_experts), self.k, self.router)
+        experts_BLK = routing.experts_TK.reshape(b, length, self.k)
+        gates_BLK = routing.gates_TK.reshape(b, length, self.k)
+        w_gate_up = weight(self.w_gate_up, self.dtype)
+        w_down = weight(self.w_down, self.dtype)
+        y_BLD, kept_BLK = self._experts(x_BLD, experts_BLK, gates_BLK, w_gate_up, w_down)
+        if self.shared is not None:
+            y_BLD = y_BLD + self.shared(x_BLD)
+        stats = dict(routing.stats, dropped=1.0 - jnp.mean(kept_BLK.astype(jnp.float32)))
+        return constrain(y_BLD, ("batch", "length", "embed")), stats
+
+    def _experts(self, x_BLD, experts_BLK, gates_BLK, w_gate_up, w_down):
+        """Dispatch, experts and combine: on one device, or in a shard_map over the token axes and ``expert``."""
+        layout = active_layout()
+        ep, spec, manual = 1, P(), ()
+        if layout is not None:
+            mesh, rules = layout
+            ep, spec, manual = expert_layout(rules, axis_sizes(mesh), self.n_experts)
+        n, k, cf = self.n_experts, self.k, self.capacity_factor
+
+        def local(x_BLD, experts_BLK, gates_BLK, w_gate_up, w_down):
+            b, length, d = x_BLD.shape
+            t = b * length
+            y_TD, kept_TK = dispatch_combine(
+                x_BLD.reshape(t, d), experts_BLK.reshape(t, k), gates_BLK.reshape(t, k), w_gate_up, w_down,
+                n_experts=n, capacity=router_lib.capacity(t, n, k, cf), axis="expert" if ep > 1 else None)
+            return y_TD.reshape(b, length, d), kept_TK.reshape(b, length, k)
+
+        if not manual:
+            return local(x_BLD, experts_BLK, gates_BLK, w_gate_up, w_down)
+        w_spec = P("expert") if ep > 1 else P()
+        tok = P(spec[0], spec[1])
+        return jax.shard_map(local, mesh=layout[0], in_specs=(tok, tok, tok, w_spec, w_spec), out_specs=(tok, tok),
+                             axis_names=set(manual))(x_BLD, experts_BLK, gates_BLK, w_gate_up, w_down)
