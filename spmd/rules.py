@@ -2,7 +2,8 @@
 
 A rule set holds two tables of (logical dim, mesh axes) pairs, one for parameters and one for
 activations; nothing else in the toolkit spells a PartitionSpec. Rule sets per strategy: ``dp``,
-``fsdp``, ``tp``, ``dp_tp``, ``fsdp_tp`` (e.g. fsdp: ``W[D_fsdp, F]``, ``x[B_(data,fsdp), L, D]``), and
+``fsdp``, ``tp``, ``dp_tp``, ``fsdp_tp`` (e.g. fsdp: ``W[D_fsdp, F]``, ``x[B_(data,fsdp), L, D]``),
+expert-parallel ``dp_ep``, ``fsdp_ep``, ``fsdp_tp_ep`` (``W[E_expert, D, F]``, ``x[B_(data,expert), L, D]``) and
 sequence-parallel ``dp_tp_sp``, ``fsdp_tp_sp`` (residual stream ``x[B_data, L_tensor, D]``, Megatron-SP).
 Table and what communicates: docs/sharding.md.
 """
@@ -19,7 +20,7 @@ from meshes import AXES
 
 # Logical dims models annotate (docs/architecture.md, vocabulary).
 LOGICAL_DIMS: tuple[str, ...] = (
-    "batch", "length", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "layers", "stage",
+    "batch", "length", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "layers", "stage", "expert",
     "residual_length",
 )
 
@@ -152,7 +153,22 @@ def _with_sp(rules: Rules) -> Rules:
 
 DP_TP_SP, FSDP_TP_SP = _with_sp(DP_TP), _with_sp(FSDP_TP)
 
-RULE_SETS: dict[str, Rules] = {r.name: r for r in (NONE, DP, FSDP, TP, DP_TP, FSDP_TP, DP_TP_SP, FSDP_TP_SP)}
+# Expert parallelism (spmd.models.moe): MoE expert weights ``w[E_expert, ...]``, and the ``expert`` axis
+# also splits the batch outside the MoE layers (each device routes its own tokens; docs/moe.md).
+_EP: Table = (("expert", "expert"),)
+
+
+def _with_ep(rules: Rules) -> Rules:
+    acts = dict(rules.activations)
+    batch = acts.get("batch")
+    return Rules(f"{rules.name}_ep", params=rules.params + _EP,
+                 activations=tuple((k, v) for k, v in acts.items() if k != "batch")
+                 + (("batch", axes_of(batch) + ("expert",)),) + _EP)
+
+
+DP_EP, FSDP_EP, FSDP_TP_EP = _with_ep(DP), _with_ep(FSDP), _with_ep(FSDP_TP)
+
+RULE_SETS: dict[str, Rules] = {r.name: r for r in (NONE, DP, FSDP, TP, DP_TP, FSDP_TP, DP_TP_SP, FSDP_TP_SP, DP_EP, FSDP_EP, FSDP_TP_EP)}
 
 
 def get_rules(name: str | Rules) -> Rules:

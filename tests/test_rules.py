@@ -21,6 +21,7 @@ X = ("batch", "length", "embed")  # x[B, L, D]
 H = ("batch", "length", "mlp")  # h[B, L, F]
 LOGITS = ("batch", "length", "vocab")
 RES = ("batch", "residual_length", "embed")  # the residual stream x[B, L, D]
+W_EXPERT = ("expert", "embed", None, "mlp")  # MoE w_gate_up[E, D, 2, F]
 
 # preset -> {dims: (param spec, activation spec)}
 EXPECTED = {
@@ -50,6 +51,14 @@ EXPECTED = {
     "fsdp_tp_sp": {
         W_IN: P("fsdp", "tensor"), W_OUT: P("tensor", "fsdp"), STACKED: P("pipe", "fsdp", "tensor"),
         X: P(("data", "fsdp")), H: P(("data", "fsdp"), None, "tensor"), RES: P(("data", "fsdp"), "tensor"),
+    },
+    "dp_ep": {W_IN: P(), W_Q: P(), W_EXPERT: P("expert"), X: P(("data", "expert")), H: P(("data", "expert"))},
+    "fsdp_ep": {
+        W_IN: P("fsdp"), W_EXPERT: P("expert", "fsdp"), X: P(("data", "fsdp", "expert")), H: P(("data", "fsdp", "expert")),
+    },
+    "fsdp_tp_ep": {
+        W_IN: P("fsdp", "tensor"), W_Q: P("fsdp", "tensor"), W_EXPERT: P("expert", "fsdp", None, "tensor"),
+        X: P(("data", "fsdp", "expert")), H: P(("data", "fsdp", "expert"), None, "tensor"),
     },
 }
 ACTIVATION_DIMS = {X, H, LOGITS, RES}

@@ -11,6 +11,7 @@ names dims. Parameters are f32 (``param_dtype``); matmuls run in ``dtype`` (bf16
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,8 @@ from spmd.constraints import constrain
 from spmd.models import attention as attention_lib
 from spmd.models.loss import chunked_lm_loss, lm_loss
 from spmd.models.layers import Attention, GatedMLP, RMSNorm, param, weight
+from spmd.models.moe import MoE
+from spmd.models.router import ROUTERS
 from spmd.pipeline import PipelineConfig, pipelined_loss
 from spmd.stack import Stack
 
@@ -44,6 +47,16 @@ class GPTConfig:
     attention: str = "auto"  # a spmd.models.attention implementation
     attention_block: int = 512  # query/key block of the blockwise attention paths
     loss_chunk: int = 0  # cross-entropy over this many positions at a time (0: all at once)
+    # mixture of experts (spmd.models.moe; docs/moe.md): 0 experts = dense MLPs everywhere
+    n_experts: int = 0
+    experts_per_token: int = 2  # top-k
+    moe_every: int = 1  # every n-th block is MoE (blocks n-1, 2n-1, ...); 1: all
+    moe_d_ff: int | None = None  # width F of each expert (and shared expert); None: d_ff
+    capacity_factor: float = 0.0  # slots per expert = ceil(cf * tokens * k / E) per device; 0: dropless
+    router: str = "softmax"  # "softmax" | "sigmoid"
+    n_shared_experts: int = 0  # always-on experts (one SwiGLU of width n * moe_d_ff)
+    aux_loss_weight: float = 0.01  # x load-balancing loss (mean over MoE blocks)
+    router_z_loss_weight: float = 0.001  # x router z-loss (mean over MoE blocks)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads"):
@@ -62,6 +75,23 @@ class GPTConfig:
         if self.attention_block < 1 or self.loss_chunk < 0:
             raise ValueError(f"GPTConfig.attention_block must be >= 1 and loss_chunk >= 0, got "
                              f"{self.attention_block}, {self.loss_chunk}")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        for name in ("n_experts", "n_shared_experts", "capacity_factor", "aux_loss_weight", "router_z_loss_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"GPTConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"GPTConfig.router {self.router!r} is not one of {ROUTERS}")
+        if not self.n_experts:
+            return
+        if not 1 <= self.experts_per_token <= self.n_experts:
+            raise ValueError(f"GPTConfig.experts_per_token={self.experts_per_token} must be between 1 and "
+                             f"n_experts={self.n_experts}")
+        if self.moe_every < 1 or self.n_layers % self.moe_every:
+            raise ValueError(f"GPTConfig.moe_every={self.moe_every} must be >= 1 and divide n_layers={self.n_layers}")
+        if self.moe_d_ff is not None and self.moe_d_ff < 1:
+            raise ValueError(f"GPTConfig.moe_d_ff must be >= 1 or None (= d_ff), got {self.moe_d_ff}")
 
     @property
     def policy(self) -> str:
@@ -84,20 +114,35 @@ class GPTConfig:
     def compute_dtype(self) -> jnp.dtype:
         return DTYPES[self.dtype]
 
+    @property
+    def expert_ff(self) -> int:
+        return self.moe_d_ff or self.ff
+
 
 class Block(nnx.Module):
-    """Pre-norm transformer block: x + attn(norm(x)); x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)); x + mlp(norm(x)).
 
-    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+    With ``moe=True`` the MLP is a :class:`MoE` and the block returns ``(x, stats)`` (the MoE's
+    losses and load statistics, which :class:`Stack` sums over layers)."""
+
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, moe: bool = False):
         self.attn_norm = RMSNorm(cfg.d_model, rngs=rngs)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.k, rngs=rngs,
                               rope_theta=cfg.rope_theta, dtype=cfg.compute_dtype, impl=cfg.attention,
                               block=cfg.attention_block)
         self.mlp_norm = RMSNorm(cfg.d_model, rngs=rngs)
-        self.mlp = GatedMLP(cfg.d_model, cfg.ff, rngs=rngs, dtype=cfg.compute_dtype)
+        if moe:
+            self.mlp = MoE(cfg.d_model, cfg.expert_ff, cfg.n_experts, cfg.experts_per_token, rngs=rngs,
+                           capacity_factor=cfg.capacity_factor, router=cfg.router, n_shared=cfg.n_shared_experts,
+                           dtype=cfg.compute_dtype)
+        else:
+            self.mlp = GatedMLP(cfg.d_model, cfg.ff, rngs=rngs, dtype=cfg.compute_dtype)
 
-    def __call__(self, x_BLD: jax.Array, positions_L: jax.Array) -> jax.Array:
+    def __call__(self, x_BLD: jax.Array, positions_L: jax.Array) -> jax.Array | tuple[jax.Array, dict]:
         x_BLD = x_BLD + residual(self.attn(sub_block_input(self.attn_norm(x_BLD)), positions_L))
+        if isinstance(self.mlp, MoE):
+            y_BLD, stats = self.mlp(sub_block_input(self.mlp_norm(x_BLD)))
+            return residual(x_BLD + residual(y_BLD)), stats
         x_BLD = x_BLD + residual(self.mlp(sub_block_input(self.mlp_norm(x_BLD))))
         return residual(x_BLD)
 
@@ -116,13 +161,37 @@ def sub_block_input(h_BLD: jax.Array) -> jax.Array:
     return constrain(residual(h_BLD), ("batch", "length", "embed"))
 
 
+class MoEGroup(nnx.Module):
+    """``moe_every - 1`` dense blocks, then one MoE block: the unit a Stack repeats when only every
+    n-th block is MoE. Returns ``(x, stats)``."""
+
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        self.dense = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.moe_every - 1)])
+        self.moe = Block(cfg, rngs=rngs, moe=True)
+
+    def __call__(self, x_BLD: jax.Array, positions_L: jax.Array) -> tuple[jax.Array, dict]:
+        for block in self.dense:
+            x_BLD = block(x_BLD, positions_L)
+        return self.moe(x_BLD, positions_L)
+
+
+def _make_block(cfg: GPTConfig) -> tuple[Callable[[nnx.Rngs], nnx.Module], int]:
+    """The Stack's repeated unit and its count: a Block (dense, or MoE when every block is), or a MoEGroup."""
+    if not cfg.n_experts:
+        return (lambda r: Block(cfg, rngs=r)), cfg.n_layers
+    if cfg.moe_every == 1:
+        return (lambda r: Block(cfg, rngs=r, moe=True)), cfg.n_layers
+    return (lambda r: MoEGroup(cfg, rngs=r)), cfg.n_layers // cfg.moe_every
+
+
 class GPT(nnx.Module):
     """``GPT(cfg, rngs=nnx.Rngs(0))(tokens_BL) -> logits_BLV`` (f32)."""
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = param(rngs, nnx.initializers.normal(stddev=1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
-        self.blocks = Stack(lambda r: Block(cfg, rngs=r), cfg.n_layers, rngs=rngs, remat=cfg.policy)
+        make_block, n_blocks = _make_block(cfg)
+        self.blocks = Stack(make_block, n_blocks, rngs=rngs, remat=cfg.policy)
         self.final_norm = RMSNorm(cfg.d_model, rngs=rngs)
         if not cfg.tie_embeddings:
             self.head = param(rngs, nnx.initializers.truncated_normal(stddev=cfg.d_model**-0.5),
@@ -139,9 +208,14 @@ class GPT(nnx.Module):
 
     def hidden(self, tokens_BL: jax.Array) -> jax.Array:
         """The final-normed hidden states ``x[B, L, D]`` the head reads."""
+        return self.hidden_and_stats(tokens_BL)[0]
+
+    def hidden_and_stats(self, tokens_BL: jax.Array) -> tuple[jax.Array, dict | None]:
+        """``(hidden states x[B, L, D], MoE stats summed over MoE blocks or None when dense)``."""
         x_BLD = self.embed_tokens(tokens_BL)
-        positions_L = jnp.arange(tokens_BL.shape[1])
-        return residual(self.final_norm(self.blocks(x_BLD, positions_L)))
+        out = self.blocks(x_BLD, jnp.arange(tokens_BL.shape[1]))
+        x_BLD, stats = out if isinstance(out, tuple) else (out, None)
+        return residual(self.final_norm(x_BLD)), stats
 
     @property
     def out_weight(self) -> nnx.Param:
@@ -160,11 +234,16 @@ class GPT(nnx.Module):
         """``lm_loss(self(tokens), targets)``; with a ``pipeline`` config the blocks run as a pipeline
         over the ``pipe`` axis (embedding before it; final norm, head and loss on its last stage)."""
         if pipeline is None or not pipeline.enabled:
+            x_BLD, stats = self.hidden_and_stats(tokens_BL)
             if self.cfg.loss_chunk:
-                return chunked_lm_loss(self.hidden(tokens_BL), self.logits, targets_BL, chunk=self.cfg.loss_chunk,
-                                       z_loss=z_loss)
-            return lm_loss(self(tokens_BL), targets_BL, z_loss=z_loss)
+                out = chunked_lm_loss(x_BLD, self.logits, targets_BL, chunk=self.cfg.loss_chunk, z_loss=z_loss)
+            else:
+                out = lm_loss(self.logits(x_BLD), targets_BL, z_loss=z_loss)
+            return out if stats is None else _with_moe_losses(self.cfg, *out, stats)
         cfg = self.cfg
+        if cfg.n_experts:
+            raise ValueError(f"GPTConfig.n_experts={cfg.n_experts}: MoE blocks do not run under a pipeline yet; "
+                             f"use pipeline schedule 'none' (a pipe axis of size 1)")
         x_BLD = self.embed_tokens(tokens_BL)
         apply, block_state = self.blocks.split()
         norm_def, norm_state = nnx.split(self.final_norm)
@@ -178,6 +257,15 @@ class GPT(nnx.Module):
 
         return pipelined_loss(pipeline, stage_fn, head_fn, block_state, (norm_state, self.out_weight), x_BLD,
                               targets_BL)
+
+
+def _with_moe_losses(cfg: GPTConfig, loss: jax.Array, aux: dict, stats: dict) -> tuple[jax.Array, dict]:
+    """``loss + aux_loss_weight * aux_loss + router_z_loss_weight * z_loss`` (means over the MoE blocks),
+    with the MoE statistics (means over MoE blocks) as ``moe_*`` metrics."""
+    n_moe = cfg.n_layers // cfg.moe_every
+    means = {f"moe_{k}": v / n_moe for k, v in stats.items()}
+    loss = loss + cfg.aux_loss_weight * means["moe_aux_loss"] + cfg.router_z_loss_weight * means["moe_z_loss"]
+    return loss, {**aux, **means}
 
 
 def _head_logits(cfg: GPTConfig, x_BLD: jax.Array, w: nnx.Param | jax.Array) -> jax.Array:
