@@ -2,7 +2,11 @@
 
 :func:`collectives` returns one :class:`Collective` per collective instruction of
 ``compiled.as_text()``: its kind, the mesh axes it runs over, how many times per step, and its
-bytes per device. See docs/sharding.md.
+bytes per device. By default they are the accelerator's program: the CPU backend's rewrites
+(a reduce-scatter emitted as all-reduce + dynamic-slice, bf16 all-reduces and all-gathers
+promoted to f32; see :mod:`spmd.hlo_cpu`) are recognised, and each such collective also carries
+what the CPU program emits (``emitted_kind``, ``emitted_axes``, ``emitted_bytes``, ``cpu_note``).
+``view="emitted"`` gives the CPU program as it is. See docs/sharding.md.
 """
 
 from __future__ import annotations
@@ -16,6 +20,10 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
+from spmd import hlo_cpu
+from spmd.units import fmt_bytes
+
+VIEWS = ("accelerator", "emitted")
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 DTYPE_BYTES = {
     "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1,
@@ -41,14 +49,39 @@ class Collective:
     name: str = ""
     trip_count_known: bool = True
     op_name: str = ""  # the jax operation it came from (metadata); "transpose(" marks the backward pass
+    # What the CPU program emits for it, where that differs (the accelerator's program is the fields above):
+    emitted_kind: str = ""  # e.g. "all-reduce" for a reduce-scatter
+    emitted_axes: tuple[str, ...] = ()  # the emitted op's axes where they differ
+    emitted_bytes: int | None = None  # its bytes per execution (0: counted with another part of the same op)
+    cpu_note: str = ""  # how the CPU program differs
 
     @property
     def backward(self) -> bool:
         return "transpose(" in self.op_name
 
     @property
+    def differs(self) -> bool:
+        """Whether the CPU program runs this collective differently."""
+        return bool(self.emitted_kind or self.emitted_axes or self.emitted_bytes is not None)
+
+    @property
+    def emitted(self) -> tuple[str, tuple[str, ...], int, int]:
+        """(kind, axes, count, bytes per execution) of what the CPU program emits for it."""
+        nbytes = self.bytes if self.emitted_bytes is None else self.emitted_bytes
+        count = 0 if self.emitted_bytes == 0 and self.bytes else self.count
+        return self.emitted_kind or self.kind, self.emitted_axes or self.axes, count, nbytes
+
+    @property
     def total_bytes(self) -> int:
         return self.count * self.bytes
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes one device sends per execution with ring algorithms: an all-reduce 2 (g-1)/g of its buffer,
+        a reduce-scatter, all-gather or all-to-all (g-1)/g, a collective-permute its buffer."""
+        g = max(self.group_size, 1)
+        share = {"all-reduce": 2 * (g - 1) / g, "collective-permute": 1.0}.get(self.kind, (g - 1) / g)
+        return self.bytes * share
 
 
 def _array_bytes(text: str) -> list[int]:
@@ -189,11 +222,21 @@ def computations(compiled: Any) -> list[Computation]:
     return out
 
 
-def collectives(compiled: Any, mesh: Mesh) -> list[Collective]:
-    """Every collective instruction of a compiled function (``jit(f).lower(...).compile()``)."""
+def collectives(compiled: Any, mesh: Mesh, *, view: str = "accelerator") -> list[Collective]:
+    """Every collective instruction of a compiled function (``jit(f).lower(...).compile()``) or its HLO text.
+
+    ``view="accelerator"`` (default): the CPU backend's rewrites are undone (a tuple all-reduce may
+    become a reduce-scatter and an all-reduce record, each with the instruction's ``name``);
+    ``view="emitted"``: the instructions as the compiled program has them.
+    """
+    if view not in VIEWS:
+        raise ValueError(f"view={view!r}; valid: {', '.join(VIEWS)}")
     n = mesh.devices.size
+    text = compiled if isinstance(compiled, str) else compiled.as_text()
+    comps = _split_computations(text)
+    graph = hlo_cpu.Graph(comps) if view == "accelerator" else None
     out = []
-    for comp in computations(compiled):
+    for comp in computations(text):
         name, times = comp.name, comp.count
         if not times:
             continue
@@ -215,24 +258,112 @@ def collectives(compiled: Any, mesh: Mesh) -> list[Collective]:
             axes = _axes(groups, mesh) if groups else ("?",)
             instr = line.split("=", 1)[0].strip().removeprefix("ROOT ").lstrip("%")
             meta = re.search(r'op_name="([^"]*)"', line)
-            out.append(Collective(kind, axes, times, nbytes, group_size, instr, comp.trip_count_known,
-                                  meta.group(1) if meta else ""))
+            found = Collective(kind, axes, times, nbytes, group_size, instr, comp.trip_count_known,
+                               meta.group(1) if meta else "")
+            if graph is None or op != kind or kind not in ("all-reduce", "all-gather") or axes == ("?",):
+                out.append(found)
+            else:
+                out += _accelerator(found, graph, name, line, elements, mesh)
     return out
 
 
-def summarize(ops: list[Collective]) -> dict[tuple[str, tuple[str, ...]], dict[str, int]]:
-    """{(kind, axes): {"count": executions per step, "bytes": total bytes per device per step}}."""
+def _accelerator(op: Collective, graph: hlo_cpu.Graph, comp: str, line: str, elements: list[str],
+                 mesh: Mesh) -> list[Collective]:
+    """The collectives an all-reduce or all-gather of the CPU program stands for on an accelerator."""
+    size = dict(zip(mesh.axis_names, mesh.devices.shape))
+    is_tuple = len(elements) > 1 or line.split("=", 1)[1].strip().startswith("(")
+    reduction = re.search(r"to_apply=%?([\w.\-]+)", line)
+    promoted = op.kind == "all-reduce" and bool(reduction) and reduction.group(1).endswith("_promoted")
+    operands = (hlo_cpu.parse_instr(line) or hlo_cpu.Instr("", "", "", (), "", False)).operands
+    parts: dict[tuple[str, tuple[str, ...]], list] = {}  # (kind, axes) -> [bytes, emitted bytes, notes]
+
+    def add(kind: str, axes: tuple[str, ...], nbytes: int, emitted: int, *notes: str) -> None:
+        row = parts.setdefault((kind, axes), [0, 0, []])
+        row[0], row[1] = row[0] + nbytes, row[1] + emitted
+        row[2] += [note for note in notes if note and note not in row[2]]
+
+    for i, element in enumerate(elements):
+        index = i if is_tuple else None
+        nbytes = sum(_array_bytes(element))
+        count = math.prod(int(d) for d in re.findall(r"\d+", element.split("[", 1)[1].split("]")[0])) \
+            if "[" in element else 0
+        narrow = element.startswith("f32[") and graph.round_trips_narrow(comp, op.name, index) and (
+            promoted if op.kind == "all-reduce" else i < len(operands) and graph.widened_from_narrow(comp, operands[i]))
+        acc = nbytes // 2 if narrow else nbytes
+        why = f"bf16 {op.kind} promoted to f32" if narrow else ""
+        k = graph.shard_factor(comp, op.name, index) if op.kind == "all-reduce" and count else None
+        split = _split_axes(op.axes, size, k) if k else None
+        if split is None:
+            add(op.kind, op.axes, acc, nbytes, why)
+            continue
+        scattered, rest = split
+        add("reduce-scatter", scattered, acc, nbytes, "reduce-scatter emitted as all-reduce + dynamic-slice", why)
+        if rest:
+            add("all-reduce", rest, acc // k, 0, f"the shard's all-reduce is part of the emitted all-reduce over "
+                                                  f"{','.join(op.axes)}", why)
+    if len(parts) == 1 and next(iter(parts)) == (op.kind, op.axes) and op.bytes == next(iter(parts.values()))[0]:
+        return [op]  # the accelerator runs it as emitted
+    out = []
+    for j, ((kind, axes), (nbytes, _, notes)) in enumerate(parts.items()):
+        if len(parts) > 1:
+            notes = [*notes, f"one of {len(parts)} parts of one emitted {op.kind}"]
+        out.append(dataclasses.replace(
+            op, kind=kind, axes=axes, bytes=nbytes, group_size=math.prod(size[a] for a in axes),
+            emitted_kind="" if kind == op.kind else op.kind, emitted_axes=() if axes == op.axes else op.axes,
+            emitted_bytes=op.bytes if j == 0 else 0, cpu_note="; ".join(notes)))  # the first part carries the op
+    return out
+
+
+def _split_axes(axes: tuple[str, ...], size: dict[str, int], k: int) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """(scattered, reduced) axes of an all-reduce whose result is sliced 1/k: the innermost axes whose
+    sizes multiply to k are scattered, the others all-reduce the shard; None if no such axes."""
+    prod = 1
+    for j in range(len(axes) - 1, -1, -1):
+        prod *= size.get(axes[j], 1)
+        if prod == k:
+            return axes[j:], axes[:j]
+        if prod > k:
+            return None
+    return None
+
+
+def summarize(ops: list[Collective], view: str = "accelerator") -> dict[tuple[str, tuple[str, ...]], dict[str, int]]:
+    """{(kind, axes): {"count": executions per step, "bytes": total bytes per device per step}}.
+
+    ``view="emitted"``: grouped as the CPU program runs them (each op's ``emitted``).
+    """
+    if view not in VIEWS:
+        raise ValueError(f"view={view!r}; valid: {', '.join(VIEWS)}")
     table: dict[tuple[str, tuple[str, ...]], dict[str, int]] = {}
     for op in ops:
-        row = table.setdefault((op.kind, op.axes), {"count": 0, "bytes": 0})
-        row["count"] += op.count
-        row["bytes"] += op.total_bytes
+        kind, axes, count, nbytes = (op.kind, op.axes, op.count, op.bytes) if view == "accelerator" else op.emitted
+        if not count and view == "emitted":
+            continue
+        row = table.setdefault((kind, axes), {"count": 0, "bytes": 0})
+        row["count"] += count
+        row["bytes"] += count * nbytes
     return dict(sorted(table.items()))
 
 
 def format_collectives(ops: list[Collective]) -> str:
-    """A table: kind, axes, executions per step, bytes per device per step."""
-    rows = [f"{'collective':<20}{'axes':<18}{'count':>7}{'bytes/device':>16}"]
+    """A table: kind, axes, executions per step, bytes per device per step (as an accelerator runs the
+    program), and where the CPU program differs, what it emits instead."""
+    cells = [("collective", "axes", "count", "bytes/device", "CPU program emits")]
     for (kind, axes), row in summarize(ops).items():
-        rows.append(f"{kind:<20}{','.join(axes) or '-':<18}{row['count']:>7}{row['bytes']:>16,}")
-    return "\n".join(rows)
+        diff = [o for o in ops if o.kind == kind and o.axes == axes and o.differs]
+        cpu = ""
+        if diff:
+            emitted = summarize(diff, "emitted")
+            notes = sorted({note for o in diff for note in o.cpu_note.split("; ") if note})
+            cpu = "; ".join(f"{k} over {','.join(a) or '-'} {fmt_bytes(r['bytes'])}" for (k, a), r in emitted.items())
+            cpu = (cpu or "nothing more (part of another row's emitted all-reduce)") + (f" ({'; '.join(notes)})" if notes else "")
+        cells.append((kind, ",".join(axes) or "-", f"{row['count']:,}", fmt_bytes(row["bytes"]), cpu))
+    widths = [max(len(c[i]) for c in cells) for i in range(4)]
+    lines = [f"{c[0]:<{widths[0]}}  {c[1]:<{widths[1]}}  {c[2]:>{widths[2]}}  {c[3]:>{widths[3]}}  {c[4]}".rstrip()
+             for c in cells]
+    total, cpu_total = summarize(ops), summarize(ops, "emitted")
+    if total != cpu_total:
+        lines.append(f"CPU program as compiled: {sum(r['count'] for r in cpu_total.values()):,} collectives, "
+                     f"{fmt_bytes(sum(r['bytes'] for r in cpu_total.values()))} per device per step; above, as an "
+                     f"accelerator runs it: {fmt_bytes(sum(r['bytes'] for r in total.values()))}")
+    return "\n".join(lines)

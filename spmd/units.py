@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def fmt_bytes(n: float) -> str:
     """Binary units with two decimals: 512 -> '512 B', 3 * 2**20 -> '3.00 MiB'."""
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, size in (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} B"

@@ -169,6 +169,113 @@ def test_unreachable_computation_is_not_counted():
     assert ops == []
 
 
+# The CPU backend's rewrites (spmd.hlo_cpu), as XLA's CPU pipeline prints them: the accelerator view
+# undoes them, view="emitted" keeps them, and each recognised op carries both.
+PROMOTED = """%add_promoted (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%to_bf16 (q: f32[8,8]) -> bf16[8,8] {
+  %q = f32[8,8]{1,0} parameter(0)
+  ROOT %c = bf16[8,8]{1,0} convert(%q)
+}
+"""
+# each device keeps rows [2 * tensor index, +2) of the reduced [8,8]: a reduce-scatter over tensor (4)
+SHARD = """%shard (v: f32[8,8], pid: u32[]) -> f32[2,8] {
+  %v = f32[8,8]{1,0} parameter(0)
+  %pid = u32[] parameter(1)
+  %i = s32[] convert(%pid)
+  %four = s32[] constant(4)
+  %r = s32[] remainder(%i, %four)
+  %two = s32[] constant(2)
+  %off = s32[] multiply(%r, %two)
+  %zero = s32[] constant(0)
+  %sq = f32[8,8]{1,0} multiply(%v, %v)
+  ROOT %ds = f32[2,8]{1,0} dynamic-slice(%sq, %off, %zero), dynamic_slice_sizes={2,8}
+}
+"""
+AR_TENSOR = "all-reduce(%p), channel_id=1, replica_groups=[2,4]<=[8], to_apply=%add"
+
+
+def test_promoted_bf16_all_reduce_counts_half_the_bytes():
+    text = module(f"%ar = f32[8,8]{{1,0}} {AR_TENSOR.replace('%add', '%add_promoted')}",
+                  "%back = bf16[8,8]{1,0} fusion(%ar), kind=kLoop, calls=%to_bf16", extra=PROMOTED)
+    op = one(text)
+    assert (op.kind, op.axes, op.bytes) == ("all-reduce", ("tensor",), 8 * 8 * 2)  # bf16 on an accelerator
+    assert op.differs and op.emitted == ("all-reduce", ("tensor",), 1, 8 * 8 * F32)
+    assert "bf16 all-reduce promoted to f32" in op.cpu_note
+    (raw,) = collectives(text, MESH_2x4, view="emitted")
+    assert (raw.bytes, raw.differs) == (8 * 8 * F32, False)
+    # negative controls: a plain f32 reduction, or a promoted one whose f32 result is used as f32
+    plain = one(text.replace("to_apply=%add_promoted", "to_apply=%add"))
+    used_whole = one(module(f"%ar = f32[8,8]{{1,0}} {AR_TENSOR.replace('%add', '%add_promoted')}",
+                            "%n = f32[8,8]{1,0} negate(%ar)", extra=PROMOTED))
+    assert (plain.bytes, plain.differs, used_whole.bytes, used_whole.differs) == (256, False, 256, False)
+
+
+def test_bf16_all_gather_widened_by_the_cpu_counts_half_the_bytes():
+    widen = "%w = bf16[8,8]{1,0} convert(%p)\n  %up = f32[8,8]{1,0} convert(%w)"
+    gather = ("%ag = f32[8,8]{1,0} all-gather(%up), channel_id=1, replica_groups=[2,4]<=[8], dimensions={0}\n"
+              "  %back = bf16[8,8]{1,0} convert(%ag)")
+    op = one(module(widen, gather))
+    assert (op.kind, op.bytes, op.emitted[3]) == ("all-gather", 8 * 8 * 2, 8 * 8 * F32)
+    # negative control: an f32 weight gathered and only then cast to bf16 moves f32 on any backend
+    op = one(module(gather.replace("%up", "%p")))
+    assert (op.bytes, op.differs) == (8 * 8 * F32, False)
+
+
+def test_all_reduce_sliced_to_the_shard_is_a_reduce_scatter():
+    text = module(f"%ar = f32[8,8]{{1,0}} {AR_TENSOR}", "%pid = u32[] partition-id()",
+                  "%mine = f32[2,8]{1,0} fusion(%ar, %pid), kind=kLoop, calls=%shard", extra=SHARD)
+    op = one(text)
+    assert (op.kind, op.axes, op.group_size, op.bytes) == ("reduce-scatter", ("tensor",), 4, 8 * 8 * F32)
+    assert op.emitted == ("all-reduce", ("tensor",), 1, 8 * 8 * F32) and "dynamic-slice" in op.cpu_note
+    assert summarize([op]) == {("reduce-scatter", ("tensor",)): {"count": 1, "bytes": 256}}
+    assert summarize([op], "emitted") == {("all-reduce", ("tensor",)): {"count": 1, "bytes": 256}}
+    # negative controls: the result also used whole; a slice at a constant offset (not the device's shard)
+    whole = one(text.replace("ROOT %out = f32[8,8]{1,0} copy(%p)", "ROOT %out = f32[8,8]{1,0} copy(%ar)"))
+    fixed = one(text.replace("%mine = f32[2,8]{1,0} fusion(%ar, %pid)", "%c = u32[] constant(1)\n  "
+                             "%mine = f32[2,8]{1,0} fusion(%ar, %c)"))
+    assert (whole.kind, whole.differs, fixed.kind, fixed.differs) == ("all-reduce", False, "all-reduce", False)
+
+
+def test_tuple_all_reduce_over_two_axes_splits_per_element():
+    """(grad, loss) over data x tensor; grad sliced 1/4 (tensor): reduce-scatter over tensor and an
+    all-reduce of the shard over data; the loss, used whole, stays an all-reduce over both."""
+    text = module("%l = f32[] constant(1)",
+                  "%ar = (f32[8,8]{1,0}, f32[]) all-reduce(%p, %l), channel_id=1, replica_groups={}, to_apply=%add",
+                  "%g = f32[8,8]{1,0} get-tuple-element(%ar), index=0", "%pid = u32[] partition-id()",
+                  "%mine = f32[2,8]{1,0} fusion(%g, %pid), kind=kLoop, calls=%shard",
+                  "%loss = f32[] get-tuple-element(%ar), index=1", "%n = f32[] negate(%loss)", extra=SHARD)
+    ops = {(o.kind, o.axes): o for o in collectives(text, MESH_2x4)}
+    assert {k: (o.bytes, o.group_size, o.emitted) for k, o in ops.items()} == {
+        ("reduce-scatter", ("tensor",)): (256, 4, ("all-reduce", ("data", "tensor"), 1, 260)),  # the emitted op
+        ("all-reduce", ("data",)): (64, 2, ("all-reduce", ("data", "tensor"), 0, 0)),  # counted with the row above
+        ("all-reduce", ("data", "tensor")): (4, 8, ("all-reduce", ("data", "tensor"), 0, 0)),
+    }
+    assert all(o.differs and "one of 3 parts" in o.cpu_note for o in ops.values())
+    assert summarize(list(ops.values()), "emitted") == summarize(collectives(text, MESH_2x4, view="emitted")) == {
+        ("all-reduce", ("data", "tensor")): {"count": 1, "bytes": 260}}
+    table = spmd.hlo.format_collectives(list(ops.values()))
+    assert "reduce-scatter" in table and "CPU program as compiled: 1 collectives, 260 B" in table
+    with pytest.raises(ValueError, match="view='cpu'; valid: accelerator, emitted"):
+        collectives(text, MESH_2x4, view="cpu")
+
+
+def test_format_collectives_keeps_columns_apart_at_pod_scale():
+    ops = [spmd.hlo.Collective("all-gather", ("fsdp",), 74511, 981 * 2**30, 256),
+           spmd.hlo.Collective("all-reduce", ("data", "fsdp"), 3, 12, 2048)]
+    lines = spmd.hlo.format_collectives(ops).splitlines()
+    assert "74,511" in lines[1] and f"{74511 * 981 / 2**20:.2f} PiB" in lines[1], lines
+    header, row = lines[0], lines[1]
+    for col in ("count", "bytes/device"):  # right-aligned under their header, one space apart at least
+        end = header.index(col) + len(col)
+        assert row[end - 1] != " " and row[end:end + 1] in ("", " "), lines
+    assert re.search(r"74,511\s{2,}\S", row)
+
+
 # ---------------------------------------------------------------------------------------------
 # The GPT train step per layout
 # ---------------------------------------------------------------------------------------------
@@ -237,8 +344,16 @@ def test_fsdp8_gathers_each_weight_once_and_all_reduces_gradients():
     # Gradients: this CPU backend has no reduce-scatter pass, so the reduce-scatter is emitted as an
     # all-reduce of the *full* gradients (8x the shard bytes) over fsdp, after which each device
     # dynamic-slices its own shard. Same grouping as dp8: one per layer in the scan plus one after.
+    # spmd.hlo counts them as the reduce-scatters they stand for (the scalar loss, used whole, stays an
+    # all-reduce) and keeps the emitted program as the "emitted" view.
+    gathered = {"count": len(per_layer) * N_LAYERS + len(top), "bytes": full}
     assert summarize(ops) == {
-        ("all-gather", ("fsdp",)): {"count": len(per_layer) * N_LAYERS + len(top), "bytes": full},
+        ("all-gather", ("fsdp",)): gathered,
+        ("all-reduce", ("fsdp",)): {"count": 1, "bytes": LOSS_BYTES},
+        ("reduce-scatter", ("fsdp",)): {"count": N_LAYERS + 1, "bytes": full},
+    }
+    assert summarize(ops, "emitted") == {
+        ("all-gather", ("fsdp",)): gathered,
         ("all-reduce", ("fsdp",)): {"count": N_LAYERS + 1, "bytes": full + LOSS_BYTES},
     }
     text = compiled("fsdp8").as_text()
