@@ -6,6 +6,7 @@ writes its own section of ``benchmarks/RESULTS.md``; each also runs alone as
 
 - ``overhead``: the trainer's step time against a minimal hand-written ``jax.jit`` step.
 - ``comms``: collective bytes of each layout's compiled step against the layout's minimum.
+- ``steptime``: each comms layout's step time against the same step at the base commit.
 - ``memory``: per-device training state against the ZeRO formulas; activation (temp) bytes.
 - ``pipeline``: schedules' useful-work fraction against theory; step time against microbatches.
 - ``mfu``: single-device model FLOP/s against the measured f32 GEMM peak; wasted matmul work.

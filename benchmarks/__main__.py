@@ -13,11 +13,13 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 
-from benchmarks import attention, checkpoint, comms, common, gpu, loss, memory, mfu, overhead, pipeline, remat, scaling
+from benchmarks import (attention, checkpoint, comms, common, gpu, loss, memory, mfu, overhead, pipeline, remat, scaling,
+                        steptime)
 
 BENCHMARKS: dict[str, Callable[..., int]] = {
     "overhead": overhead.main,
     "comms": comms.main,
+    "steptime": steptime.main,
     "memory": memory.main,
     "attention": attention.main,
     "loss": loss.main,

@@ -1,42 +1,33 @@
 """Communication: bytes each parallel layout's compiled GPT step moves, against the layout's minimum.
 
-For each layout (dp8, fsdp8, dp2_tp4, fsdp_tp = data 2 x fsdp 2 x tensor 2) the minimal train
-step (``common.minimal_step``: value_and_grad -> AdamW -> apply) is compiled and its collectives
-are read from the optimised HLO with ``spmd.hlo.collectives``: kind, mesh axes, executions per
-step (a collective inside the layer scan runs once per layer) and bytes per device (the full
-buffer: an all-gather's gathered result, an all-reduce's reduced array). They are grouped by the
-role they play, and each role is compared with what the layout needs at least, per device per
-step, in the same buffer convention:
+Each layout's minimal train step (``common.minimal_step``: value_and_grad -> AdamW -> apply) is
+compiled and its collectives read with ``spmd.hlo.collectives``, as an accelerator runs the
+program: the CPU backend's rewrites (a reduce-scatter emitted as all-reduce + dynamic-slice, bf16
+all-reduces and all-gathers promoted to f32) are recognised, and the note says what the CPU
+program emits where it differs. Bytes are per device per step, the full buffer (an all-gather's
+gathered result, a reduce-scatter's unscattered input); the sequence-parallel rows compare ring
+wire bytes (``Collective.wire_bytes``), where a reduce-scatter + all-gather pair equals one
+all-reduce. Each row's limit column carries the one-line formula for its minimum:
 
-- **gradient reduction** over the batch axes (data, fsdp): one reduction of the gradient as
-  each device uses it (``W``: the parameter bytes per device with the fsdp split undone). DP:
-  one all-reduce of ``W``; FSDP: a reduce-scatter of ``W`` over fsdp (and an all-reduce of the
-  ``W / fsdp`` shard over data). The CPU backend has no reduce-scatter pass: it emits an
-  all-reduce of the full ``W`` and each device then dynamic-slices its shard, which moves the
-  same buffer but twice the ring wire bytes of a reduce-scatter (2 (n-1)/n W instead of
-  (n-1)/n W). The table counts it as the reduce-scatter it stands for and says so.
-- **weight all-gathers** over fsdp (ZeRO-3): every weight gathered in the forward and again in
-  the backward pass, ``2 W``.
-- **tensor-parallel activations** (Megatron): per layer two all-reduces of the
-  ``[B_local, L, D]`` activation in the forward pass (attention output, MLP down projection)
-  and two in the backward pass (the input gradients of the column-parallel q/k/v and gate/up
-  matmuls), ``4 n_layers B_local L D`` bytes.
-- **pipeline**: activation bytes per tick, when ``spmd.pipeline`` exists (see
-  ``benchmarks.pipeline``); otherwise the table says "pipeline: not available".
-
-Every byte above the minimum is explained in the note column (the scalar loss, the
-vocab-parallel embedding and head, the cross-entropy statistics, XLA's per-matmul backward
-all-reduces); "unexplained" is whatever is left, and should be 0. The goal is ratio 1.00 (met at
-<= 1.01; fewer bytes than the formula also meet it, with the reason noted).
+- gradient reduction over the batch axes: ``W`` (parameter bytes per device with the fsdp split
+  undone; at the compute dtype for the bf16 rows); FSDP: a reduce-scatter of W over fsdp, plus an
+  all-reduce of the W/fsdp shard over data where data > 1;
+- weight all-gathers (ZeRO-3): W per gather pass (the backward reuses the forward's weights);
+- tensor-parallel activations (Megatron, vocab-parallel embedding and head):
+  ``(4 n_layers + 2) B_local L D`` + 3 ``[B_local, L]`` cross-entropy statistics;
+- pipeline sends (1F1B, interleaved; M = 4, 8, 16): ``2 M (C-1)`` activations ``[B/M, L, D]``
+  (``spmd.pipeline.sent_bytes``; C = S V chunks), summed over the stages of one pipeline;
+- gradient accumulation (trainer step, k microbatches): DP one reduction of W per step whatever
+  k; FSDP per-microbatch (ZeRO-3: k reduce-scatters and k gathers) and per-step (one of each).
 
     python -m benchmarks.comms [--quick] [--output PATH]
 """
 
 from __future__ import annotations
 
-import importlib.util
+import dataclasses
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -45,112 +36,198 @@ import spmd
 from benchmarks import common
 from benchmarks.common import Row, fmt_bytes
 
-GOAL = 1.01
+GOALS = {"gradient reduction": 1.01, "weight all-gathers": 1.01, "tensor-parallel activations": 1.05,
+         "sequence-parallel activations": 1.05, "pipeline": 1.1, "accumulation": 1.01}
 BATCH_AXES = ("data", "fsdp")
+# name -> (layout of common.LAYOUTS for the mesh, rule preset, compute dtype): the rows beyond the base layouts
+EXTRA = {"fsdp8_bf16": ("fsdp8", "fsdp", "bfloat16"), "dp2_tp4_sp": ("dp2_tp4", "dp_tp_sp", None),
+         "fsdp_tp_sp": ("fsdp_tp", "fsdp_tp_sp", None)}
+SCALAR = 16  # collectives of at most this many bytes carry scalars (the loss, norms), not tensors
 
 
-def gathered_bytes(tree: object, axis: str, mesh: jax.sharding.Mesh) -> int:
-    """Bytes per device of a sharded pytree with the split over ``axis`` undone (what a gather yields)."""
+def gathered_bytes(tree: object, axis: str, mesh: jax.sharding.Mesh, dtype_of: Callable | None = None) -> int:
+    """Bytes per device of a sharded pytree with the split over ``axis`` undone (what a gather yields);
+    ``dtype_of(x)``: the itemsize to count a leaf at (default its own)."""
     size = dict(zip(mesh.axis_names, mesh.devices.shape)).get(axis, 1)
     total = 0
     for x in jax.tree.leaves(tree):
         shard = x.sharding.shard_shape(x.shape)
         spec = [a for entry in x.sharding.spec if entry is not None
                 for a in ((entry,) if isinstance(entry, str) else entry)]
-        total += int(np.prod(shard)) * x.dtype.itemsize * (size if axis in spec else 1)
+        itemsize = dtype_of(x) if dtype_of is not None else x.dtype.itemsize
+        total += int(np.prod(shard)) * itemsize * (size if axis in spec else 1)
     return total
+
+
+def compute_itemsize(cfg) -> Callable:
+    """Matrices (ndim >= 2) are used in the compute dtype, vectors (norm scales) in f32."""
+    item = np.dtype(cfg.compute_dtype).itemsize
+    return lambda x: item if x.ndim >= 2 else x.dtype.itemsize
 
 
 def _in_scan(op: spmd.hlo.Collective) -> bool:
     return "/while/body/" in op.op_name
 
 
-def _row(layout: str, role: str, ops: Sequence[spmd.hlo.Collective], theory: int, formula: str,
-         notes: list[tuple[str, int]], *, below: str = "") -> Row:
-    measured = sum(o.total_bytes for o in ops)
+def cpu_note(ops: Sequence[spmd.hlo.Collective]) -> str:
+    diff = [o for o in ops if o.differs]
+    if not diff:
+        return ""
+    emitted = spmd.hlo.summarize(diff, "emitted")
+    notes = sorted({n for o in diff for n in o.cpu_note.split("; ") if n and not n.startswith("one of")})
+    return ("CPU program: " + ", ".join(f"{k} over {','.join(a)} {fmt_bytes(r['bytes'])}" for (k, a), r in emitted.items())
+            + f" ({'; '.join(notes)})")
+
+
+def role_row(what: str, role: str, ops: Sequence[spmd.hlo.Collective], theory: float, formula: str,
+             notes: Sequence[tuple[str, float]] = (), *, wire: bool = False, below: str = "") -> Row:
+    """One role's bytes against its minimum; ``notes``: (reason, bytes) explaining bytes above it."""
+    measured = sum(o.count * (o.wire_bytes if wire else o.bytes) for o in ops)
     kinds = sorted({f"{o.kind} over {','.join(o.axes)}" for o in ops}) or ["none"]
-    explained = sum(b for _, b in notes)
-    unexplained = measured - theory - explained
+    goal = GOALS[role if role in GOALS else role.split(" (")[0]]
+    unexplained = measured - theory - sum(b for _, b in notes)
     parts = [f"+{fmt_bytes(b)}: {why}" for why, b in notes if b]
     if below and measured < theory:
-        parts.append(below)  # the deficit is the explanation; nothing is left over
+        parts.append(below)
         unexplained = 0
-    parts.append(f"unexplained: {fmt_bytes(unexplained)}")
+    parts.append(f"unexplained: {fmt_bytes(max(unexplained, 0))}")
+    parts.append(cpu_note(ops))
     ratio = measured / theory if theory else float("nan")
-    met = (measured <= theory * GOAL) if theory else (measured == 0)
-    return Row(f"{layout}: {role} ({'; '.join(kinds)}; {sum(o.count for o in ops)} per step)",
-               fmt_bytes(measured), f"{fmt_bytes(theory)} = {formula}", ratio, "1.00", met, "; ".join(parts))
+    met = measured <= theory * goal if theory else measured == 0
+    label = f"{what}: {role} ({'; '.join(kinds)}; {sum(o.count for o in ops)} per step{'; wire bytes' if wire else ''})"
+    return Row(label, fmt_bytes(measured), f"{fmt_bytes(theory)} = {formula}", ratio, f"<= {goal}", met,
+               "; ".join(p for p in parts if p))
 
 
-def layout_rows(name: str, cfg, batch: int, length: int) -> list[Row]:
+def failed_row(what: str, goal: str, exc: BaseException) -> Row:
+    return Row(what, "-", "-", float("nan"), goal, False, f"failed: {type(exc).__name__}: {str(exc)[:240]}")
+
+
+def layout_rows(name: str, cfg, batch: int, length: int, *, rules: str | None = None, mesh_of: str | None = None,
+                reference: dict | None = None) -> list[Row]:
     """Compile the step of one layout and compare each role's collective bytes with its minimum."""
-    sizes, rules = common.LAYOUTS[name]
-    setup = common.gpt_setup(cfg, common.layout_mesh(name), rules, batch, length)
+    rules = rules or common.LAYOUTS[name][1]
+    setup = common.gpt_setup(cfg, common.layout_mesh(mesh_of or name), rules, batch, length)
     mesh, params = setup.mesh, setup.sharded.state["params"]
     ops = spmd.hlo.collectives(setup.compiled, mesh)
     axis = dict(zip(mesh.axis_names, mesh.devices.shape))
-    fsdp, tensor = axis.get("fsdp", 1), axis.get("tensor", 1)
-    w = gathered_bytes(params, "fsdp", mesh)
-    cpu_rs = jax.devices()[0].platform == "cpu" and not any(o.kind == "reduce-scatter" for o in ops)
-    rows: list[Row] = []
-    used: set[int] = set()
+    fsdp, tensor, data = axis.get("fsdp", 1), axis.get("tensor", 1), axis.get("data", 1)
+    bf16 = cfg.dtype != "float32"
+    w = gathered_bytes(params, "fsdp", mesh, compute_itemsize(cfg) if bf16 else None)
+    wn = "W_c (matrices at the compute dtype)" if bf16 else "W"
+    rows, used = [], set()
 
-    grad = [o for o in ops if o.kind in ("all-reduce", "reduce-scatter") and set(o.axes) <= set(BATCH_AXES)
-            and o.backward]
+    grad = [o for o in ops if o.kind in ("all-reduce", "reduce-scatter") and set(o.axes) <= set(BATCH_AXES)]
     used |= {id(o) for o in grad}
+    theory, formula = w, f"all-reduce of the gradients {wn}"
     if fsdp > 1:
-        formula = "reduce-scatter of the gradients W over fsdp" + (" (+ all-reduce of W/fsdp over data)"
-                                                                   if axis.get("data", 1) > 1 else "")
-        role = "gradient reduction" + (" (reduce-scatter emitted as all-reduce + dynamic-slice)" if cpu_rs else "")
-    else:
-        formula, role = "all-reduce of the gradients W", "gradient reduction"
-    notes = [("the scalar loss (a mean over batch-sharded rows), merged into the gradients' tuple all-reduce",
-              4 * sum(1 for o in grad if not _in_scan(o)))]
-    row = _row(name, role, grad, w, formula, notes)
-    if cpu_rs and fsdp > 1:
-        row = Row(row.what, row.measured, row.limit, row.ratio, row.goal, row.met,
-                  row.note + "; CPU backend: an all-reduce moves 2x the ring wire bytes of a reduce-scatter "
-                  "(GPU/TPU backends emit reduce-scatter)")
-    rows.append(row)
-
+        theory = w + (w // fsdp if data > 1 else 0)
+        formula = f"reduce-scatter of {wn} over fsdp" + (f" + all-reduce of {wn}/fsdp over data" if data > 1 else "")
+    scalars = sum(o.total_bytes for o in grad if o.bytes <= SCALAR)
+    rows.append(role_row(name, "gradient reduction", grad, theory, formula,
+                         [("the scalar loss (a mean over batch-sharded rows)", scalars)]))
     if fsdp > 1:
         gathers = [o for o in ops if o.kind == "all-gather" and o.axes == ("fsdp",)]
         used |= {id(o) for o in gathers}
         bwd = sum(o.total_bytes for o in gathers if o.backward)
-        rows.append(_row(name, "weight all-gathers", gathers, 2 * w, "2 W (ZeRO-3: forward and backward)", [],
-                         below=f"below: the backward gathers {fmt_bytes(bwd)}, it reuses the forward's gathered "
-                               "weights (scan residuals in temp memory) instead of gathering again"))
-
+        rows.append(role_row(name, "weight all-gathers", gathers, w, f"{wn} x 1 gather pass",
+                             [("the backward gathers again", bwd)]))
     if tensor > 1:
-        tp = [o for o in ops if o.kind == "all-reduce" and o.axes == ("tensor",)]
-        used |= {id(o) for o in tp}
-        b_local = batch // (axis.get("data", 1) * fsdp)
+        sp = [o for o in ops if o.axes == ("tensor",) and o.kind in ("reduce-scatter", "all-gather")]
+        tp = [o for o in ops if o.axes == ("tensor",) and o.kind == "all-reduce"]
+        used |= {id(o) for o in tp + sp}
+        b_local = batch // (data * fsdp)
         itemsize = np.dtype(cfg.compute_dtype).itemsize
-        bld, bl = b_local * length * cfg.d_model * itemsize, b_local * length * 4
-        n = cfg.n_layers
-        notes = [
-            ("backward: XLA all-reduces the input gradient of each column-parallel matmul (q, k, v; gate, up) "
-             "instead of summing first, 5 not 2 [B,L,D] per layer", 3 * n * bld),
-            ("vocab-parallel embedding lookup (partial [B,L,D] sums)", bld),
-            ("vocab-parallel head: its input gradient [B,L,D]", bld),
-            ("cross-entropy over vocab-sharded logits: max, sum of exp, target logit ([B,L] each)", 3 * bl),
-        ]
-        rows.append(_row(name, "tensor-parallel activations", tp, 4 * n * bld,
-                         f"4 x {n} layers x B_local*L*D ({b_local}x{length}x{cfg.d_model}x{itemsize} B)", notes))
-
+        bld, bl, n = b_local * length * cfg.d_model * itemsize, b_local * length * 4, cfg.n_layers
+        theory = (4 * n + 2) * bld + 3 * bl
+        formula = f"(4 x {n} layers + 2) x B_local*L*D ({b_local}x{length}x{cfg.d_model}x{itemsize} B) + 3 x [B_local,L] f32"
+        if rules.endswith("_sp"):
+            ref = (reference or {}).get(mesh_of or name)
+            if ref is None:
+                rows.append(Row(f"{name}: sequence-parallel activations", "-", "-", float("nan"), "<= 1.05", False,
+                                f"no all-reduce layout {mesh_of} measured to compare with"))
+            else:
+                rows.append(role_row(name, "sequence-parallel activations", tp + sp, ref,
+                                     f"wire bytes of {mesh_of}'s tensor collectives (an all-reduce = reduce-scatter + "
+                                     "all-gather)", wire=True))
+        else:
+            if reference is not None:
+                reference[name] = sum(o.count * o.wire_bytes for o in tp + sp)
+            rows.append(role_row(name, "tensor-parallel activations", tp + sp, theory, formula))
     other = [o for o in ops if id(o) not in used]
     if other:
-        rows.append(_row(name, "other collectives", other, 0, "0 (no role in this layout)", []))
+        rows.append(role_row(name, "other collectives", other, 0, "0 (no role in this layout)"))
     return rows
 
 
-def pipeline_rows() -> tuple[list[Row], str]:
-    """Rows for the pipeline layout if ``spmd.pipeline`` exists, else a line saying it does not."""
-    if importlib.util.find_spec("spmd.pipeline") is None:
-        return [], "pipeline: not available (no spmd.pipeline module)"
+def pipeline_rows(Ms: Sequence[int] = (4, 8, 16)) -> list[Row]:
+    """Sends over ``pipe`` of the pipelined step (4 stages) against ``spmd.pipeline.sent_bytes``'s minimum."""
     from benchmarks import pipeline
 
-    return pipeline.comms_rows()
+    rows = []
+    for name in ("1f1b", "interleaved"):
+        for M in Ms:
+            what = f"pp{pipeline.STAGES} {name} M={M}: sends over pipe"
+            try:
+                from spmd.pipeline import get_schedule
+                from spmd.pipeline.sends import hlo_sent_bytes
+
+                setup = pipeline.pipeline_setup(name, M, quick=True)
+                V = 2 if name == "interleaved" else 1
+                sched = get_schedule(name, pipeline.STAGES, M, V)
+                cfg, (batch, length) = setup.cfg, setup.batch["inputs"].shape
+                act = (batch // M) * length * cfg.d_model * np.dtype(cfg.compute_dtype).itemsize
+                table = sched.sent_bytes(act)
+                found = hlo_sent_bytes(setup.compiled, sched, setup.mesh)
+                measured = found["executed"] + found.get("unattributed", 0)
+                rows.append(Row(what, fmt_bytes(measured), f"{fmt_bytes(table.minimum)} = 2 x M x (C-1) x [B/M,L,D] "
+                                f"(C = {sched.n_chunks} chunks, {fmt_bytes(act)} each)", measured / table.minimum,
+                                f"<= {GOALS['pipeline']}", measured <= table.minimum * GOALS["pipeline"],
+                                f"summed over the stages of one pipeline; schedule table: {fmt_bytes(table.executed)}; "
+                                f"unattributed permutes {fmt_bytes(found.get('unattributed', 0))}"))
+            except Exception as exc:  # the engine is young: report, do not hide the other rows
+                rows.append(failed_row(what, f"<= {GOALS['pipeline']}", exc))
+    return rows
+
+
+def accumulation_rows(cfg, batch: int, length: int) -> list[Row]:
+    """The trainer step with k microbatches: reductions over the batch axes per step, FSDP gathers, memory."""
+    import optax
+
+    from trainers import create_state, make_train_step
+    from spmd.models import GPT
+    from flax import nnx
+
+    rows = []
+    cases = [("dp8", 1, None), ("dp8", 4, None), ("fsdp8", 4, "per_microbatch"), ("fsdp8", 4, "per_step")]
+    for name, k, mode in cases:
+        what = f"{name} k={k}" + (f" fsdp_gather={mode}" if mode else "")
+        try:
+            mesh, rules = common.layout_mesh(name), spmd.get_rules(common.LAYOUTS[name][1])
+            tx = optax.adamw(1e-3)
+            sharded = create_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), tx, rules, mesh)
+            sharding = spmd.batch_sharding(rules, mesh)
+            kwargs = {"fsdp_gather": mode} if mode else {}
+            step = make_train_step(sharded, tx, rules, mesh, sharding, grad_accum=k, **kwargs)
+            compiled = step.lower(sharded.abstract, common.make_batch(cfg.vocab_size, batch, length, sharding)).compile()
+            ops = spmd.hlo.collectives(compiled, mesh)
+            w = gathered_bytes(sharded.state["params"], "fsdp", mesh)
+            red = [o for o in ops if o.kind in ("all-reduce", "reduce-scatter") and set(o.axes) <= set(BATCH_AXES)]
+            passes = k if mode == "per_microbatch" else 1
+            scalars = sum(o.total_bytes for o in red if o.bytes <= SCALAR)
+            rows.append(role_row(what, "accumulation: gradient reduction", red, passes * w,
+                                 f"{passes} x W ({'one per microbatch' if passes > 1 else 'one per step'})",
+                                 [("scalars (loss, norms)", scalars)]))
+            if mode:
+                gathers = [o for o in ops if o.kind == "all-gather" and o.axes == ("fsdp",)]
+                rows.append(role_row(what, "accumulation: weight all-gathers", gathers, passes * w,
+                                     f"{passes} x W ({'per microbatch' if passes > 1 else 'once per step'})"))
+            mem = spmd.inspection.memory(compiled)
+            rows.append(Row(f"{what}: memory per device", fmt_bytes(mem.total), "-", float("nan"), "reported", None,
+                            f"temp {fmt_bytes(mem.temp)}, arguments {fmt_bytes(mem.argument)} (compiled memory_analysis)"))
+        except Exception as exc:
+            rows.append(failed_row(f"{what}: accumulation", f"<= {GOALS['accumulation']}", exc))
+    return rows
 
 
 def run(options: common.Options, command: str = "python -m benchmarks.comms") -> list[Row]:
@@ -159,21 +236,36 @@ def run(options: common.Options, command: str = "python -m benchmarks.comms") ->
     cfg, batch, length = common.gpt_config(options.quick)
     need = max(int(np.prod(list(s.values()))) for s, _ in common.LAYOUTS.values())
     rows: list[Row] = []
+    after = []
     if len(jax.devices()) < need:
-        pipe_line = f"skipped: the layouts need {need} devices, {len(jax.devices())} present"
+        after.append(f"skipped: the layouts need {need} devices, {len(jax.devices())} present")
     else:
+        reference: dict[str, float] = {}
         for name in common.LAYOUTS:
-            rows += layout_rows(name, cfg, batch, length)
+            rows += layout_rows(name, cfg, batch, length, reference=reference)
             print(f"{name}: done", flush=True)
-        pipe_rows, pipe_line = pipeline_rows()
-        rows += pipe_rows
+        for name, (mesh_of, rules, dtype) in EXTRA.items():
+            if rules not in spmd.rules.RULE_SETS:
+                rows.append(Row(f"{name}: {rules}", "-", "-", float("nan"), "<= 1.05", False,
+                                f"rule preset {rules!r} does not exist"))
+                continue
+            try:
+                c = dataclasses.replace(cfg, dtype=dtype) if dtype else cfg
+                rows += layout_rows(name, c, batch, length, rules=rules, mesh_of=mesh_of, reference=reference)
+            except Exception as exc:
+                rows.append(failed_row(f"{name}: {rules}", "<= 1.05", exc))
+            print(f"{name}: done", flush=True)
+        rows += pipeline_rows((4,) if options.quick else (4, 8, 16))
+        print("pipeline: done", flush=True)
+        rows += accumulation_rows(*common.gpt_config(True)) if options.quick else accumulation_rows(cfg, batch, length)
     before = [f"- model: GPT d_model={cfg.d_model}, n_layers={cfg.n_layers}, n_heads={cfg.n_heads}, "
-              f"kv_heads={cfg.kv_heads}, d_ff={cfg.ff}, vocab={cfg.vocab_size}, {cfg.dtype}; batch {batch} x {length}; "
-              "AdamW; bytes per device per step, buffer sizes as `spmd.hlo.collectives` counts them",
-              "- W = parameter (= gradient) bytes per device with the fsdp split undone; B_local = batch rows "
-              "per device"]
+              f"kv_heads={cfg.kv_heads}, d_ff={cfg.ff}, vocab={cfg.vocab_size}, {cfg.dtype} (bf16 rows: compute "
+              f"bfloat16); batch {batch} x {length}; AdamW; bytes per device per step as an accelerator runs the "
+              "program (`spmd.hlo.collectives`); the note says what the CPU program emits where it differs",
+              "- W = parameter (= gradient) bytes per device with the fsdp split undone; B_local = batch rows per "
+              "device; pipeline rows: the quick-sized model over pipe=4 (`benchmarks.pipeline`)"]
     common.report("comms", "Communication: collective bytes per step vs the layout's minimum", rows, options,
-                  command, before=before, after=[pipe_line], started_load=started)
+                  command, before=before, after=after, started_load=started)
     return rows
 
 

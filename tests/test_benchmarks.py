@@ -17,7 +17,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from benchmarks import common, comms, mfu, pipeline, scaling
+import spmd
+from benchmarks import common, comms, mfu, pipeline, scaling, steptime
 
 # ---------------------------------------------------------------------------------- results file
 INFO = {"CPU": "test cpu", "cores": "2", "load average (1, 5, 15 min)": "0", "devices": "8 x cpu", "GPU": "none",
@@ -66,6 +67,23 @@ def test_gathered_bytes_undoes_only_the_named_axis():
     y = jax.device_put(np.zeros((8,), np.float32), NamedSharding(mesh, P("data")))  # 4 per device
     assert comms.gathered_bytes({"x": x, "y": y}, "fsdp", mesh) == 8 * 4 * 4 + 4 * 4
     assert comms.gathered_bytes({"x": x, "y": y}, "data", mesh) == 2 * 4 * 4 + 8 * 4  # negative control
+
+
+def test_comms_role_row_uses_the_accelerator_view_and_names_the_cpu_program():
+    rs = spmd.hlo.Collective("reduce-scatter", ("fsdp",), 2, 1000, 8, emitted_kind="all-reduce", emitted_bytes=2000,
+                             cpu_note="reduce-scatter emitted as all-reduce + dynamic-slice")
+    row = comms.role_row("fsdp8", "gradient reduction", [rs], 2000, "W")
+    assert (row.ratio, row.met) == (1.0, True) and "CPU program: all-reduce over fsdp 3.91 KiB" in row.note
+    over = comms.role_row("fsdp8", "gradient reduction", [rs], 1900, "W")
+    assert not over.met and "unexplained: 100 B" in over.note  # negative control
+    ar = spmd.hlo.Collective("all-reduce", ("tensor",), 1, 800, 4)
+    pair = [spmd.hlo.Collective("reduce-scatter", ("tensor",), 1, 800, 4), spmd.hlo.Collective("all-gather", ("tensor",), 1, 800, 4)]
+    assert ar.wire_bytes == sum(o.wire_bytes for o in pair) == 1200  # SP moves what the all-reduce moves
+
+
+def test_steptime_without_git_skips_the_base(monkeypatch, tmp_path):
+    monkeypatch.setattr(steptime.shutil, "which", lambda name: None)
+    assert steptime.base_worktree(tmp_path / "base") == "git is not available"
 
 
 HLO = """HloModule m

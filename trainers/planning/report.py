@@ -89,7 +89,8 @@ class DryRunReport:
                         f"({fmt_bytes(sum(op.total_bytes for op in sends))}; analytic "
                         f"{sum(x.count for x in expected)}, {fmt_bytes(sum(x.bytes for x in expected))})"]
         if self.collectives:
-            out += ["", "collectives (compiled step, per device per step):", format_collectives(list(self.collectives))]
+            out += ["", "collectives (compiled step, per device per step, as an accelerator runs it; the last column "
+                        "says where the CPU program emits something else):", format_collectives(list(self.collectives))]
         if self.traffic:
             out += ["", f"{'communication on ' + hw.name:<42}{'bytes':>14}{'time':>12}"]
             out += [f"{x.kind + ' ' + ','.join(x.axes) + ' (' + x.network + ')':<42}{fmt_bytes(x.bytes):>14}{fmt_seconds(x.seconds):>12}"
