@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Iterator, Sequence
 
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from meshes import axis_sizes
-from spmd.rules import Rules, get_rules
+from spmd.rules import Rules, axes_of, get_rules
+from spmd.sharding import fit_spec
 
 _CURRENT: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar("spmd_rules", default=None)
 
@@ -39,6 +41,17 @@ def active_layout() -> tuple[Mesh, Rules] | None:
     return _CURRENT.get()
 
 
+def dim_shards(dim: str) -> int:
+    """How many shards the active activation rules split logical ``dim`` into (1 without a layout)."""
+    active = _CURRENT.get()
+    if active is None:
+        return 1
+    mesh, rules = active
+    sizes = axis_sizes(mesh)
+    spec = rules.spec((dim,), kind="activations", mesh_sizes=sizes, what="activation")
+    return math.prod(sizes[a] for a in axes_of(spec[0])) if len(spec) else 1
+
+
 def constrain(x: jax.Array, dims: Sequence[str | None], *, kind: str = "activations") -> jax.Array:
     """Constrain ``x`` (logical ``dims``) to the active rule set; no-op without one.
 
@@ -52,7 +65,8 @@ def constrain(x: jax.Array, dims: Sequence[str | None], *, kind: str = "activati
     if len(dims) != x.ndim:
         raise ValueError(f"constrain: array of shape {x.shape} given {len(dims)} dims {tuple(dims)}")
     what = "activation" if kind == "activations" else "parameter"
-    sharding = NamedSharding(mesh, rules.spec(dims, kind=kind, mesh_sizes=axis_sizes(mesh), what=what))
+    sizes = axis_sizes(mesh)
+    sharding = NamedSharding(mesh, fit_spec(rules.spec(dims, kind=kind, mesh_sizes=sizes, what=what), x.shape, dims, sizes))
     if all(t == AxisType.Explicit for t in mesh.axis_types):
         return jax.sharding.reshard(x, sharding)
     return jax.lax.with_sharding_constraint(x, sharding)

@@ -10,6 +10,7 @@ A dim whose size does not divide by the product of its mesh axes is an error by 
 message names the parameter path, the dim, its size and the axes. Silent replication would hide a
 memory blow-up that shows only on the pod (a "replicated" 10 GB embedding is an OOM there).
 ``on_indivisible="replicate"`` opts into replicating such a dim with a logged warning instead.
+One exception by design: ``kv_heads`` outnumbered by its axes is replicated (:func:`fit_spec`).
 """
 
 from __future__ import annotations
@@ -68,6 +69,25 @@ def logical_dims(tree: Any) -> dict[str, tuple[str | None, ...] | None]:
     return {path: variable_dims(v) for path, v in _variables(tree)}
 
 
+# Dims that fall back to replication when their mesh axes outnumber them by a whole factor: with
+# tensor = t a multiple of n_kv_heads = G, each KV head is copied to the t/G shards whose query heads
+# read it (spmd.models.layers.Attention), as Megatron and MaxText do. Any other dim must divide.
+REPLICATED_WHEN_OUTNUMBERED: tuple[str, ...] = ("kv_heads",)
+
+
+def fit_spec(spec: P, shape: Sequence[int], dims: Sequence[str | None], sizes: dict[str, int]) -> P:
+    """``spec`` with every :data:`REPLICATED_WHEN_OUTNUMBERED` dim whose size its axes outnumber
+    (product a multiple of the size, e.g. ``kv_heads``=2 over tensor=8) replicated; the rest as given."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    for i, entry in enumerate(entries):
+        n = math.prod(sizes.get(a, 1) for a in axes_of(entry))
+        if dims[i] in REPLICATED_WHEN_OUTNUMBERED and shape[i] % n and n % shape[i] == 0:
+            entries[i] = None
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
+
+
 def spec_for(
     shape: Sequence[int],
     dims: Sequence[str | None] | None,
@@ -85,7 +105,7 @@ def spec_for(
     if len(dims) != len(shape):
         raise RulesError(f"{path} has shape {tuple(shape)} but {len(dims)} logical dims {tuple(dims)}")
     sizes = axis_sizes(mesh)
-    spec = rules.spec(dims, kind=kind, mesh_sizes=sizes, what=path)
+    spec = fit_spec(rules.spec(dims, kind=kind, mesh_sizes=sizes, what=path), shape, dims, sizes)
     entries = list(spec) + [None] * (len(shape) - len(spec))
     for i, entry in enumerate(entries):
         axes = axes_of(entry)
@@ -95,6 +115,8 @@ def spec_for(
                 f"{path}: dim {i} ({dims[i]!r}) has size {shape[i]}, which does not divide by mesh axes "
                 f"{' x '.join(f'{a}={sizes[a]}' for a in axes)} = {n} under rule set {rules.name!r}"
             )
+            if dims[i] in REPLICATED_WHEN_OUTNUMBERED:
+                detail += f" (nor is {n} a multiple of {shape[i]}, which would replicate it)"
             if on_indivisible == "replicate":
                 log.warning("%s; replicating this dim", detail)
                 entries[i] = None

@@ -140,7 +140,7 @@ def test_a_layout_that_cannot_be_built_is_diagnosed_without_compiling():
     report = dry_run(cfg, devices=8, hardware="h100")
     assert report.compiled is None and not report.fits
     messages = [str(i) for i in report.issues]
-    assert any("blocks/block/mlp/w_gate dim mlp=68 does not divide by tensor=8" in m and "model.d_ff a multiple of 8" in m
+    assert any("blocks/block/mlp/w_gate_up dim mlp=68 does not divide by tensor=8" in m and "model.d_ff a multiple of 8" in m
                for m in messages), messages
     assert "diagnostics" in report.format()
 

@@ -25,11 +25,9 @@ DIMS = {
     "blocks/block/attn_norm/scale": ("layers", "embed"),
     "blocks/block/mlp_norm/scale": ("layers", "embed"),
     "blocks/block/attn/w_q": ("layers", "embed", "heads", "head_dim"),
-    "blocks/block/attn/w_k": ("layers", "embed", "kv_heads", "head_dim"),
-    "blocks/block/attn/w_v": ("layers", "embed", "kv_heads", "head_dim"),
+    "blocks/block/attn/w_kv": ("layers", "embed", "kv_heads", None, "head_dim"),
     "blocks/block/attn/w_o": ("layers", "heads", "head_dim", "embed"),
-    "blocks/block/mlp/w_gate": ("layers", "embed", "mlp"),
-    "blocks/block/mlp/w_up": ("layers", "embed", "mlp"),
+    "blocks/block/mlp/w_gate_up": ("layers", "embed", None, "mlp"),
     "blocks/block/mlp/w_down": ("layers", "mlp", "embed"),
 }
 
@@ -85,19 +83,19 @@ def test_param_specs_and_shard_shapes(name):
 def test_spot_checks_from_the_presets():
     """A few literal shapes, so a mistake shared by PLAN and the presets still shows."""
     fsdp, tp, both = (leaves_by_path(layout(n).params) for n in ("fsdp8", "dp2_tp4", "dp2_fsdp2_tp2"))
-    w_gate = "blocks/block/mlp/w_gate"
-    assert fsdp[w_gate].shape == (2, 64, 128)
+    w_gate = "blocks/block/mlp/w_gate_up"
+    assert fsdp[w_gate].shape == (2, 64, 2, 128)
     assert fsdp[w_gate].sharding.spec == P(None, "fsdp")
-    assert fsdp[w_gate].sharding.shard_shape(fsdp[w_gate].shape) == (2, 8, 128)
+    assert fsdp[w_gate].sharding.shard_shape(fsdp[w_gate].shape) == (2, 8, 2, 128)
     assert all(x.sharding.spec == P() and x.sharding.is_fully_replicated for x in leaves_by_path(layout("dp8").params).values())
-    assert tp[w_gate].sharding.spec == P(None, None, "tensor")
+    assert tp[w_gate].sharding.spec == P(None, None, None, "tensor")
     assert tp["blocks/block/mlp/w_down"].sharding.spec == P(None, "tensor")
     assert tp["blocks/block/attn/w_q"].sharding.spec == P(None, None, "tensor")
     assert tp["embed"].sharding.spec == P("tensor")
     assert tp["head"].sharding.spec == P(None, "tensor")
     assert tp["final_norm/scale"].sharding.is_fully_replicated
-    assert both[w_gate].sharding.spec == P(None, "fsdp", "tensor")
-    assert both[w_gate].sharding.shard_shape((2, 64, 128)) == (2, 32, 64)
+    assert both[w_gate].sharding.spec == P(None, "fsdp", None, "tensor")
+    assert both[w_gate].sharding.shard_shape((2, 64, 2, 128)) == (2, 32, 2, 64)
     assert both["blocks/block/mlp/w_down"].sharding.spec == P(None, "tensor", "fsdp")
     assert both["embed"].sharding.spec == P("tensor", "fsdp")
 
@@ -141,9 +139,9 @@ def test_batch_sharding(name):
 def test_negative_control_wrong_plan_is_caught():
     """The fsdp8 arrays do not satisfy the dp_tp plan (or a plan without fsdp): the checks can fail."""
     params = leaves_by_path(layout("fsdp8").params)
-    w_gate = params["blocks/block/mlp/w_gate"]
-    assert w_gate.sharding.spec != expected_spec(DIMS["blocks/block/mlp/w_gate"], PLAN["dp2_tp4"][0])
+    w_gate = params["blocks/block/mlp/w_gate_up"]
+    assert w_gate.sharding.spec != expected_spec(DIMS["blocks/block/mlp/w_gate_up"], PLAN["dp2_tp4"][0])
     assert w_gate.sharding.shard_shape(w_gate.shape) != expected_shard(
-        w_gate.shape, DIMS["blocks/block/mlp/w_gate"], {}, layout("fsdp8").mesh)
+        w_gate.shape, DIMS["blocks/block/mlp/w_gate_up"], {}, layout("fsdp8").mesh)
     mismatched = [p for p, x in params.items() if x.sharding.spec != expected_spec(DIMS[p], PLAN["dp8"][0])]
     assert set(mismatched) == set(DIMS)  # every fsdp8 parameter is sharded somewhere

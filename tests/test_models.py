@@ -100,7 +100,7 @@ def test_param_count_matches_the_model(cfg):
     # Matmul parameters: everything but norm scales and the lookup table, plus the tied head's matmul.
     norms = sum(int(np.prod(v.shape)) for k, v in params.items() if k.endswith("scale"))
     assert matmul_params(cfg) == total - norms - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
-    assert params["blocks/block/attn/w_k"].shape == (cfg.n_layers, cfg.d_model, cfg.kv_heads, cfg.k)
+    assert params["blocks/block/attn/w_kv"].shape == (cfg.n_layers, cfg.d_model, cfg.kv_heads, 2, cfg.k)
 
 
 def test_gqa_has_fewer_params_than_mha():

@@ -75,7 +75,7 @@ def assert_matches_reference(loss, grads):
     ref_loss, ref_grads = reference()
     assert loss == pytest.approx(ref_loss, rel=TOL)
     errs = rel_errs(grads, ref_grads)
-    assert {"embed", "head", "final_norm/scale", "blocks/block/mlp/w_up"} <= set(errs)
+    assert {"embed", "head", "final_norm/scale", "blocks/block/mlp/w_gate_up"} <= set(errs)
     bad = {k: e for k, e in errs.items() if e > TOL}
     assert not bad, f"gradients differ from the single-device model: {bad}"
 
@@ -96,8 +96,8 @@ def test_pipeline_matches_single_device(schedule, S, M, V):
 def test_pipeline_composes_with_dp_and_tp(schedule, V):
     c = case((("data", 2), ("pipe", 2), ("tensor", 2)), "dp_tp", schedule, 4, V)
     # the stored layout really is sharded three ways: layers over pipe, mlp over tensor
-    spec = c.shardings["blocks"]["block"]["mlp"]["w_up"].spec
-    assert spec == jax.sharding.PartitionSpec("pipe", None, "tensor")
+    spec = c.shardings["blocks"]["block"]["mlp"]["w_gate_up"].spec
+    assert spec == jax.sharding.PartitionSpec("pipe", None, None, "tensor")
     loss, grads = c()
     assert_matches_reference(loss, grads)
 
@@ -161,15 +161,15 @@ def test_data_parallel_gradient_is_reduced_once_per_step():
     assert_matches_reference(*c())
 
 
-FSDP_CASES = [((("fsdp", 2), ("pipe", 2), ("tensor", 2)), "fsdp_tp", "1f1b", ("pipe", "fsdp", "tensor")),
+FSDP_CASES = [((("fsdp", 2), ("pipe", 2), ("tensor", 2)), "fsdp_tp", "1f1b", ("pipe", "fsdp", None, "tensor")),
               pytest.param((("fsdp", 2), ("pipe", 2)), "fsdp", "gpipe", ("pipe", "fsdp"), marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("sizes, rules, schedule, w_up_spec", FSDP_CASES)
 def test_pipeline_composes_with_fsdp(sizes, rules, schedule, w_up_spec):
     c = case(sizes, rules, schedule, 4, 1)
-    # stored layout W[layers_pipe, D_fsdp, F_tensor]: the pipeline gathers it over fsdp inside
-    assert c.shardings["blocks"]["block"]["mlp"]["w_up"].spec == jax.sharding.PartitionSpec(*w_up_spec)
+    # stored layout W[layers_pipe, D_fsdp, 2, F_tensor]: the pipeline gathers it over fsdp inside
+    assert c.shardings["blocks"]["block"]["mlp"]["w_gate_up"].spec == jax.sharding.PartitionSpec(*w_up_spec)
     assert_matches_reference(*c())
 
 

@@ -56,7 +56,7 @@ def test_pipelined_training_matches_unpipelined(both):
     for a, b in zip(jax.tree.leaves(p4.state["params"]), jax.tree.leaves(p1.state["params"])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-5)
     # the pipelined run really stored the block stack split over pipe
-    w = p4.state["params"]["blocks"]["block"]["mlp"]["w_up"]
+    w = p4.state["params"]["blocks"]["block"]["mlp"]["w_gate_up"]
     assert tuple(w.sharding.spec)[:1] == ("pipe",)
 
 
@@ -80,7 +80,7 @@ def test_checkpoint_moves_between_pipe4_and_pipe1(both, tmp_path_factory, src, d
     equal = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))),
                          restored["params"], saved.state["params"])
     assert all(jax.tree.leaves(equal))
-    spec = restored["params"]["blocks"]["block"]["mlp"]["w_up"].sharding.spec
+    spec = restored["params"]["blocks"]["block"]["mlp"]["w_gate_up"].sharding.spec
     assert (tuple(spec)[:1] == ("pipe",)) == (dst == "p4")
     # negative control: the other run's params differ (the equality above is not vacuous)
     other = {"p4": p1, "p1": p4}[src]

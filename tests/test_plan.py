@@ -174,9 +174,9 @@ def test_indivisible_dims_are_traced_to_the_parameter_with_a_fix():
     sizes = {"data": 2, "fsdp": 1, "tensor": 4}
     issues = check_divisibility(param_infos(cfg.model), "dp_tp", sizes)
     by_path = {i.path: str(i) for i in issues}
-    assert by_path["blocks/block/mlp/w_gate"].startswith(
-        "blocks/block/mlp/w_gate dim mlp=682 does not divide by tensor=4: use model.d_ff a multiple of 4, or rules fsdp")
-    assert {"blocks/block/mlp/w_up", "blocks/block/mlp/w_down"} <= set(by_path) and all(i.fatal for i in issues)
+    assert by_path["blocks/block/mlp/w_gate_up"].startswith(
+        "blocks/block/mlp/w_gate_up dim mlp=682 does not divide by tensor=4: use model.d_ff a multiple of 4, or rules fsdp")
+    assert {"blocks/block/mlp/w_down"} <= set(by_path) and all(i.fatal for i in issues)
     # the same layout really fails where the state would be created
     import jax
 

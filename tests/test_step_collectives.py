@@ -396,15 +396,15 @@ def test_dp2_tp4_megatron_pattern():
         ("reduce_sum", 1, BL),
     ]
     # Backward: the input gradients of the column-parallel matmuls are partial sums over tensor.
-    # XLA all-reduces them per matmul rather than summing first: gate+up (2 x BLD) and q,k,v
-    # (3 x BLD) per layer, where Megatron's hand-written plan needs 1 x BLD each. After the scan:
-    # the head's input gradient (BLD) merged with the forward target-logit gather of the loss (BL).
+    # q/k/v and gate/up are each one fused matmul (spmd.models.layers), so exactly one [B_local, L, D]
+    # all-reduce each per layer, as in Megatron's hand-written plan. After the scan: the head's input
+    # gradient (BLD) merged with the forward target-logit gather of the loss (BL).
     bwd = [o for o in tensor if o.backward]
-    assert sorted((in_scan(o), o.count, o.bytes) for o in bwd) == [
-        (False, 1, BLD + BL),
-        (True, N_LAYERS, 2 * BLD),
-        (True, N_LAYERS, 3 * BLD),
+    assert sorted((o.op_name.rsplit("/", 2)[-2], o.count, o.bytes) for o in bwd if in_scan(o)) == [
+        ("bld,dcf->blcf", N_LAYERS, BLD),  # the fused w_gate_up's input gradient
+        ("bld,dnsk->blnsk", N_LAYERS, BLD),  # the fused q/k/v weight's input gradient
     ]
+    assert sorted((o.count, o.bytes) for o in bwd if not in_scan(o)) == [(1, BLD + BL)]
     assert len(tensor) == len(fwd_scan) + len(fwd_rest) + len(bwd) == 8
     # Data parallel: the gradient all-reduce over data carries this device's gradient shard bytes.
     grads = grad_bytes("dp2_tp4")

@@ -110,7 +110,7 @@ def test_resume_onto_another_mesh(tmp_path):
     assert step == 2
     equal = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), restored, saved.state)
     assert all(jax.tree.leaves(equal))
-    assert restored["params"]["blocks"]["block"]["mlp"]["w_gate"].sharding.spec == jax.sharding.PartitionSpec(None, None, "tensor")
+    assert restored["params"]["blocks"]["block"]["mlp"]["w_gate_up"].sharding.spec == jax.sharding.PartitionSpec(None, None, None, "tensor")
     # and training continues there with the losses of the same-mesh continuation
     resumed = train(cfg)
     same_mesh = train(tiny(tmp_path / "ref", *common, "mesh.axes=fsdp=8", "rules=fsdp"))

@@ -38,7 +38,7 @@ from trainers.state import ShardedState, State, create_state
 from trainers.step import eval_view, loss_and_metrics, make_eval_step, make_train_step
 from trainers.task import Task, lm_task
 from trainers.trace import StepProfiler
-from trainers.validate import check_batch, name_config_key
+from trainers.validate import check_batch, check_heads, name_config_key
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +229,8 @@ def train(
     mesh = mesh or cfg.mesh.build()  # the run's one mesh; everything below takes it as an argument
     meshes.distributed.check_consistent(meshes.distributed.fingerprint(mesh, cfg.to_dict()))  # no-op on one process
     rules = spmd.get_rules(cfg.rules)
-    for issue in check_batch(data_cfg.global_batch, run.grad_accum, rules, dict(mesh.shape)):
+    heads = check_heads(cfg.model, rules, dict(mesh.shape)) if task.name == "lm" else []
+    for issue in heads + check_batch(data_cfg.global_batch, run.grad_accum, rules, dict(mesh.shape)):
         raise ValueError(str(issue))  # before any state is built or compiled
     is_main = jax.process_index() == 0
     changes = _changes_since_last_run(cfg)  # refuses what cannot be resumed before anything is written

@@ -107,6 +107,26 @@ def check_batch(global_batch: int, grad_accum: int, rules: spmd.Rules | str, siz
     return []
 
 
+def check_heads(model: GPTConfig, rules: spmd.Rules | str, sizes: Mapping[str, int]) -> list[Issue]:
+    """Attention's heads over their mesh axes (``tensor`` in the presets), t shards: ``n_kv_heads`` a
+    multiple of t (KV heads sharded), or t a multiple of ``n_kv_heads`` dividing ``n_heads`` (each KV
+    head replicated over the t / n_kv_heads shards sharing it). Fatal otherwise, naming the valid t."""
+    from spmd.models.layers import valid_head_shards
+
+    spec = spmd.get_rules(rules).spec(("heads",), kind="params", mesh_sizes=sizes)
+    axes = axes_of(spec[0]) if len(spec) else ()
+    t = math.prod(sizes[a] for a in axes)
+    h, g = model.n_heads, model.kv_heads
+    valid = valid_head_shards(h, g)
+    if t <= 1 or t in valid:
+        return []
+    where = " x ".join(f"{a}={sizes[a]}" for a in axes)
+    return [Issue("indivisible", "blocks/block/attn", "heads",
+                  f"model.n_heads={h} and model.n_kv_heads={g} cannot shard over {where}: the tensor shards must "
+                  f"divide n_kv_heads, or be a multiple of it that divides n_heads",
+                  f"use {' x '.join(axes)} of {' or '.join(map(str, valid))}", fatal=True)]
+
+
 def name_config_key(error: Exception) -> str:
     """A sharding error about the built-in GPT's parameters, with the config key that sets the dim."""
     found = re.search(r"dim \d+ \('(\w+)'\)", str(error))

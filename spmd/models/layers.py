@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from spmd.constraints import constrain
+from spmd.constraints import constrain, dim_shards
 from spmd.models.attention import attend
 
 Init = Callable[..., jax.Array]
@@ -82,12 +82,49 @@ def rope(x_BLHK: jax.Array, positions_L: jax.Array, theta: float = 10_000.0) -> 
     return out.astype(x_BLHK.dtype)
 
 
+def fused_param(rngs: nnx.Rngs, init: Init, part_shape: Sequence[int], n: int, axis: int,
+                dims: Sequence[str | None], dtype: jnp.dtype = jnp.float32) -> nnx.Param:
+    """``n`` parameters of ``part_shape`` stacked on a new dim ``axis``, each drawn as :func:`param` draws one
+    (one ``rngs.params()`` key per part, in order), so a fused weight starts equal to its separate parts."""
+    parts = [init(rngs.params(), tuple(part_shape), dtype) for _ in range(n)]
+    value = jnp.stack(parts, axis=axis)
+    if value.ndim != len(dims):
+        raise ValueError(f"param of shape {value.shape} given {len(dims)} dims {tuple(dims)}")
+    return nnx.Param(value, out_sharding=tuple(dims), eager_sharding=False)
+
+
+def kv_slots(n_heads: int, n_kv_heads: int) -> int:
+    """How many KV slots the fused q/k/v weight has under the active layout: ``n_kv_heads``, or the
+    number of shards ``t`` of ``heads`` when ``t`` exceeds it (each KV head copied to the ``t / G``
+    shards whose query heads read it). Raises naming both head counts when neither divides the other."""
+    t = dim_shards("heads")
+    if n_kv_heads % t == 0:
+        return n_kv_heads
+    if t % n_kv_heads == 0 and n_heads % t == 0:
+        return t
+    raise ValueError(f"n_heads={n_heads}, n_kv_heads={n_kv_heads} cannot shard over {t} tensor shards of heads: "
+                     f"valid sizes: {', '.join(map(str, valid_head_shards(n_heads, n_kv_heads)))}")
+
+
+def valid_head_shards(n_heads: int, n_kv_heads: int) -> list[int]:
+    """Shard counts of ``heads`` the attention runs on: divisors of ``n_kv_heads`` (KV heads sharded),
+    and multiples of it that divide ``n_heads`` (KV heads replicated over the shards sharing one)."""
+    return [t for t in range(1, n_heads + 1)
+            if n_kv_heads % t == 0 or (t % n_kv_heads == 0 and n_heads % t == 0)]
+
+
 class Attention(nnx.Module):
     """Causal multi-head attention with optional grouped KV heads (G kv heads, H = G * R queries).
 
-    Parameters: ``w_q[D, H, K]``, ``w_k[D, G, K]``, ``w_v[D, G, K]``, ``w_o[H, K, D]``. Under TP
-    (heads -> tensor) q/k/v are column-parallel and w_o is row-parallel: its output is a partial
-    sum that XLA all-reduces over ``tensor`` (one all-reduce per block, forward).
+    Parameters: ``w_q[D, H, K]``, ``w_kv[D, G, 2, K]`` (k then v per KV head), ``w_o[H, K, D]``.
+    At use, q and kv are fused per KV slot into one weight ``W[D, n_tensor, H/n + 2, K]`` (a slot's
+    H/n query heads, then its k and v): one matmul ``x[B, L, D] @ W``, so under TP (heads, kv_heads
+    -> tensor) one all-reduce of the ``[B, L, D]`` input gradient over ``tensor`` in the backward
+    pass, and one of the row-parallel ``w_o`` output in the forward pass. n = G when ``tensor``
+    divides G (the concat is local). When ``tensor`` = t > G (t a multiple of G dividing H) the kv
+    part is stored replicated over ``tensor`` (``w_kv[D, G, 2, K]``, D*G*2*K per shard) and each
+    shard takes a copy of its group's k and v (n = t); the ``w_kv`` gradient is then all-reduced
+    over ``tensor`` (param-sized). See docs/sharding.md.
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *, rngs: nnx.Rngs,
@@ -96,40 +133,55 @@ class Attention(nnx.Module):
             raise ValueError(f"n_heads {n_heads} must be a multiple of n_kv_heads {n_kv_heads}")
         init = fan_in_init(d_model)
         self.w_q = param(rngs, init, (d_model, n_heads, head_dim), ("embed", "heads", "head_dim"))
-        self.w_k = param(rngs, init, (d_model, n_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"))
-        self.w_v = param(rngs, init, (d_model, n_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"))
+        self.w_kv = fused_param(rngs, init, (d_model, n_kv_heads, head_dim), 2, 2,
+                                ("embed", "kv_heads", None, "head_dim"))
         self.w_o = param(rngs, fan_in_init(n_heads * head_dim), (n_heads, head_dim, d_model), ("heads", "head_dim", "embed"))
-        self.n_kv_heads, self.rope_theta, self.dtype = n_kv_heads, rope_theta, dtype
+        self.n_heads, self.n_kv_heads, self.rope_theta, self.dtype = n_heads, n_kv_heads, rope_theta, dtype
         self.impl, self.block = impl, block  # spmd.models.attention
+
+    def fused_qkv(self) -> jax.Array:
+        """The fused weight ``W[D, n, H/n + 2, K]`` in the compute dtype (slot dim over ``kv_heads``' axes)."""
+        h, g = self.n_heads, self.n_kv_heads
+        n = kv_slots(h, g)
+        w_q_DHK = weight(self.w_q, self.dtype)
+        w_q_DnRK = w_q_DHK.reshape(w_q_DHK.shape[0], n, h // n, w_q_DHK.shape[-1])
+        w_kv_DG2K = weight(self.w_kv, self.dtype)
+        w_kv_Dn2K = jnp.repeat(w_kv_DG2K, n // g, axis=1) if n > g else w_kv_DG2K  # a copy per shard sharing it
+        return constrain(jnp.concatenate([w_q_DnRK, w_kv_Dn2K], axis=2), ("embed", "kv_heads", None, "head_dim"))
 
     def __call__(self, x_BLD: jax.Array, positions_L: jax.Array) -> jax.Array:
         dt = self.dtype
-        q_BLHK = jnp.einsum("bld,dhk->blhk", x_BLD, weight(self.w_q, dt))
-        k_BLGK = jnp.einsum("bld,dgk->blgk", x_BLD, weight(self.w_k, dt))
-        v_BLGK = jnp.einsum("bld,dgk->blgk", x_BLD, weight(self.w_v, dt))
+        w_DnSK = self.fused_qkv()
+        n, s = w_DnSK.shape[1], w_DnSK.shape[2]
+        qkv_BLnSK = constrain(jnp.einsum("bld,dnsk->blnsk", x_BLD, w_DnSK),
+                              ("batch", "length", "kv_heads", None, "head_dim"))
+        b, l, _, _, k = qkv_BLnSK.shape
+        q_BLHK = qkv_BLnSK[:, :, :, : s - 2].reshape(b, l, n * (s - 2), k)
+        k_BLnK, v_BLnK = qkv_BLnSK[:, :, :, s - 2], qkv_BLnSK[:, :, :, s - 1]
         q_BLHK = constrain(rope(q_BLHK, positions_L, self.rope_theta), ("batch", "length", "heads", "head_dim"))
-        k_BLGK = rope(k_BLGK, positions_L, self.rope_theta)
-        out_BLHK = attend(q_BLHK, k_BLGK, v_BLGK, impl=self.impl, block=self.block)
+        k_BLnK = rope(k_BLnK, positions_L, self.rope_theta)
+        out_BLHK = attend(q_BLHK, k_BLnK, v_BLnK, impl=self.impl, block=self.block)
         out_BLHK = constrain(out_BLHK, ("batch", "length", "heads", "head_dim"))
         return jnp.einsum("blhk,hkd->bld", out_BLHK, weight(self.w_o, dt))
 
 
 class GatedMLP(nnx.Module):
-    """SwiGLU MLP: ``down(silu(x @ w_gate) * (x @ w_up))`` with ``w_gate, w_up[D, F]``, ``w_down[F, D]``.
+    """SwiGLU MLP: ``down(silu(x @ W_gate) * (x @ W_up))`` with gate and up fused as ``w_gate_up[D, 2, F]``
+    (gate then up) and ``w_down[F, D]``.
 
-    Under TP (mlp -> tensor) gate/up are column-parallel and w_down row-parallel: one all-reduce
-    of the ``[B, L, D]`` output over ``tensor`` per block in the forward pass.
+    Under TP (mlp -> tensor) ``w_gate_up[D, 2, F_tensor]`` is column-parallel (one matmul, so one
+    all-reduce of its ``[B, L, D]`` input gradient over ``tensor`` in the backward pass) and
+    ``w_down[F_tensor, D]`` row-parallel (one all-reduce of its ``[B, L, D]`` output, forward).
     """
 
     def __init__(self, d_model: int, d_ff: int, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
-        self.w_gate = param(rngs, fan_in_init(d_model), (d_model, d_ff), ("embed", "mlp"))
-        self.w_up = param(rngs, fan_in_init(d_model), (d_model, d_ff), ("embed", "mlp"))
+        self.w_gate_up = fused_param(rngs, fan_in_init(d_model), (d_model, d_ff), 2, 1, ("embed", None, "mlp"))
         self.w_down = param(rngs, fan_in_init(d_ff), (d_ff, d_model), ("mlp", "embed"))
         self.dtype = dtype
 
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         dt = self.dtype
-        gate_BLF = jnp.einsum("bld,df->blf", x_BLD, weight(self.w_gate, dt))
-        up_BLF = jnp.einsum("bld,df->blf", x_BLD, weight(self.w_up, dt))
+        gate_up_BL2F = jnp.einsum("bld,dcf->blcf", x_BLD, weight(self.w_gate_up, dt))
+        gate_BLF, up_BLF = gate_up_BL2F[:, :, 0], gate_up_BL2F[:, :, 1]
         h_BLF = constrain(jax.nn.silu(gate_BLF) * up_BLF, ("batch", "length", "mlp"))
         return jnp.einsum("blf,fd->bld", h_BLF, weight(self.w_down, dt))

@@ -22,7 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from trainers.checkpoint import storage
+from trainers.checkpoint import storage, upgrade
 from trainers.checkpoint.config import CheckpointConfig
 from trainers.checkpoint.host_copy import HostCopy
 from trainers.checkpoint.validation import (
@@ -272,9 +272,10 @@ class Checkpointer:
                 reason, stored = select(stored)
             reason = agree(reason)
             if reason is None:
-                check_compatible(candidate, stored, abstract)
+                target, finish = upgrade.plan(stored, abstract)  # an older parameter layout: converted on load
+                check_compatible(candidate, stored, target)
                 try:
-                    value = read(candidate, abstract)
+                    value = finish(read(candidate, target))
                 except Exception as exc:  # corrupt data discovered only while reading
                     reason = f"restore failed: {short(exc)}"
                 reason = agree(reason)

@@ -103,7 +103,7 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
     t = sizes.get("tensor", 1) if any(a == "mlp" for a, _ in rules.activations) else 1
     b = rows_per_device(cfg, sizes)
     L, D, F, H, G, K, V = data.seq_len, m.d_model, m.ff, m.n_heads, m.kv_heads, m.k, m.vocab_size
-    qkv = (H + 2 * G) * K / t
+    qkv = (H + 2 * max(G, t)) * K / t  # fused q/k/v per shard: t > G copies each KV head to the shards sharing it
     # attention keeps the [B, H, L, L] probabilities (f32 scores + compute-dtype probs) unless a blockwise
     # path runs (spmd.models.attention: "blockwise", or "auto" past one block): then one f32 log-sum-exp per
     # row and head, and one block of scores in flight while a block is computed
@@ -193,6 +193,8 @@ def comm_estimate(cfg: Config, sizes: dict[str, int], hw: Hardware, dcn_axes: tu
     recompute = m.policy in RECOMPUTES_BLOCK or (piped and pipe.schedule != "gpipe")  # 1F1B: each chunk again
     per_layer = (6 if recompute else 4) * m.n_layers // (S if piped else 1)  # attn-out + mlp-out, fwd + bwd
     add("all-reduce", "tensor", per_layer, b * data.seq_len * m.d_model * dt, t)
+    if t > m.kv_heads:  # w_kv replicated over tensor (copied per shard): its f32 gradient summed over tensor
+        add("all-reduce", "tensor", m.n_layers // (S if piped else 1), m.d_model * 2 * m.kv_heads * m.k * 4 // f, t)
     if piped:
         schedule = pipeline_schedule(cfg, S)
         ticks = schedule.n_ticks * (2 if schedule.name != "gpipe" else 1)  # table: one send each way per tick

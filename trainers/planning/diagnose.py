@@ -1,6 +1,6 @@
 """Sharding diagnostics: when a layout fails or wastes memory, say which parameter and dim, and the fix.
 
-    blocks/block/mlp/w_gate dim mlp=688 does not divide by tensor=8: use model.d_ff a multiple of 8, or rules fsdp
+    blocks/block/mlp/w_gate_up dim mlp=688 does not divide by tensor=8: use model.d_ff a multiple of 8, or rules fsdp
 
 Each ``check_*`` function returns :class:`Issue` records. See docs/planning.md.
 """
@@ -27,10 +27,10 @@ from spmd.models import GPTConfig
 from spmd.pipeline import PipelineConfig
 from spmd.rules import axes_of
 from spmd.units import fmt_bytes
-from spmd.sharding import abstract_module
+from spmd.sharding import abstract_module, fit_spec
 from spmd.variables import Decision, PathRules, decide
 from trainers.task import lm_model
-from trainers.validate import CONFIG_FIELD, Issue, batch_axes, check_batch, check_pipeline
+from trainers.validate import CONFIG_FIELD, Issue, batch_axes, check_batch, check_heads, check_pipeline
 
 # Which config field sets the size of each logical dim of the built-in GPT (for "use X a multiple of N" fixes).
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +129,7 @@ def shard_divisors(info: ParamInfo, rules: spmd.Rules, sizes: Mapping[str, int],
     """Per dim, the product of the mesh axes the rule set shards it over."""
     if info.dims is None:
         return [1] * len(info.shape)
-    spec = rules.spec(info.dims, kind=kind, mesh_sizes=sizes, what=info.path)
+    spec = fit_spec(rules.spec(info.dims, kind=kind, mesh_sizes=sizes, what=info.path), info.shape, info.dims, sizes)
     entries = list(spec) + [None] * (len(info.shape) - len(spec))
     return [math.prod(sizes[a] for a in axes_of(e)) for e in entries]
 
@@ -152,7 +152,8 @@ def check_divisibility(params: Sequence[ParamInfo], rules: spmd.Rules | str, siz
     for info in params:
         if info.dims is None:
             continue
-        spec = rules.spec(info.dims, kind="params", mesh_sizes=sizes, what=info.path)
+        spec = fit_spec(rules.spec(info.dims, kind="params", mesh_sizes=sizes, what=info.path), info.shape,
+                        info.dims, sizes)
         entries = list(spec) + [None] * (len(info.shape) - len(spec))
         for i, (size, dim, entry) in enumerate(zip(info.shape, info.dims, entries)):
             axes = axes_of(entry)
@@ -320,4 +321,5 @@ def diagnose(model: GPTConfig | ModelVariables, rules: spmd.Rules | str, sizes: 
     params = param_infos(model)
     piped = check_pipeline(model, pipeline, rules, sizes, global_batch=global_batch, grad_accum=grad_accum) \
         if pipeline is not None else []
-    return check_divisibility(params, rules, sizes) + batch + piped + check_replicated(params, rules, sizes)
+    return (check_heads(model, rules, sizes) + check_divisibility(params, rules, sizes) + batch + piped
+            + check_replicated(params, rules, sizes))
