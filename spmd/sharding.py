@@ -6,11 +6,10 @@ abstract (shape-only) state, applies a rule set and returns NamedShardings in th
 structure as ``nnx.to_pure_dict(state)``, ready for ``jax.jit(out_shardings=...)``. So a train
 state is created directly sharded and never materialised whole on one device.
 
-A dim whose size does not divide by the product of its mesh axes is an error by default: the
-message names the parameter path, the dim, its size and the axes. Silent replication would hide a
-memory blow-up that shows only on the pod (a "replicated" 10 GB embedding is an OOM there).
-``on_indivisible="replicate"`` opts into replicating such a dim with a logged warning instead.
-One exception by design: ``kv_heads`` outnumbered by its axes is replicated (:func:`fit_spec`).
+A dim whose size does not divide by the product of its mesh axes is an error by default (naming the
+path, dim, size and axes): silent replication would hide a memory blow-up that shows only on the pod.
+Exception by design: ``kv_heads`` outnumbered by its axes is replicated (:func:`fit_spec`).
+``on_indivisible="replicate"`` opts into replicating any such dim with a logged warning instead.
 """
 
 from __future__ import annotations
