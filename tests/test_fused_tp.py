@@ -193,3 +193,17 @@ def test_a_checkpoint_with_separate_weights_restores_fused(tmp_path, caplog):
     swapped = jax.tree.map(lambda x: x, restored["params"])
     swapped["blocks"]["block"]["attn"]["w_kv"] = kv[..., ::-1, :]
     assert abs(dst(batch, swapped)[0] - dst(batch)[0]) > TOL
+
+
+def test_spmd_train_runs_gqa_on_more_tensor_shards_than_kv_heads(tmp_path, capsys):
+    """``spmd-train gpt-small --tiny`` (4 heads) with 2 KV heads on tensor = 4 trains; tensor = 8 is
+    refused before anything is built, naming the head counts and the valid tensor sizes."""
+    from trainers.launch import cli
+
+    common = ["gpt-small", "--tiny", "--set", "model.n_kv_heads=2", "--set", "rules=dp_tp", "--set", "run.steps=1",
+              "--set", "run.eval_batches=0", "--set", "run.progress=false", "--set", "run.tensorboard=false"]
+    assert cli.main(common + ["--set", "mesh.axes=data=2,tensor=4", "--set", f"run.run_dir={tmp_path / 'ok'}"]) == 0
+    capsys.readouterr()
+    assert cli.main(common + ["--set", "mesh.axes=data=1,tensor=8", "--set", f"run.run_dir={tmp_path / 'no'}"]) == 2
+    err = capsys.readouterr().err
+    assert "model.n_heads=4 and model.n_kv_heads=2 cannot shard over tensor=8" in err and "tensor of 1 or 2 or 4" in err
