@@ -3,7 +3,9 @@
     Stack(lambda rngs: Block(..., rngs=rngs), n_layers, rngs=rngs)
 
 Parameters are ``W[layers, D, F]``; one block is traced once whatever the depth; ``remat`` names what
-each block keeps (:mod:`spmd.remat`). See docs/memory.md.
+each block keeps (:mod:`spmd.remat`). ``reorder`` stores the layers in an interleaved pipeline's chunk
+order (:mod:`spmd.pipeline.order`); calling the stack still applies them in natural order. See
+docs/memory.md and docs/pipelines.md.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import jax
 from flax import nnx
 
 from spmd import remat as remat_lib
+from spmd.pipeline.order import LayerOrder, mark, order_of
 
 
 class Stack(nnx.Module):
@@ -33,8 +36,21 @@ class Stack(nnx.Module):
         self.block = create(keys)
         self.n, self.remat = n, remat_lib.resolve(remat)  # a policy name (spmd.remat)
 
+    @property
+    def order(self) -> LayerOrder:
+        """The order the layers are stored in (natural unless :meth:`reorder` changed it)."""
+        return order_of(self.block)
+
+    def reorder(self, order: LayerOrder) -> None:
+        """Store the layers in ``order``: every variable's ``layers`` dim is permuted (each natural
+        layer keeps its values) and the order is recorded in the variables' metadata."""
+        order.check(self.n)
+        state = nnx.state(self.block)
+        nnx.update(self.block, self.order.convert(state, order))
+        mark(self.block, order)
+
     def split(self) -> tuple[Callable[..., jax.Array], nnx.State]:
-        """``(apply, state)``: ``state`` holds the stacked params ``[layers, ...]``;
+        """``(apply, state)``: ``state`` holds the stacked params ``[layers, ...]`` in :attr:`order`;
         ``apply(state_slice, x, *args)`` runs the blocks of any slice of it along ``layers``, in
         order (what a pipeline stage runs on its chunk of layers)."""
         graphdef, state = nnx.split(self.block)
@@ -51,8 +67,12 @@ class Stack(nnx.Module):
     def __call__(self, x: jax.Array, *args: Any) -> jax.Array:
         """Scan the blocks over ``x``; variables the blocks update (batch statistics, RNG counts) are
         carried out of the scan and written back, one slice per layer. A block may return ``(x, aux)``
-        (``aux`` a pytree of arrays, e.g. MoE losses): the stack then returns ``(y, aux summed over layers)``."""
+        (``aux`` a pytree of arrays, e.g. MoE losses): the stack then returns ``(y, aux summed over layers)``.
+        Layers run in natural order: a stack stored in chunk order is put in natural order first (an
+        all-to-all over ``pipe`` when it is sharded)."""
+        order = self.order
         graphdef, params, rest = nnx.split(self.block, nnx.Param, ...)
+        params, rest = order.to_natural((params, rest))
 
         def body(carry, layer):
             block = nnx.merge(graphdef, *layer)
@@ -61,5 +81,20 @@ class Stack(nnx.Module):
             return y, (nnx.state(block, nnx.Not(nnx.Param)), aux)
 
         y, (rest, aux) = jax.lax.scan(remat_lib.wrap(body, self.remat), x, (params, rest))
-        nnx.update(self.block, rest)
+        nnx.update(self.block, order.to_stored(rest))
         return y if aux is None else (y, jax.tree.map(lambda a: a.sum(0), aux))
+
+
+def reorder_stacks(module: nnx.Module, order: LayerOrder) -> nnx.Module:
+    """Store the layers of every :class:`Stack` in ``module`` in ``order``; returns ``module``."""
+    for _, node in nnx.iter_graph(module):
+        if isinstance(node, Stack):
+            node.reorder(order)
+    return module
+
+
+def stack_orders(module: nnx.Module) -> tuple[tuple[tuple[str, ...], int, LayerOrder], ...]:
+    """``(path of its block's variables, n_layers, order)`` of every :class:`Stack` in ``module`` not
+    stored in natural order (what a checkpoint converts: ``trainers.checkpoint.layer_order``)."""
+    return tuple((tuple(str(k) for k in path) + ("block",), node.n, node.order)
+                 for path, node in nnx.iter_graph(module) if isinstance(node, Stack) and not node.order.natural)

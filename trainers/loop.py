@@ -169,7 +169,7 @@ def _initial_state(cfg: Config, ckpt: Checkpointer, sharded: ShardedState, logge
         return start, state, data_state
     if cfg.checkpoint.init_from:
         directory, step = resolve_init_from(cfg.checkpoint.init_from)
-        with Checkpointer(directory, cfg.checkpoint, read_only=True) as source:
+        with Checkpointer(directory, cfg.checkpoint, read_only=True, layer_orders=sharded.layer_orders) as source:
             step, params = source.restore_params(sharded.abstract["params"], step=step)
         logger.message(f"initialised params from step {step} of {directory}; fresh optimizer, step 0")
         return 0, {**sharded.state, "params": params}, {}
@@ -239,7 +239,7 @@ def train(
     tx = make_optimizer(cfg.optimizer, schedule)
     try:
         sharded = create_state(lambda: task.model(nnx.Rngs(run.seed)), tx, rules, mesh, seed=run.seed,
-                               path_rules=task.path_rules)
+                               path_rules=task.path_rules, pipeline=cfg.pipeline)
     except RulesError as e:  # a dim that does not divide by its mesh axes
         raise RulesError(name_config_key(e) if task.name == "lm" else str(e)) from None
     if is_main:  # the config has passed every check that needs no step: record it
@@ -252,7 +252,8 @@ def train(
     eval_step = make_eval_step(sharded, rules, mesh, batch_sharding, loss_fn=task.loss, metrics=task.eval_metrics)
 
     train_data = _loader(task.train_source(cfg), data_cfg.global_batch, data_cfg.seed, batch_sharding)
-    ckpt = Checkpointer(cfg.checkpoint.resolve_directory(run.directory), cfg.checkpoint)
+    ckpt = Checkpointer(cfg.checkpoint.resolve_directory(run.directory), cfg.checkpoint,
+                        layer_orders=sharded.layer_orders)  # steps hold stacks in natural layer order
     logger = RunLogger(run.directory, is_main=is_main, total_steps=run.steps,
                        use_tensorboard=run.tensorboard, progress=run.progress)
     try:

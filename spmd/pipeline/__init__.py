@@ -6,6 +6,9 @@
 """
 
 from spmd.pipeline.config import SCHEDULES, PipelineConfig, pipelined_loss
+from spmd.pipeline.order import LayerOrder
 from spmd.pipeline.schedules import NAMES, Schedule, get_schedule
+from spmd.pipeline.sends import SentBytes, sent_bytes
 
-__all__ = ["NAMES", "PipelineConfig", "SCHEDULES", "Schedule", "get_schedule", "pipelined_loss"]
+__all__ = ["LayerOrder", "NAMES", "PipelineConfig", "SCHEDULES", "Schedule", "SentBytes", "get_schedule",
+           "pipelined_loss", "sent_bytes"]

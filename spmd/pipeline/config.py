@@ -7,9 +7,9 @@ stages S. With no active mesh, a ``pipe`` axis of size 1, or ``schedule="none"``
 as the plain scan on the whole batch (same loss: the mean over equal microbatches is the mean over
 the batch), so one config serves every mesh.
 
-The global batch ``x[B_batch, L, D]`` is cut into M microbatches as the trainer's gradient
-accumulation does: microbatch j holds rows ``j, j+M, j+2M, ...``, so under ``batch -> data`` every
-device keeps its own rows and no data moves.
+With V > 1 a run stores the stack in the schedule's chunk order (:meth:`PipelineConfig.layer_order`).
+The global batch ``x[B_batch, L, D]`` is cut into M microbatches as the trainer's gradient accumulation
+does: microbatch j holds rows ``j, j+M, j+2M, ...``, so under ``batch -> data`` no data moves.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import jax
 from meshes import axis_sizes
 from spmd.constraints import active_layout, constrain
 from spmd.pipeline.engine import HeadFn, StageFn, run_schedule
+from spmd.pipeline.order import NATURAL, LayerOrder, order_of
 from spmd.pipeline.schedules import NAMES, Schedule, get_schedule
 
 SCHEDULES = ("none", *NAMES)
@@ -55,6 +56,13 @@ class PipelineConfig:
         """The schedule table for ``n_stages`` stages (checks the layers split into S*V chunks)."""
         return get_schedule(self.schedule, n_stages, self.microbatches, self.virtual_stages, n_layers=n_layers)
 
+    def layer_order(self, n_stages: int) -> LayerOrder:
+        """The order a stack runs in place on ``n_stages`` stages: the interleaved schedule's chunk
+        order ``LayerOrder(S, V)``, natural otherwise (also with one stage or ``schedule="none"``)."""
+        if not self.enabled or n_stages <= 1:
+            return NATURAL
+        return LayerOrder(n_stages, self.virtual_stages)
+
 
 def split_microbatches(x: jax.Array, m: int) -> jax.Array:
     """``[B, ...] -> [M, B/M, ...]``, microbatch j = rows j, j+M, ... (local to each device)."""
@@ -79,13 +87,16 @@ def pipelined_loss(
     x_BLD: jax.Array,
     targets_BL: jax.Array,
 ) -> tuple[jax.Array, dict]:
-    """``head_fn(head, stack(x), targets)``, pipelined over ``pipe`` when the config and mesh ask for it."""
+    """``head_fn(head, stack(x), targets)``, pipelined over ``pipe`` when the config and mesh ask for it.
+
+    ``stage_params`` may be stored in any :class:`LayerOrder` (read from the variables' metadata);
+    unpipelined, the stack runs in natural order."""
     S = pipe_stages()
     n_layers = jax.tree.leaves(stage_params)[0].shape[0]
     if config is None or not config.enabled or S == 1:
         if config is not None and config.enabled:
             config.make_schedule(1, n_layers)  # same input checks as on a real pipe axis
-        return head_fn(head_params, stage_fn(stage_params, x_BLD), targets_BL)
+        return head_fn(head_params, stage_fn(order_of(stage_params).to_natural(stage_params), x_BLD), targets_BL)
     schedule = config.make_schedule(S, n_layers)
     mesh, rules = active_layout()
     M = config.microbatches

@@ -2,7 +2,8 @@
 
 :func:`run_schedule` splits the stacked layers ``W[L_pipe, ...]`` into chunks, one or more per
 stage, and runs the schedule: ``gpipe`` by autodiff through one scan, ``1f1b`` and ``interleaved``
-from a :class:`Schedule` table with a recomputing backward. See docs/pipelines.md.
+from a :class:`Schedule` table with a recomputing backward, whose ``ppermute`` s carry only the
+activations the table sends (:mod:`spmd.pipeline.sends`). See docs/pipelines.md.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from jax.sharding import PartitionSpec as P
 
 from spmd.pipeline.layout import ParamLayout, param_layout
 from spmd.pipeline.manual import manual_batch_axes, with_inner_rules
-from spmd.rules import Rules
+from spmd.pipeline.order import NATURAL, LayerOrder, order_of
 from spmd.pipeline.schedules import BACKWARD, FORWARD, IDLE, Schedule
+from spmd.pipeline.sends import send_plan
+from spmd.rules import Rules
 
 StageFn = Callable[[Any, jax.Array], jax.Array]  # (chunk params [Lc, ...], x[b, L, D]) -> y
 HeadFn = Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, dict]]  # (head params, y, targets) -> (loss, aux)
@@ -92,32 +95,19 @@ def _build_tables(schedule: Schedule) -> tuple[np.ndarray, int, int]:
     return table, n_x, n_g
 
 
-def _perm(S: int, step: int, ring: bool) -> list[tuple[int, int]]:
-    pairs = [(i, (i + step) % S) for i in range(S)]
-    return pairs if ring else [(i, j) for i, j in pairs if 0 <= i + step < S]
+def _perm(S: int, step: int) -> list[tuple[int, int]]:
+    return [(i, i + step) for i in range(S) if 0 <= i + step < S]
 
 
-def _swap_blocks(params: Any, outer: int, inner: int) -> Any:
-    """``W[outer*inner*Lc]`` viewed as ``[outer, inner, Lc]`` -> ``[inner, outer, Lc]``, flattened back."""
-    if outer == 1 or inner == 1:
-        return params
+def _sender(patterns: tuple, axis: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """``send(k, x)``: branch 0 sends nothing (zeros), branch k runs ``ppermute`` with the pairs of
+    ``patterns[k-1]`` only. ``k`` comes from the table's tick, so every device takes the same branch."""
+    def none(x):
+        return jnp.zeros_like(x)
 
-    def one(a):
-        lc = a.shape[0] // (outer * inner)
-        a = a.reshape(outer, inner, lc, *a.shape[1:]).swapaxes(0, 1)
-        return a.reshape(outer * inner * lc, *a.shape[3:])
-
-    return jax.tree.map(one, params)
-
-
-def _to_chunks(params: Any, S: int, V: int) -> Any:
-    """``W[L]`` (natural order) -> ``W[S*V*Lc]`` where device s's contiguous block is chunks s, s+S, ..."""
-    return _swap_blocks(params, V, S)
-
-
-def _from_chunks(params: Any, S: int, V: int) -> Any:
-    """Inverse of :func:`_to_chunks`."""
-    return _swap_blocks(params, S, V)
+    branches = [none] + [functools.partial(lambda x, pairs: jax.lax.ppermute(x, axis, pairs), pairs=list(p))
+                         for p in patterns]
+    return lambda k, x: jax.lax.switch(k, branches, x) if patterns else none(x)
 
 
 def _tree_zeros(tree: Any) -> Any:
@@ -148,7 +138,7 @@ def _gpipe_local(stage_fn: StageFn, head_fn: HeadFn, S: int, M: int, axis: str, 
         def tick(recv, t):
             inp = jnp.where(s == 0, x_MbLD[jnp.clip(t, 0, M - 1)], recv)
             y = stage(params, inp)
-            return jax.lax.ppermute(y, axis, _perm(S, 1, ring=False)), y
+            return jax.lax.ppermute(y, axis, _perm(S, 1)), y
 
         _, ys = jax.lax.scan(tick, jnp.zeros_like(x_MbLD[0]), jnp.arange(M + S - 1))
         outs = ys[S - 1:]
@@ -170,8 +160,11 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
                  layout: ParamLayout, trees: tuple[Any, Any], n_batch: int = 1):
     """Per-device table-driven engine; returns (loss, aux) and, when ``train``, the gradients.
 
-    Takes the flattened stage and head leaves (``trees``: their treedefs) and gathers the ones a
-    manual batch axis shards once, before the tick loop. With manual batch axes (``n_batch``
+    Takes the flattened stage leaves in chunk order (device s's block: its chunks ``s, s+S, ...``)
+    and the head leaves (``trees``: their treedefs) and gathers the ones a manual batch axis shards
+    once, before the tick loop. Each tick sends only what the table sends: one ``ppermute`` per
+    direction over the pairs of :func:`spmd.pipeline.sends.send_plan`, none on a tick without
+    sends. With manual batch axes (``n_batch``
     devices along them) each device sees its own rows: the loss cotangent is ``1/(M*n_batch)``,
     gradients stay local partial sums at gathered size through every tick and are reduced
     (:meth:`ParamLayout.reduce`) once after the schedule; loss and aux are averaged over them.
@@ -179,7 +172,9 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
     batch_axes = layout.batch_axes
     S, M, V = schedule.n_stages, schedule.n_microbatches, schedule.n_virtual
     table_np, n_x, n_g = _build_tables(schedule)
-    ring = V > 1
+    plan = send_plan(schedule)
+    (f_pats, f_idx), (b_pats, b_idx) = plan.patterns("forward"), plan.patterns("backward")
+    send_f, send_b = _sender(f_pats, axis), _sender(b_pats, axis)
 
     def stage(leaves, x):
         return stage_fn(jax.tree.unflatten(trees[0], leaves), x)
@@ -201,7 +196,8 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
         def chunk(v):
             return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, v, keepdims=False), params)
 
-        def tick(c, row_all):
+        def tick(c, xs):
+            row_all, kf, kb = xs
             row = jax.lax.dynamic_index_in_dim(row_all, s, keepdims=False)
             kind, m, v, first = row[_KIND], row[_M], row[_V], row[_FIRST]
             xs, gs, rf, rb = (jnp.maximum(row[i], 0) for i in (_XSLOT, _GSLOT, _RECV_F, _RECV_B))
@@ -239,12 +235,11 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
                 return c, zx, jnp.where(first == 1, 0, dx)
 
             branches = [idle, fwd, fwd_last, bwd] if train else [idle, fwd, fwd_last]
-            c, send_f, send_b = jax.lax.switch(jnp.minimum(kind, len(branches) - 1), branches, c)
-            c["recv_f"] = jax.lax.ppermute(send_f, axis, _perm(S, 1, ring))
-            c["recv_b"] = jax.lax.ppermute(send_b, axis, _perm(S, -1, ring))
+            c, y, dx = jax.lax.switch(jnp.minimum(kind, len(branches) - 1), branches, c)
+            c["recv_f"], c["recv_b"] = send_f(kf, y), send_b(kb, dx)
             return c, None
 
-        c, _ = jax.lax.scan(tick, carry, table)
+        c, _ = jax.lax.scan(tick, carry, (table, jnp.asarray(f_idx), jnp.asarray(b_idx)))
         mean = (lambda a: jax.lax.pmean(a, batch_axes)) if batch_axes else (lambda a: a)
         out = (mean(c["loss"])[None], jax.tree.map(lambda a: mean(a)[None], c["aux"]))
         if not train:
@@ -271,13 +266,17 @@ def run_schedule(
     rules: Rules | None = None,
     remat: bool = False,
     axis: str = "pipe",
+    layer_order: LayerOrder | None = None,
 ) -> tuple[jax.Array, dict]:
     """Mean over microbatches of ``head_fn(head, blocks(x[m]), targets[m])``, run as a pipeline.
 
-    ``stage_params`` leaves are ``[L, ...]`` in natural layer order (L divisible by S*V);
-    ``stage_fn(params[Lc, ...], x)`` applies Lc consecutive layers. Differentiable w.r.t.
-    ``stage_params``, ``head_params`` and ``x_MbLD``. ``rules``: the rule set the model's
-    constraints follow (None: plain code), re-targeted inside the ``shard_map``.
+    ``stage_params`` leaves are ``[L, ...]`` (L divisible by S*V) in ``layer_order`` (None: the order
+    in the variables' metadata, natural for plain arrays); ``stage_fn(params[Lc, ...], x)`` applies
+    Lc consecutive layers. The table engine reads the chunk order ``LayerOrder(S, V)`` in place;
+    another order is converted to it on every call, an all-to-all of ``(S-1)/S`` of the stack over
+    ``pipe`` (and its gradients back). Differentiable w.r.t. ``stage_params``, ``head_params`` and
+    ``x_MbLD``, gradients in the params' order. ``rules``: the rule set the model's constraints
+    follow (None: plain code), re-targeted inside the ``shard_map``.
     """
     S, M, V = schedule.n_stages, schedule.n_microbatches, schedule.n_virtual
     if axis not in mesh.shape or mesh.shape[axis] != S:
@@ -288,6 +287,8 @@ def run_schedule(
     for a in jax.tree.leaves(stage_params):
         if a.shape[0] % (S * V):
             raise ValueError(f"{a.shape[0]} layers do not split into S*V = {S}*{V} = {S * V} equal chunks")
+    order = order_of(stage_params) if layer_order is None else layer_order
+    chunks = LayerOrder(S, V)  # what the engine reads: device s's block holds chunks s, s+S, ...
     pip = P(axis)
     bax = manual_batch_axes(mesh, rules, x_MbLD.shape[1], axis)
     layout = param_layout(stage_params, head_params, rules, mesh, axis, bax)
@@ -307,7 +308,7 @@ def run_schedule(
     if schedule.name == "gpipe":
         run = jax.shard_map(inner(_gpipe_local(stage_fn, head_fn, S, M, axis, remat, layout, trees)),
                             in_specs=in_specs, out_specs=(pip, pip), **sm)
-        loss, aux = run(p_leaves, h_leaves, x_MbLD, targets_MbL)
+        loss, aux = run(order.convert(p_leaves, NATURAL), h_leaves, x_MbLD, targets_MbL)
         return loss.sum(), jax.tree.map(lambda a: a.sum(), aux)
 
     table = functools.partial(_table_local, stage_fn, head_fn, axis=axis, layout=layout, trees=trees, n_batch=n_batch)
@@ -323,11 +324,11 @@ def run_schedule(
 
     @jax.custom_vjp
     def run(params, head, x, tg):
-        return reduce(eval_run(_to_chunks(params, S, V), head, x, tg))
+        return reduce(eval_run(order.convert(params, chunks), head, x, tg))
 
     def run_fwd(params, head, x, tg):
-        out, (pgrad, hgrad, dx) = train_run(_to_chunks(params, S, V), head, x, tg)
-        grads = (_from_chunks(pgrad, S, V), [a.sum(0) for a in hgrad], dx.sum(0))
+        out, (pgrad, hgrad, dx) = train_run(order.convert(params, chunks), head, x, tg)
+        grads = (chunks.convert(pgrad, order), [a.sum(0) for a in hgrad], dx.sum(0))
         return reduce(out), grads
 
     def run_bwd(grads, cts):

@@ -104,6 +104,13 @@ class Schedule:
                 g_held[start:t + 1, c % S] += 1
         return max(1, int(x_held.max())), max(1, int(g_held.max()))
 
+    def sent_bytes(self, activation_bytes: int):
+        """Bytes per step the table engine sends over ``pipe`` for activations of ``activation_bytes``
+        (``[B/M, L, D]``), with the minimum and per stage: :func:`spmd.pipeline.sends.sent_bytes`."""
+        from spmd.pipeline.sends import sent_bytes  # sends reads schedules
+
+        return sent_bytes(self, activation_bytes)
+
     def validate(self) -> None:
         """Raise ValueError unless every op appears once and every data dependency is met."""
         S, M, C = self.n_stages, self.n_microbatches, self.n_chunks

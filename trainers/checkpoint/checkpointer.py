@@ -22,7 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from trainers.checkpoint import storage, upgrade
+from trainers.checkpoint import layer_order, storage, upgrade
 from trainers.checkpoint.config import CheckpointConfig
 from trainers.checkpoint.host_copy import HostCopy
 from trainers.checkpoint.validation import (
@@ -49,9 +49,10 @@ class Checkpointer:
     """Saves and restores ``(step, state, data_state)`` under one directory with orbax."""
 
     def __init__(self, directory: str | os.PathLike[str], config: CheckpointConfig = CheckpointConfig(), *,
-                 read_only: bool = False) -> None:
+                 read_only: bool = False, layer_orders: layer_order.StackOrders = ()) -> None:
         """``read_only`` opens another run's checkpoints (``init_from``): nothing is created,
-        cleaned up or saved there."""
+        cleaned up or saved there. ``layer_orders``: the run's stacks not stored in natural order
+        (``ShardedState.layer_orders``); steps hold them in natural order (:mod:`.layer_order`)."""
         if not isinstance(config, CheckpointConfig):
             raise ValueError(f"config must be a CheckpointConfig, got {type(config).__name__}")
         text = os.fspath(directory)
@@ -68,6 +69,7 @@ class Checkpointer:
             read_only=read_only,
         )
         self.read_only = read_only
+        self.layer_orders = layer_orders
         if read_only and not self.directory.is_dir():
             raise ValueError(f"checkpoint directory {self.directory} does not exist")
         self._manager = ocp.CheckpointManager(self.directory, handler_registry=storage.handler_registry(),
@@ -116,6 +118,7 @@ class Checkpointer:
                     return False
                 logger.warning("checkpoint step %d in %s is unusable (%s); replacing it", step, self.directory, reason)
                 self._manager.delete(step)
+        state = layer_order.to_natural(state, self.layer_orders)
         if not self._background:
             return bool(self._manager.save(step, args=storage.save_args(state, data_state), force=True))
         spare, self._last_copy = (self._last_copy.buffers if self._last_copy else None), None
@@ -287,11 +290,12 @@ class Checkpointer:
         return None, None, failures
 
     def _read_params(self, step: int, abstract_params: Any) -> Any:
-        return self._manager.restore(step, args=storage.params_restore_args(abstract_params))["state"]["params"]
+        params = self._manager.restore(step, args=storage.params_restore_args(abstract_params))["state"]["params"]
+        return layer_order.from_natural(params, self.layer_orders)
 
     def _read(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
         restored = self._manager.restore(step, args=storage.restore_args(abstract_state))
         data_state = restored["data"]
         if not isinstance(data_state, dict):
             raise ValueError(f"data_state is {type(data_state).__name__}, expected a dict")
-        return restored["state"], data_state
+        return layer_order.from_natural(restored["state"], self.layer_orders), data_state

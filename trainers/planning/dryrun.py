@@ -97,7 +97,7 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
     schedule = make_lr_schedule(cfg.lr, cfg.run.steps)
     tx = make_optimizer(cfg.optimizer, schedule)
     sharded = create_state(lambda: run.model(nnx.Rngs(cfg.run.seed)), tx, rules, mesh, seed=cfg.run.seed,
-                           path_rules=run.path_rules, abstract=True)
+                           path_rules=run.path_rules, abstract=True, pipeline=cfg.pipeline)
     batch_sharding = spmd.batch_sharding(rules, mesh, dims=("batch",))
     step = make_train_step(sharded, tx, rules, mesh, batch_sharding, schedule=schedule, grad_accum=cfg.run.grad_accum,
                            loss_fn=run.loss)

@@ -1,0 +1,170 @@
+"""What the table engine sends over ``pipe``: one activation per chunk boundary a microbatch crosses.
+
+A forward of chunk c < C-1 (C = S*V) sends its output ``x[B/M, L, D]`` to device ``(c+1) % S``,
+a backward of chunk c > 0 its input gradient to ``(c-1) % S``: M*(C-1) activations each way, the
+minimum. :func:`send_plan` lists each tick's (source, target) stage pairs; the engine runs a tick's
+``ppermute`` with exactly those pairs, picked by a ``lax.switch`` on the tick (the same branch on
+every device), and none on a tick without sends. :func:`sent_bytes` counts that from the table;
+:func:`hlo_sent_bytes` reads the compiled program and weighs each switch branch by how often the
+table takes it. See docs/pipelines.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import numpy as np
+from jax.sharding import Mesh
+
+from spmd import hlo
+from spmd.pipeline.schedules import BACKWARD, FORWARD, Schedule
+
+Pairs = tuple[tuple[int, int], ...]  # (source stage, target stage)
+DIRECTIONS = ("forward", "backward")
+
+
+@dataclasses.dataclass(frozen=True)
+class SendPlan:
+    """Per tick, the stage pairs that carry a forward activation / a backward gradient."""
+
+    n_stages: int
+    forward: tuple[Pairs, ...]
+    backward: tuple[Pairs, ...]
+
+    def patterns(self, direction: str) -> tuple[tuple[Pairs, ...], np.ndarray]:
+        """The distinct non-empty pair sets of one direction, in order of first use, and per tick the
+        switch branch: 0 for no send, k for ``patterns[k - 1]``."""
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction {direction!r} is not one of {DIRECTIONS}")
+        pats: list[Pairs] = []
+        index = np.zeros(len(self.forward), np.int32)
+        for t, pairs in enumerate(getattr(self, direction)):
+            if pairs:
+                if pairs not in pats:
+                    pats.append(pairs)
+                index[t] = pats.index(pairs) + 1
+        return tuple(pats), index
+
+    @property
+    def count(self) -> int:
+        """Activations sent per step (all pairs, both directions)."""
+        return sum(len(p) for p in self.forward + self.backward)
+
+    def per_stage(self) -> np.ndarray:
+        """Activations each stage sends per step."""
+        out = np.zeros(self.n_stages, np.int64)
+        for pairs in self.forward + self.backward:
+            for src, _ in pairs:
+                out[src] += 1
+        return out
+
+
+def send_plan(schedule: Schedule) -> SendPlan:
+    """Who sends to whom on each tick of ``schedule`` run by the table engine."""
+    S, C = schedule.n_stages, schedule.n_chunks
+    fwd, bwd = [], []
+    for t in range(schedule.n_ticks):
+        f, b = [], []
+        for s in range(S):
+            kind, _, v = (int(x) for x in schedule.actions[t, s])
+            c = v * S + s
+            if kind == FORWARD and c < C - 1:
+                f.append((s, (s + 1) % S))
+            elif kind == BACKWARD and c > 0:
+                b.append((s, (s - 1) % S))
+        fwd.append(tuple(f))
+        bwd.append(tuple(b))
+    return SendPlan(S, tuple(fwd), tuple(bwd))
+
+
+@dataclasses.dataclass(frozen=True)
+class SentBytes:
+    """Bytes over ``pipe`` per step, summed over all (source, target) stage pairs of one pipeline."""
+
+    executed: int  # what the table engine sends
+    minimum: int  # M*(C-1) activations each way (forward only: one way)
+    per_stage: tuple[int, ...]  # what each stage sends
+
+    @property
+    def ratio(self) -> float:
+        return self.executed / self.minimum if self.minimum else 1.0
+
+
+def minimum_sends(schedule: Schedule) -> int:
+    """M*(C-1) activations forward, as many gradients backward when the schedule has backwards."""
+    one_way = schedule.n_microbatches * (schedule.n_chunks - 1)
+    return one_way * (2 if schedule.has_backward else 1)
+
+
+def sent_bytes(schedule: Schedule, activation_bytes: int) -> SentBytes:
+    """Executed and minimum bytes per step for activations of ``activation_bytes`` (``[B/M, L, D]``)."""
+    plan = send_plan(schedule)
+    return SentBytes(plan.count * activation_bytes, minimum_sends(schedule) * activation_bytes,
+                     tuple(int(n) * activation_bytes for n in plan.per_stage()))
+
+
+_PERMUTE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*\bcollective-permute(?:-start)?\(")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+
+
+def _branches(comps: list[hlo.Computation]) -> dict[str, tuple[str, int]]:
+    """branch computation -> (conditional instruction, branch index)."""
+    out = {}
+    for comp in comps:
+        for line in comp.lines:
+            if " conditional(" not in line:
+                continue
+            instr = line.split("=", 1)[0].strip().removeprefix("ROOT ").lstrip("%")
+            m = re.search(r"branch_computations=\{([^}]*)\}", line)
+            names = re.findall(r"%?([\w.\-]+)", m.group(1)) if m else [
+                re.search(rf"{k}=%?([\w.\-]+)", line).group(1) for k in ("false_computation", "true_computation")]
+            out.update({name: (instr, i) for i, name in enumerate(names)})
+    return out
+
+
+def hlo_sent_bytes(compiled: Any, schedule: Schedule, mesh: Mesh, axis: str = "pipe") -> dict[str, int]:
+    """Collective-permute bytes over ``axis`` per step in a compiled program, summed over the stage pairs
+    of one pipeline (``{"executed": ..., "unattributed": ...}``).
+
+    A permute in branch k of a conditional counts once per tick the table takes that branch (its pairs
+    must be the plan's pattern k for one direction); any other permute counts its pairs on every
+    execution XLA's loop trip counts give (``unattributed``: the engine should have none).
+    """
+    names = list(mesh.axis_names)
+    pipe_dim, n_pipes = names.index(axis), mesh.devices.size // mesh.shape[axis]
+    coords = np.array(np.unravel_index(np.arange(mesh.devices.size), mesh.devices.shape)).T
+    plan = send_plan(schedule)
+    patterns = {d: plan.patterns(d) for d in DIRECTIONS}
+    comps = hlo.computations(compiled)
+    branch_of = _branches(comps)
+    nbytes = {op.name: op.bytes for op in hlo.collectives(compiled, mesh) if op.kind == "collective-permute"}
+    found: dict[str, list[tuple[int, Pairs, int, int]]] = {}  # conditional -> (branch, pairs, bytes, count)
+    unattributed = 0
+    for comp in comps:
+        for line in comp.lines:
+            m = _PERMUTE.match(line)
+            if not m or m.group(1) not in nbytes or not comp.count:
+                continue
+            raw = [(int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", _PAIRS.search(line).group(1))]
+            pairs = tuple(sorted({(int(coords[a][pipe_dim]), int(coords[b][pipe_dim])) for a, b in raw}))
+            if comp.name in branch_of:
+                instr, k = branch_of[comp.name]
+                found.setdefault(instr, []).append((k, pairs, nbytes[m.group(1)], comp.count))
+            else:
+                unattributed += comp.count * len(raw) // n_pipes * nbytes[m.group(1)]
+    executed = 0
+    for instr, ops in found.items():
+        fits = [d for d in DIRECTIONS if all(0 < k <= len(patterns[d][0]) and patterns[d][0][k - 1] == p
+                                             for k, p, _, _ in ops)]
+        freqs = {tuple(int((patterns[d][1] == k).sum()) for k, _, _, _ in ops) for d in fits}
+        if len(freqs) != 1:
+            raise ValueError(f"collective-permutes in conditional {instr} ({[(k, p) for k, p, _, _ in ops]}) match "
+                             f"{len(fits)} directions of the send plan; cannot attribute them")
+        for f, (_, p, b, count) in zip(freqs.pop(), ops):
+            if count % schedule.n_ticks:
+                raise ValueError(f"conditional {instr} runs {count} times per step, not a multiple of the "
+                                 f"schedule's {schedule.n_ticks} ticks: it is not the engine's tick loop")
+            executed += f * (count // schedule.n_ticks) * len(p) * b
+    return {"executed": executed, "unattributed": unattributed}
