@@ -326,7 +326,7 @@ def gpt_setup(cfg: GPTConfig, mesh: jax.sharding.Mesh, rules: str | spmd.Rules, 
 
     rules = spmd.get_rules(rules)
     tx = tx or optax.adamw(1e-3, b1=0.9, b2=0.95, weight_decay=0.1)
-    sharded = create_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), tx, rules, mesh)
+    sharded = create_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), tx, rules, mesh, pipeline=pipeline)  # its layer order
     batch_sharding = spmd.batch_sharding(rules, mesh)
     data = make_batch(cfg.vocab_size, batch, length, batch_sharding)
     step = minimal_step(sharded, tx, rules, mesh, batch_sharding, donate=donate, pipeline=pipeline)

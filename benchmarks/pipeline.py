@@ -12,9 +12,9 @@ Runs only if ``spmd.pipeline`` exists (otherwise the section says "pipeline: not
    column is the measured time at M over the time at the smallest M, against that ideal. On
    simulated CPU devices all stages share the host's cores, so an idle stage frees cores for
    the busy ones and the bubble barely shows in time: the rows are reported, not judged there.
-3. **Comms** (also shown by ``benchmarks.comms``): collective-permute bytes over ``pipe`` per
-   step against the minimum ``2 M`` activations ``[B/M, L, D]`` per device (each microbatch's
-   activation sent forward once and its gradient backward once).
+3. **Comms** (also shown by ``benchmarks.comms``): bytes sent over ``pipe`` per step, summed over
+   the stages, against the minimum ``2 M (C-1)`` activations ``[B/M, L, D]`` (C = S V chunks: each
+   microbatch's activation crosses every chunk boundary forward once, its gradient backward once).
 
     python -m benchmarks.pipeline [--quick] [--output PATH]
 """
@@ -74,35 +74,25 @@ def pipeline_setup(name: str, M: int, quick: bool) -> common.GPTSetup:
 
 
 def comms_row(name: str, M: int, setup: common.GPTSetup) -> Row:
-    ops = [o for o in spmd.hlo.collectives(setup.compiled, setup.mesh) if o.kind == "collective-permute"]
+    """Bytes the compiled step sends over ``pipe`` (``hlo_sent_bytes``: each switch branch weighed by how
+    often the table takes it) against the minimum ``2 x M x (C-1)`` activations (``Schedule.sent_bytes``)."""
+    from spmd.pipeline import get_schedule
+    from spmd.pipeline.sends import hlo_sent_bytes
+
+    V = 2 if name == "interleaved" else 1
+    sched = get_schedule(name, STAGES, M, V)
     cfg, (batch, length) = setup.cfg, setup.batch["inputs"].shape
     act = (batch // M) * length * cfg.d_model * np.dtype(cfg.compute_dtype).itemsize
-    measured = sum(o.total_bytes for o in ops)
-    theory = 2 * M * act
-    acts = [o for o in ops if o.bytes == act]
-    rest = [o for o in ops if o.bytes != act]
-    note = (f"{sum(o.count for o in acts)} permutes of one activation {fmt_bytes(act)}: the engine sends one forward "
-            "and one gradient backward every tick, zeros when idle (bubble ticks and the last/first stage's sends "
-            "move bytes too)")
-    if rest:
-        note += (f"; +{fmt_bytes(sum(o.total_bytes for o in rest))} in {sum(o.count for o in rest)} other permutes "
-                 f"({', '.join(fmt_bytes(b) for b in sorted({o.bytes for o in rest}))}) from "
-                 f"{', '.join(sorted({'/'.join(o.op_name.split('/')[-2:]) for o in rest}))[:200]}"
-                 + (": the interleaved engine regroups the stack's layer chunks round-robin over pipe"
-                    if name == "interleaved" else ""))
-    return Row(f"pp{STAGES} {name} M={M}: collective-permute over pipe", fmt_bytes(measured),
-               f"{fmt_bytes(theory)} = 2 x M x [B/M,L,D]", measured / theory, "1.00", measured <= theory * 1.01, note)
-
-
-def comms_rows() -> tuple[list[Row], str]:
-    """The pipeline rows of ``benchmarks.comms`` (1F1B, M = 2S, quick-sized model)."""
-    if len(jax.devices()) < STAGES:
-        return [], f"pipeline: skipped (needs {STAGES} devices)"
-    try:
-        M = 2 * STAGES
-        return [comms_row("1f1b", M, pipeline_setup("1f1b", M, quick=True))], "pipeline: 1f1b rows above"
-    except Exception as exc:  # the engine is young: report, do not hide the other rows
-        return [], f"pipeline: available but failed: {type(exc).__name__}: {str(exc)[:300]}"
+    table, found = sched.sent_bytes(act), hlo_sent_bytes(setup.compiled, sched, setup.mesh)
+    measured = found["executed"] + found["unattributed"]
+    other = [o for o in spmd.hlo.collectives(setup.compiled, setup.mesh)
+             if "pipe" in o.axes and o.kind != "collective-permute" and o.count > 1]
+    note = (f"summed over the stages; table {fmt_bytes(table.executed)}, busiest stage "
+            f"{fmt_bytes(max(table.per_stage))}; unattributed permutes {fmt_bytes(found['unattributed'])}; "
+            f"per-tick collectives over pipe besides the sends: {len(other)}")
+    return Row(f"pp{STAGES} {name} M={M}: sends over pipe", fmt_bytes(measured),
+               f"{fmt_bytes(table.minimum)} = 2 x M x (C-1) x [B/M,L,D], C = {sched.n_chunks}",
+               measured / table.minimum, "1.00", measured <= table.minimum * 1.01 and not other, note)
 
 
 def step_rows(quick: bool) -> list[Row]:
