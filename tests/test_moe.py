@@ -143,3 +143,151 @@ def test_router_losses(kind):
     top2 = router_lib.route(logits, 2, kind)
     np.testing.assert_allclose(top2.gates_TK.sum(-1), 1.0, rtol=1e-6)  # k > 1: gates normalised
     assert float(top2.stats["z_loss"]) == pytest.approx(float(jnp.mean(jax.nn.logsumexp(logits, -1) ** 2)), rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- the GPT with MoE blocks
+# 4 layers as 2 groups of (dense block, MoE block): 2 MoE layers in the Stack's scan; sigmoid router, a shared expert
+GPT_CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, d_ff=64, n_experts=E, experts_per_token=K,
+                    moe_every=2, n_shared_experts=1, router="sigmoid", aux_loss_weight=0.1, router_z_loss_weight=0.01)
+GPT_B, GPT_L = 8, 8
+
+
+def gpt_batch():
+    tokens = np.random.default_rng(1).integers(0, GPT_CFG.vocab_size, size=(GPT_B, GPT_L + 1), dtype=np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+@functools.cache
+def gpt_step(name):
+    sizes, rules = LAYOUTS[name]
+    mesh, rules = mesh_of(sizes), spmd.get_rules(rules)
+    graphdef, params, shardings = spmd.init_params(lambda: GPT(GPT_CFG, rngs=nnx.Rngs(0)), rules, mesh)
+
+    def loss_fn(params, batch):
+        with spmd.use_rules(rules, mesh):
+            return nnx.merge(graphdef, params).loss(batch["inputs"], batch["targets"])
+
+    batch_sh = spmd.batch_sharding(rules, mesh)
+    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sh) for k, v in gpt_batch().items()}
+    compiled = jax.jit(jax.value_and_grad(loss_fn, has_aux=True)).lower(params, abstract).compile()
+    return mesh, rules, params, shardings, batch_sh, compiled
+
+
+@functools.cache
+def gpt_result(name):
+    mesh, rules, params, _, batch_sh, compiled = gpt_step(name)
+    (loss, metrics), grads = compiled(params, {k: jax.device_put(v, batch_sh) for k, v in gpt_batch().items()})
+    return float(loss), {k: float(v) for k, v in metrics.items()}, jax.tree.map(np.asarray, grads)
+
+
+def test_gpt_matches_single_device():
+    ref_loss, ref_metrics, ref_grads = gpt_result("single")
+    loss, metrics, grads = gpt_result("fsdp2_expert4")
+    assert loss == pytest.approx(ref_loss, rel=TOL)
+    assert rel_err(grads, ref_grads) < TOL
+    assert metrics == pytest.approx(ref_metrics, rel=TOL)
+    assert {"ce", "moe_aux_loss", "moe_z_loss", "moe_load_max", "moe_load_min", "moe_dropped"} <= set(metrics)
+    # the loss is ce + the weighted MoE losses (means over the 2 MoE layers)
+    assert loss == pytest.approx(metrics["ce"] + 0.1 * metrics["moe_aux_loss"] + 0.01 * metrics["moe_z_loss"], rel=1e-6)
+    assert metrics["moe_aux_loss"] > 0 and metrics["moe_dropped"] == 0.0
+    # the experts of both MoE layers (stacked [2, E, ...]) and the dense blocks' MLPs all receive gradients
+    moe = grads["blocks"]["block"]["moe"]["mlp"]
+    assert moe["w_gate_up"].shape == (2, E, 32, 2, 64) and np.abs(moe["w_gate_up"]).max(axis=(2, 3, 4)).min() > 0
+    assert np.abs(moe["w_router"]).max() > 0 and np.abs(moe["shared"]["w_down"]).max() > 0
+
+
+def test_gpt_all_to_alls_per_moe_layer():
+    """2 all-to-alls per MoE layer forward (dispatch, combine) and 2 backward, over ``expert``, each moving
+    the [E, C, D] buffer: dropless C = the device's tokens (1 row of 8 on each of 8 devices)."""
+    mesh, *_, compiled = gpt_step("fsdp2_expert4")
+    ops = [c for c in spmd.hlo.collectives(compiled, mesh) if c.kind == "all-to-all"]
+    t_loc = GPT_B * GPT_L // 8
+    assert sorted((c.backward, c.count, c.axes, c.bytes) for c in ops) == (
+        [(False, 2, ("expert",), E * t_loc * GPT_CFG.d_model * 4)] * 2 + [(True, 2, ("expert",), E * t_loc * 32 * 4)] * 2)
+
+
+def test_layer_all_to_all_bytes_at_a_capacity():
+    """Capacity factor 1: C = ceil(T * k / E) slots per expert per device; the all-to-alls move [E, C, D].
+    This step differentiates the params only: the dispatch's transpose (the gradient of x) is not needed,
+    so the backward pass has 1 all-to-all (the combine's transpose) where the GPT has 2."""
+    mesh, rules, params, step = layer_step("data2_expert4", 1.0)
+    tokens = spmd.batch_sharding(rules, mesh)
+    abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=tokens) for a in layer_inputs()]
+    ops = [c for c in spmd.hlo.collectives(step.lower(params, *abstract).compile(), mesh) if c.kind == "all-to-all"]
+    t = B * L // 8
+    c = router_lib.capacity(t, E, K, 1.0)
+    assert c == 2
+    assert sorted((op.backward, op.count, op.axes, op.bytes) for op in ops) == (
+        [(False, 1, ("expert",), E * c * D * 4)] * 2 + [(True, 1, ("expert",), E * c * D * 4)])
+
+
+def trace_layer(sizes, rules, n_experts=E):
+    layer = MoE(D, F, n_experts, K, rngs=nnx.Rngs(0))
+    mesh = mesh_of(sizes)
+
+    def f(x):
+        with spmd.use_rules(rules, mesh):
+            return layer(x)[0]
+
+    return jax.eval_shape(f, jax.ShapeDtypeStruct((B, L, D), jnp.float32))
+
+
+def test_wrong_rule_sets_are_refused():
+    trace_layer({"data": 2, "expert": 4}, "dp_ep")  # the right rule set traces
+    with pytest.raises(ValueError, match=r"rule set 'dp' maps the MoE dim 'expert'.*expert=4.*dp_ep, fsdp_ep"):
+        trace_layer({"data": 2, "expert": 4}, "dp")
+    no_batch = spmd.Rules("ep_only", params=(("expert", "expert"),), activations=(("expert", "expert"), ("batch", "data")))
+    with pytest.raises(ValueError, match=r"'ep_only' does not split the batch over the expert axis"):
+        trace_layer({"data": 2, "expert": 4}, no_batch)
+    with pytest.raises(ValueError, match=r"n_experts=8 does not divide over the expert axis of size 3"):
+        trace_layer({"expert": 3}, "dp_ep")
+    with pytest.raises(ValueError, match=r"maps the MoE dim 'expert' to params"):
+        trace_layer({"data": 8}, spmd.get_rules("dp").replace(name="dp_x", params={"expert": "data"},
+                                                              activations={"expert": "data"}))
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"experts_per_token": 9}, "experts_per_token=9 must be between 1 and n_experts=8"),
+    ({"moe_every": 3}, "moe_every=3 must be >= 1 and divide n_layers=4"),
+    ({"capacity_factor": -1.0}, "capacity_factor must be >= 0"),
+    ({"router": "relu"}, "router 'relu' is not one of"),
+    ({"n_experts": -2}, "n_experts must be >= 0"),
+])
+def test_config_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        GPTConfig(**{**GPT_CFG.__dict__, **kw})
+
+
+def test_pipeline_with_moe_is_refused():
+    from spmd.pipeline import PipelineConfig
+
+    model = GPT(GPT_CFG, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="MoE blocks do not run under a pipeline"):
+        model.loss(gpt_batch()["inputs"], gpt_batch()["targets"], pipeline=PipelineConfig("gpipe", microbatches=2))
+
+
+def test_checkpoint_restores_onto_a_mesh_without_the_expert_axis(tmp_path):
+    """Params saved from fsdp=2 x expert=4 restore bit-equal onto data=8 (rules dp: experts replicated)
+    and onto expert=8; the loss on data=8 (no all-to-all) is the saved model's single-device loss."""
+    from trainers.checkpoint import CheckpointConfig, Checkpointer
+
+    _, _, params, _, _, _ = gpt_step("fsdp2_expert4")
+    assert params["blocks"]["block"]["moe"]["mlp"]["w_gate_up"].sharding.spec[:3] == (None, "expert", "fsdp")
+    with Checkpointer(tmp_path / "ckpt", CheckpointConfig(every_steps=1, keep=1)) as ck:
+        ck.save(1, {"params": params}, {})
+        ck.wait()
+        for sizes, rules, spec in [({"data": 8}, "dp", ()), ({"expert": 8}, "dp_ep", (None, "expert"))]:
+            mesh = mesh_of(sizes)
+            graphdef, _, shardings = spmd.init_params(lambda: GPT(GPT_CFG, rngs=nnx.Rngs(0)), rules, mesh)
+            target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, shardings)
+            _, restored, _ = ck.restore({"params": target})
+            restored = restored["params"]
+            assert tuple(restored["blocks"]["block"]["moe"]["mlp"]["w_gate_up"].sharding.spec) == spec
+            assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(params)))
+            if rules == "dp":
+                on_dp = (mesh, graphdef, restored)
+    mesh, graphdef, restored = on_dp
+    batch = gpt_batch()
+    with spmd.use_rules("dp", mesh):
+        loss, _ = jax.jit(lambda p: nnx.merge(graphdef, p).loss(batch["inputs"], batch["targets"]))(restored)
+    assert float(loss) == pytest.approx(gpt_result("single")[0], rel=TOL)

@@ -72,6 +72,20 @@ def gpt_small_pp(tiny: bool = False) -> Config:
                                pipeline=PipelineConfig("1f1b", microbatches=8))
 
 
+def gpt_moe(tiny: bool = False) -> Config:
+    """``gpt-small`` with every MLP a mixture of 8 SwiGLU experts of width 256, top-2 (the active MLP width
+    per token, 512, is gpt-small's), capacity factor 1.25; experts over ``expert=4``, the batch over
+    ``data=2`` x ``expert=4`` (rules ``dp_ep``); aux and router z losses logged as ``moe_*`` (docs/moe.md)."""
+    base = gpt_small()
+    cfg = dataclasses.replace(
+        base, model=dataclasses.replace(base.model, n_experts=8, experts_per_token=2, moe_d_ff=256, capacity_factor=1.25),
+        mesh=MeshConfig(axes="data=2,expert=4"), rules="dp_ep", run=dataclasses.replace(base.run, name="gpt-moe"))
+    if not tiny:
+        return cfg
+    cfg = _tiny(cfg)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_d_ff=32))
+
+
 def _gpu_gpt(name: str, d_model: int, n_layers: int, n_heads: int, tiny: bool) -> Config:
     cfg = Config(
         model=GPTConfig(vocab_size=256, d_model=d_model, n_layers=n_layers, n_heads=n_heads, dtype="bfloat16", remat=True),
@@ -97,7 +111,7 @@ def gpt_350m(tiny: bool = False) -> Config:
 
 
 RECIPES: dict[str, Callable[..., Config]] = {"gpt-small": gpt_small, "gpt-small-pp": gpt_small_pp, "gpt-125m": gpt_125m,
-                                             "gpt-350m": gpt_350m}
+                                             "gpt-350m": gpt_350m, "gpt-moe": gpt_moe}
 
 
 def recipe(name: str, *, tiny: bool = False) -> Config:

@@ -5,7 +5,8 @@ Training FLOPs per token follow the PaLM paper (Chowdhery et al. 2022, appendix 
 (every weight except the embedding lookup and norm scales; the output head counts even when tied,
 since its matmul still runs) and the second term is attention's QK^T and AV matmuls (forward 2x,
 backward 4x, causal masking not subtracted, as in PaLM and MaxText). 6 = 2 (multiply-add) x 3
-(forward + two backward matmuls).
+(forward + two backward matmuls). In MoE blocks a token's matmuls use the router, its k experts and
+the shared experts (capacity padding and dropped tokens not counted).
 """
 
 from __future__ import annotations
@@ -13,16 +14,25 @@ from __future__ import annotations
 from spmd.models.gpt import GPTConfig
 
 
-def block_params(cfg: GPTConfig) -> int:
+def block_params(cfg: GPTConfig, *, moe: bool = False, active: bool = False) -> int:
+    """Parameters of one block (``moe``: an MoE block; ``active``: only the experts one token uses)."""
     d, h, g, k, f = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.k, cfg.ff
     attn = d * h * k + 2 * d * g * k + h * k * d
     mlp = 3 * d * f
+    if moe:
+        fe, e = cfg.expert_ff, cfg.n_experts
+        mlp = d * e + 3 * d * fe * (cfg.experts_per_token if active else e) + 3 * d * fe * cfg.n_shared_experts
     return attn + mlp + 2 * d
+
+
+def _blocks(cfg: GPTConfig, *, active: bool = False) -> int:
+    n_moe = cfg.n_layers // cfg.moe_every if cfg.n_experts else 0
+    return n_moe * block_params(cfg, moe=True, active=active) + (cfg.n_layers - n_moe) * block_params(cfg)
 
 
 def param_count(cfg: GPTConfig, *, embedding: bool = True) -> int:
     """Exact number of parameters (``embedding=False`` leaves out the token-embedding table)."""
-    n = cfg.n_layers * block_params(cfg) + cfg.d_model  # blocks + final norm
+    n = _blocks(cfg) + cfg.d_model  # blocks + final norm
     if not cfg.tie_embeddings:
         n += cfg.d_model * cfg.vocab_size
     if embedding:
@@ -32,8 +42,7 @@ def param_count(cfg: GPTConfig, *, embedding: bool = True) -> int:
 
 def matmul_params(cfg: GPTConfig) -> int:
     """Parameters that take part in a matmul per token (norm scales and the lookup excluded)."""
-    per_block = block_params(cfg) - 2 * cfg.d_model
-    return cfg.n_layers * per_block + cfg.d_model * cfg.vocab_size
+    return _blocks(cfg, active=True) - cfg.n_layers * 2 * cfg.d_model + cfg.d_model * cfg.vocab_size
 
 
 def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:

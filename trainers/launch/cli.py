@@ -30,7 +30,7 @@ EXIT_PREEMPTED = 76  # stopped by SIGTERM / SIGINT after saving a checkpoint: ru
 EXIT_INTERRUPTED = 130  # Ctrl-C before there was anything to save
 
 # The recipes' names, for --help without importing jax (tests check it equals trainers.recipes.RECIPES).
-RECIPE_NAMES = ("gpt-small", "gpt-small-pp", "gpt-125m", "gpt-350m")
+RECIPE_NAMES = ("gpt-small", "gpt-small-pp", "gpt-125m", "gpt-350m", "gpt-moe")
 
 EXAMPLES = """examples:
   spmd-train gpt-small --simulate-devices 8                  the main job on 8 simulated CPU devices
