@@ -103,7 +103,7 @@ def expert_layout(rules: Rules, sizes: dict[str, int], n_experts: int) -> tuple[
 class MoE(nnx.Module):
     """Top-k mixture of SwiGLU experts: ``(y[B, L, D], stats) = moe(x[B, L, D])``.
 
-    Parameters: router ``W[D, E]`` (f32, replicated), experts ``w_gate_up[E_expert, D, 2, F]`` and
+    Parameters: router ``W[D, E]`` (f32; ``D`` as every ``embed`` dim, gathered at use), experts ``w_gate_up[E_expert, D, 2, F]`` and
     ``w_down[E_expert, F, D]`` (dims ``expert, embed, -, mlp``: under ``fsdp_tp_ep`` that is
     ``w_gate_up[E_expert, D_fsdp, 2, F_tensor]``, gathered over ``fsdp`` before use), and with
     ``n_shared > 0`` a shared :class:`GatedMLP` of width ``n_shared * F`` added on every token.
