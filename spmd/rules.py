@@ -24,6 +24,10 @@ LOGICAL_DIMS: tuple[str, ...] = (
     "residual_length",
 )
 
+# A dim a rule set leaves unmapped follows another dim's rule: the residual stream's length is split
+# like ``length`` (e.g. over ``seq``) unless the rule set maps it too (sequence parallelism adds ``tensor``).
+FOLLOWS: dict[str, str] = {"residual_length": "length"}
+
 Axes = str | tuple[str, ...] | None
 Table = tuple[tuple[str, Axes], ...]
 
@@ -82,8 +86,9 @@ class Rules:
         """PartitionSpec for an array whose dims have these logical names (None = never sharded).
 
         ``kind`` picks the table ("params" or "activations"). With ``mesh_sizes``, axes the mesh
-        lacks or has at size 1 are dropped (they cost nothing). A rule set that would use one
-        mesh axis for two dims of the same array raises, naming both dims.
+        lacks or has at size 1 are dropped (they cost nothing). A dim the table does not map takes
+        the rule of the dim it :data:`FOLLOWS`, if any. A rule set that would use one mesh axis for
+        two dims of the same array raises, naming both dims.
         """
         if kind not in ("params", "activations"):
             raise RulesError(f"kind must be 'params' or 'activations', got {kind!r}")
@@ -97,7 +102,7 @@ class Rules:
                     f"{what} has unknown logical dim {dim!r}; known dims: {', '.join(sorted(known))} "
                     f"(add a rule for it to use a new name)"
                 )
-            axes = axes_of(table.get(dim)) if dim is not None else ()
+            axes = axes_of(table[dim] if dim in table else table.get(FOLLOWS.get(dim))) if dim is not None else ()
             for axis in axes:
                 if axis in used:
                     raise RulesError(

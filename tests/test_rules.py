@@ -76,6 +76,20 @@ def test_preset_specs(preset, dims):
     assert spmd.get_rules(preset).spec(dims, kind=kind) == EXPECTED[preset][dims]
 
 
+def test_residual_length_follows_length_unless_mapped():
+    """The residual stream is split like ``length`` (a context-parallel rule set maps only ``length``
+    to ``seq``) unless the rule set maps ``residual_length`` itself (the ``*_sp`` presets)."""
+    cp = spmd.rules.DP_TP.replace(name="dp_tp_cp", activations={"length": "seq"})
+    assert cp.spec(RES, kind="activations") == P("data", "seq")
+    assert cp.spec(X, kind="activations") == P("data", "seq")
+    both = spmd.rules.DP_TP_SP.replace(name="dp_tp_sp_cp", activations={"length": "seq",
+                                                                        "residual_length": ("seq", "tensor")})
+    assert both.spec(RES, kind="activations") == P("data", ("seq", "tensor"))
+    assert both.spec(X, kind="activations") == P("data", "seq")
+    assert spmd.rules.DP_TP_SP.spec(RES, kind="activations") == P("data", "tensor")
+    assert spmd.rules.DP_TP.spec(RES, kind="activations") == P("data")  # neither mapped: whole
+
+
 def test_params_and_activations_differ_for_the_same_dim():
     # FSDP shards the embed dim of weights, never the embed dim of activations.
     assert spmd.rules.FSDP.spec(("embed",), kind="params") == P("fsdp")
