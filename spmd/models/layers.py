@@ -37,7 +37,10 @@ def weight(var: nnx.Param, dtype: jnp.dtype) -> jax.Array:
 
     Under FSDP this is where a weight ``W[D_fsdp, F]`` is all-gathered to ``W[D, F]`` (activation
     rules never shard ``embed``) while TP dims (``mlp``, ``heads`` -> tensor) stay sharded. Saying
-    so explicitly gives GSPMD the clean plan: one all-gather per weight per pass.
+    so explicitly gives GSPMD the clean plan: one all-gather per weight per pass. The cast runs on
+    the shard first (constrained to the *parameter* layout), so the gather moves ``dtype``: under
+    bf16 compute half the bytes of f32 (cast and gathered in one constraint, XLA gathers the f32
+    shard and converts after).
     """
     dims = var.get_metadata().get("out_sharding")
     value = var[...]
