@@ -5,6 +5,7 @@ activations; nothing else in the toolkit spells a PartitionSpec. Rule sets per s
 ``fsdp``, ``tp``, ``dp_tp``, ``fsdp_tp`` (e.g. fsdp: ``W[D_fsdp, F]``, ``x[B_(data,fsdp), L, D]``),
 expert-parallel ``dp_ep``, ``fsdp_ep``, ``fsdp_tp_ep`` (``W[E_expert, D, F]``, ``x[B_(data,expert), L, D]``) and
 sequence-parallel ``dp_tp_sp``, ``fsdp_tp_sp`` (residual stream ``x[B_data, L_tensor, D]``, Megatron-SP).
+Every preset splits activation ``length`` over ``seq`` (context parallelism; nothing when seq=1).
 Table and what communicates: docs/sharding.md.
 """
 
@@ -135,13 +136,18 @@ _TP_ACTS: Table = (("mlp", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor"
 # per pipeline stage; with pipe=1 the rule drops out).
 _PIPE: Table = (("layers", "pipe"),)
 
-NONE = Rules("none", params=_PIPE)
-DP = Rules("dp", params=_PIPE, activations=(("batch", "data"),))
-FSDP = Rules("fsdp", params=_PIPE + (("embed", "fsdp"),), activations=(("batch", ("data", "fsdp")),))
-TP = Rules("tp", params=_PIPE + _TP_PARAMS, activations=_TP_ACTS)
-DP_TP = Rules("dp_tp", params=_PIPE + _TP_PARAMS, activations=(("batch", "data"),) + _TP_ACTS)
+# Context parallelism: activations split along the length over ``seq`` through the whole block in every
+# preset (spmd.models.context exchanges K/V in attention; with seq=1 the rule drops out).
+_SEQ: Table = (("length", "seq"),)
+
+NONE = Rules("none", params=_PIPE, activations=_SEQ)
+DP = Rules("dp", params=_PIPE, activations=(("batch", "data"),) + _SEQ)
+FSDP = Rules("fsdp", params=_PIPE + (("embed", "fsdp"),), activations=(("batch", ("data", "fsdp")),) + _SEQ)
+TP = Rules("tp", params=_PIPE + _TP_PARAMS, activations=_TP_ACTS + _SEQ)
+DP_TP = Rules("dp_tp", params=_PIPE + _TP_PARAMS, activations=(("batch", "data"),) + _TP_ACTS + _SEQ)
 FSDP_TP = Rules(
-    "fsdp_tp", params=_PIPE + (("embed", "fsdp"),) + _TP_PARAMS, activations=(("batch", ("data", "fsdp")),) + _TP_ACTS
+    "fsdp_tp", params=_PIPE + (("embed", "fsdp"),) + _TP_PARAMS,
+    activations=(("batch", ("data", "fsdp")),) + _TP_ACTS + _SEQ,
 )
 
 # Megatron sequence parallelism: the residual stream and the norms (``residual_length``; everything
@@ -149,7 +155,7 @@ FSDP_TP = Rules(
 # each row-parallel all-reduce becomes a reduce-scatter and each column-parallel input an all-gather
 # (the same bytes), and those activations take 1/t of the memory. Inside attention and the MLP,
 # ``length`` stays whole (``heads`` / ``mlp`` hold ``tensor`` there).
-_SP_ACTS: Table = (("residual_length", "tensor"),)
+_SP_ACTS: Table = (("residual_length", ("seq", "tensor")),)  # seq: context parallelism, when seq > 1
 
 
 def _with_sp(rules: Rules) -> Rules:

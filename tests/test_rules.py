@@ -70,10 +70,24 @@ def test_presets_are_all_covered():
     assert spmd.get_rules(spmd.rules.DP) is spmd.rules.DP
 
 
+# EXPECTED is each preset on a mesh whose seq axis has size 1 (every other axis in use)
+NO_SEQ = {**{axis: 2 for axis in meshes.AXES}, "seq": 1}
+
+
 @pytest.mark.parametrize("preset, dims", [(p, d) for p, table in EXPECTED.items() for d in table])
 def test_preset_specs(preset, dims):
     kind = "activations" if dims in ACTIVATION_DIMS else "params"
-    assert spmd.get_rules(preset).spec(dims, kind=kind) == EXPECTED[preset][dims]
+    assert spmd.get_rules(preset).spec(dims, kind=kind, mesh_sizes=NO_SEQ) == EXPECTED[preset][dims]
+
+
+@pytest.mark.parametrize("preset", sorted(spmd.rules.RULE_SETS))
+def test_every_preset_splits_length_over_seq(preset):
+    """Context parallelism: activation ``length`` (and the residual stream with it) over ``seq``;
+    parameters never name ``seq``."""
+    rules = spmd.get_rules(preset)
+    for dims in (X, H, RES):
+        assert "seq" in spmd.rules.axes_of(rules.spec(dims, kind="activations")[1]), (preset, dims)
+    assert all("seq" not in spmd.rules.axes_of(axes) for _, axes in rules.params)
 
 
 def test_residual_length_follows_length_unless_mapped():
@@ -86,8 +100,10 @@ def test_residual_length_follows_length_unless_mapped():
                                                                         "residual_length": ("seq", "tensor")})
     assert both.spec(RES, kind="activations") == P("data", ("seq", "tensor"))
     assert both.spec(X, kind="activations") == P("data", "seq")
-    assert spmd.rules.DP_TP_SP.spec(RES, kind="activations") == P("data", "tensor")
-    assert spmd.rules.DP_TP.spec(RES, kind="activations") == P("data")  # neither mapped: whole
+    assert spmd.rules.DP_TP_SP.spec(RES, kind="activations") == P("data", ("seq", "tensor"))
+    assert spmd.rules.DP_TP.spec(RES, kind="activations") == P("data", "seq")  # follows length
+    plain = spmd.rules.DP_TP.replace(name="dp_tp_whole", activations={"length": None})
+    assert plain.spec(RES, kind="activations") == P("data")  # neither mapped: whole
 
 
 def test_params_and_activations_differ_for_the_same_dim():
@@ -146,7 +162,7 @@ def test_replace():
     off = spmd.rules.FSDP_TP.replace(name="fsdp_tp_novocab", params={"vocab": None}, activations={"batch": "data"})
     assert off.name == "fsdp_tp_novocab"
     assert off.spec(EMBED) == P(None, "fsdp")
-    assert off.spec(X, kind="activations") == P("data")
+    assert off.spec(X, kind="activations") == P("data", "seq")
     with pytest.raises(RulesError, match="unknown mesh axis 'model'"):
         spmd.rules.FSDP.replace(params={"vocab": "model"})
 

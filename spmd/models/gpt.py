@@ -15,11 +15,13 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from spmd import remat as remat_lib
 from spmd.constraints import constrain
 from spmd.models import attention as attention_lib
+from spmd.models import context
 from spmd.models.loss import chunked_lm_loss, lm_loss
 from spmd.models.layers import Attention, GatedMLP, RMSNorm, param, weight
 from spmd.models.moe import MoE
@@ -46,6 +48,7 @@ class GPTConfig:
     remat_policy: str = ""  # a spmd.remat policy name; "" takes it from remat
     attention: str = "auto"  # a spmd.models.attention implementation
     attention_block: int = 512  # query/key block of the blockwise attention paths
+    context_exchange: str = "ring"  # K/V exchange when the length is split over seq: "ring" | "allgather"
     loss_chunk: int = 0  # cross-entropy over this many positions at a time (0: all at once)
     # mixture of experts (spmd.models.moe; docs/moe.md): 0 experts = dense MLPs everywhere
     n_experts: int = 0
@@ -72,6 +75,8 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.remat_policy {self.remat_policy!r} is not one of {remat_lib.POLICIES}")
         if self.attention not in attention_lib.IMPLS:
             raise ValueError(f"GPTConfig.attention {self.attention!r} is not one of {attention_lib.IMPLS}")
+        if self.context_exchange not in context.EXCHANGES:
+            raise ValueError(f"GPTConfig.context_exchange {self.context_exchange!r} is not one of {context.EXCHANGES}")
         if self.attention_block < 1 or self.loss_chunk < 0:
             raise ValueError(f"GPTConfig.attention_block must be >= 1 and loss_chunk >= 0, got "
                              f"{self.attention_block}, {self.loss_chunk}")
@@ -129,7 +134,7 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.d_model, rngs=rngs)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.k, rngs=rngs,
                               rope_theta=cfg.rope_theta, dtype=cfg.compute_dtype, impl=cfg.attention,
-                              block=cfg.attention_block)
+                              block=cfg.attention_block, exchange=cfg.context_exchange)
         self.mlp_norm = RMSNorm(cfg.d_model, rngs=rngs)
         if moe:
             self.mlp = MoE(cfg.d_model, cfg.expert_ff, cfg.n_experts, cfg.experts_per_token, rngs=rngs,
@@ -211,9 +216,14 @@ class GPT(nnx.Module):
         return self.hidden_and_stats(tokens_BL)[0]
 
     def hidden_and_stats(self, tokens_BL: jax.Array) -> tuple[jax.Array, dict | None]:
-        """``(hidden states x[B, L, D], MoE stats summed over MoE blocks or None when dense)``."""
-        x_BLD = self.embed_tokens(tokens_BL)
-        out = self.blocks(x_BLD, jnp.arange(tokens_BL.shape[1]))
+        """``(hidden states x[B, L, D], MoE stats summed over MoE blocks or None when dense)``.
+
+        Under context parallelism (``length`` over ``seq``) the positions are in
+        ``context.sequence_order`` (load-balanced chunks) and so are the hidden states."""
+        order = context.sequence_order(tokens_BL.shape[1])
+        positions_L = jnp.arange(tokens_BL.shape[1]) if order is None else jnp.asarray(order)
+        x_BLD = self.embed_tokens(tokens_BL if order is None else tokens_BL[:, order])
+        out = self.blocks(x_BLD, positions_L)
         x_BLD, stats = out if isinstance(out, tuple) else (out, None)
         return residual(self.final_norm(x_BLD)), stats
 
@@ -227,7 +237,9 @@ class GPT(nnx.Module):
         return _head_logits(self.cfg, x_BLD, self.out_weight)
 
     def __call__(self, tokens_BL: jax.Array) -> jax.Array:
-        return self.logits(self.hidden(tokens_BL))
+        logits_BLV = self.logits(self.hidden(tokens_BL))
+        order = context.sequence_order(tokens_BL.shape[1])
+        return logits_BLV if order is None else logits_BLV[:, np.argsort(order)]  # back to natural order
 
     def loss(self, tokens_BL: jax.Array, targets_BL: jax.Array, *, z_loss: float = 0.0,
              pipeline: PipelineConfig | None = None) -> tuple[jax.Array, dict]:
@@ -235,12 +247,17 @@ class GPT(nnx.Module):
         over the ``pipe`` axis (embedding before it; final norm, head and loss on its last stage)."""
         if pipeline is None or not pipeline.enabled:
             x_BLD, stats = self.hidden_and_stats(tokens_BL)
+            order = context.sequence_order(targets_BL.shape[1])
+            targets_BL = targets_BL if order is None else targets_BL[:, order]  # the mean is order-free
             if self.cfg.loss_chunk:
                 out = chunked_lm_loss(x_BLD, self.logits, targets_BL, chunk=self.cfg.loss_chunk, z_loss=z_loss)
             else:
                 out = lm_loss(self.logits(x_BLD), targets_BL, z_loss=z_loss)
             return out if stats is None else _with_moe_losses(self.cfg, *out, stats)
         cfg = self.cfg
+        if context.seq_shards() > 1:
+            raise ValueError(f"context parallelism (seq={context.seq_shards()}) does not run under a pipeline yet "
+                             f"(pipeline schedule {pipeline.schedule!r}); use seq=1 or a pipe axis of size 1")
         if cfg.n_experts:
             raise ValueError(f"GPTConfig.n_experts={cfg.n_experts}: MoE blocks do not run under a pipeline yet; "
                              f"use pipeline schedule 'none' (a pipe axis of size 1)")

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmd.constraints import constrain, dim_shards
-from spmd.models.attention import attend
+from spmd.models import context
 
 Init = Callable[..., jax.Array]
 
@@ -131,7 +131,8 @@ class Attention(nnx.Module):
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *, rngs: nnx.Rngs,
-                 rope_theta: float = 10_000.0, dtype: jnp.dtype = jnp.float32, impl: str = "auto", block: int = 512):
+                 rope_theta: float = 10_000.0, dtype: jnp.dtype = jnp.float32, impl: str = "auto", block: int = 512,
+                 exchange: str = "ring"):
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads {n_heads} must be a multiple of n_kv_heads {n_kv_heads}")
         init = fan_in_init(d_model)
@@ -141,6 +142,7 @@ class Attention(nnx.Module):
         self.w_o = param(rngs, fan_in_init(n_heads * head_dim), (n_heads, head_dim, d_model), ("heads", "head_dim", "embed"))
         self.n_heads, self.n_kv_heads, self.rope_theta, self.dtype = n_heads, n_kv_heads, rope_theta, dtype
         self.impl, self.block = impl, block  # spmd.models.attention
+        self.exchange = exchange  # K/V exchange under context parallelism (spmd.models.context)
 
     def fused_qkv(self) -> jax.Array:
         """The fused weight ``W[D, n, H/n + 2, K]`` in the compute dtype (slot dim over ``kv_heads``' axes)."""
@@ -163,7 +165,7 @@ class Attention(nnx.Module):
         k_BLnK, v_BLnK = qkv_BLnSK[:, :, :, s - 2], qkv_BLnSK[:, :, :, s - 1]
         q_BLHK = constrain(rope(q_BLHK, positions_L, self.rope_theta), ("batch", "length", "heads", "head_dim"))
         k_BLnK = rope(k_BLnK, positions_L, self.rope_theta)
-        out_BLHK = attend(q_BLHK, k_BLnK, v_BLnK, impl=self.impl, block=self.block)
+        out_BLHK = context.attend(q_BLHK, k_BLnK, v_BLnK, impl=self.impl, block=self.block, exchange=self.exchange)
         out_BLHK = constrain(out_BLHK, ("batch", "length", "heads", "head_dim"))
         return jnp.einsum("blhk,hkd->bld", out_BLHK, weight(self.w_o, dt))
 
