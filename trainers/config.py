@@ -31,7 +31,7 @@ from trainers.data import DataConfig
 from trainers.optim import OptimizerConfig
 from trainers.lr import LRConfig
 from trainers.trace import PROCESSES, parse_steps
-from trainers.validate import check_pipeline
+from trainers.validate import check_fsdp_gather, check_pipeline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +80,10 @@ class RunConfig:
     run_dir: str = ""  # "" -> runs/<name>
     steps: int = 1000
     grad_accum: int = 1  # microbatches per step (the global batch is split k ways)
+    # with grad_accum > 1, when weights sharded over fsdp are gathered: "per_microbatch" (ZeRO-3, least
+    # memory) or "per_step" (gathered once, gradients reduce-scattered once: full-size weights and
+    # gradient accumulator per device, 1/k of the fsdp bytes); data-parallel gradients are reduced once either way
+    fsdp_gather: str = "per_microbatch"
     z_loss: float = 0.0
     eval_every: int = 100
     eval_batches: int = 4  # batches per evaluation; -1: one full pass over a finite eval set; 0: no eval
@@ -104,6 +108,7 @@ class RunConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"run.{name} must be >= 1, got {getattr(self, name)}")
         validate(self.guard, self.spike_factor, self.spike_window)
+        check_fsdp_gather(self.fsdp_gather)
         parse_steps(self.profile_steps)
         if self.profile_processes not in PROCESSES:
             raise ValueError(f"run.profile_processes={self.profile_processes!r}; valid: {', '.join(PROCESSES)}")

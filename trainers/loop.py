@@ -247,7 +247,8 @@ def train(
     stepped = guard_lib.add_window(sharded, run.spike_window, mesh)  # what the step carries: state + guard window
     batch_sharding = spmd.batch_sharding(rules, mesh, dims=("batch",))
     train_step = make_train_step(stepped, tx, rules, mesh, batch_sharding, schedule=schedule,
-                                 grad_accum=run.grad_accum, loss_fn=task.loss, spike_factor=run.spike_factor)
+                                 grad_accum=run.grad_accum, loss_fn=task.loss, spike_factor=run.spike_factor,
+                                 fsdp_gather=run.fsdp_gather)
     eval_source = task.eval_source(cfg) if run.eval_batches else None
     eval_step = make_eval_step(sharded, rules, mesh, batch_sharding, loss_fn=task.loss, metrics=task.eval_metrics)
 

@@ -20,9 +20,11 @@ import spmd
 from spmd.models import lm_loss
 from spmd.pipeline import PipelineConfig
 from spmd.pipeline.config import split_microbatches
+from trainers import accumulate
 from trainers.faults import guard
 from trainers.optim import global_norm
 from trainers.state import ShardedState, State
+from trainers.validate import check_fsdp_gather
 
 Batch = Any  # a pytree of arrays with a leading batch dim
 LossFn = Callable[[nnx.Module, Batch, nnx.Rngs], "jax.Array | tuple[jax.Array, dict[str, jax.Array]]"]
@@ -72,6 +74,7 @@ def make_train_step(
     loss_fn: LossFn | None = None,
     donate: bool = True,
     spike_factor: float = 0.0,
+    fsdp_gather: str = "per_microbatch",
 ) -> Callable[[State, Batch], tuple[State, dict[str, jax.Array]]]:
     """The jitted train step for this state, mesh and rule set.
 
@@ -79,6 +82,7 @@ def make_train_step(
     with a window, the metrics also carry ``ok``, ``loss_spike``, ``grad_norm_spike`` and the medians.
     """
     guard.validate("skip", spike_factor, 1)
+    check_fsdp_gather(fsdp_gather)
     if spike_factor > 0 and "guard" not in sharded.state:
         raise ValueError(f"spike_factor={spike_factor} needs a 'guard' window in the state (trainers.faults.guard.init_state); "
                          f"state keys: {sorted(sharded.state)}")
@@ -99,9 +103,15 @@ def make_train_step(
         params, other = state["params"], state.get("model_state", {})
         key, step_key = jax.random.split(jax.random.wrap_key_data(state["rng"]))
         with spmd.use_rules(rules, mesh):
+            axes = accumulate.reduction_axes(mesh, rules, batch, grad_accum, fsdp_gather)
             if grad_accum == 1:
                 (loss, (aux, new_other)), grads = grad_fn(params, other, batch, step_key)
-            else:
+            elif axes and not jax.tree.leaves(other):  # one reduction per step (see trainers/accumulate.py)
+                grads, loss, aux = accumulate.accumulate(grad_fn, params, batch, step_key, grad_accum=grad_accum,
+                                                         mesh=mesh, rules=rules, param_shardings=param_shardings,
+                                                         axes=axes)
+                new_other = other
+            else:  # batch statistics or RNG streams: the loop under GSPMD reduces every microbatch
                 micro = jax.tree.map(lambda x: split_microbatches(x, grad_accum), batch)
 
                 def body(carry, xs):

@@ -127,6 +127,16 @@ def check_heads(model: GPTConfig, rules: spmd.Rules | str, sizes: Mapping[str, i
                   f"use {' x '.join(axes)} of {' or '.join(map(str, valid))}", fatal=True)]
 
 
+FSDP_GATHER = ("per_microbatch", "per_step")  # run.fsdp_gather: when gradient accumulation gathers FSDP weights
+
+
+def check_fsdp_gather(value: str) -> None:
+    """``run.fsdp_gather`` is one of :data:`FSDP_GATHER`, or a ValueError naming them."""
+    if value not in FSDP_GATHER:
+        raise ValueError(f"run.fsdp_gather={value!r}; valid: {', '.join(FSDP_GATHER)} "
+                         "(per_microbatch: least memory; per_step: fewest bytes over fsdp)")
+
+
 def name_config_key(error: Exception) -> str:
     """A sharding error about the built-in GPT's parameters, with the config key that sets the dim."""
     found = re.search(r"dim \d+ \('(\w+)'\)", str(error))

@@ -16,14 +16,18 @@ import optax
 
 
 def lm_loss(logits_BLV: jax.Array, targets_BL: jax.Array, *, z_loss: float = 0.0,
-            onehot: bool = False) -> tuple[jax.Array, dict]:
+            onehot: bool | None = None) -> tuple[jax.Array, dict]:
     """Mean next-token cross-entropy (+ ``z_loss * mean(logsumexp^2)``, PaLM's z-loss), in f32.
 
     ``onehot=True`` picks the target logit by a one-hot product instead of a gather: XLA's
-    partitioner cannot partition that gather inside a pipeline stage (a shard_map manual over
-    ``pipe`` only) when the logits are sharded over ``data`` and ``tensor``.
+    partitioner cannot partition that gather inside a partly manual ``shard_map`` (a pipeline stage,
+    manual over ``pipe``; an accumulation loop, manual over ``data``) when the logits are sharded
+    over an automatic batch axis and ``tensor``. ``None``: one-hot exactly inside such a region.
     """
     logits_BLV = logits_BLV.astype(jnp.float32)
+    if onehot is None:
+        context = jax.sharding.get_abstract_mesh()
+        onehot = bool(context.manual_axes) and bool(context.auto_axes)
     if onehot:
         ce_BL, lse_BL = _onehot_losses(logits_BLV, targets_BL)
         return _with_z_loss(jnp.mean(ce_BL), lambda: lse_BL, z_loss)

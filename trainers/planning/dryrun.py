@@ -100,7 +100,7 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
                            path_rules=run.path_rules, abstract=True, pipeline=cfg.pipeline)
     batch_sharding = spmd.batch_sharding(rules, mesh, dims=("batch",))
     step = make_train_step(sharded, tx, rules, mesh, batch_sharding, schedule=schedule, grad_accum=cfg.run.grad_accum,
-                           loss_fn=run.loss)
+                           loss_fn=run.loss, fsdp_gather=cfg.run.fsdp_gather)
     if profile is None:
         tokens = jax.ShapeDtypeStruct((cfg.data.global_batch, cfg.data.seq_len), jax.numpy.int32, sharding=batch_sharding)
         batch = {"inputs": tokens, "targets": tokens}

@@ -1,0 +1,70 @@
+"""Train steps with gradient accumulation on the tiny GPT, one compile per (layout, k, fsdp_gather).
+
+SGD at lr 1 without clipping: the update is the gradient itself, so params after one step
+compare the gradients (Adam would amplify float noise in near-zero gradients).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+import meshes
+import spmd
+from helpers.gpt_util import CFG, LAYOUTS, LENGTH
+from spmd.hlo import collectives
+from spmd.models import GPT
+from trainers.state import create_state
+from trainers.step import make_train_step
+
+ROWS = 32  # global batch: 4 microbatches of 8 rows, one row per device at 8-way data parallelism
+TX = optax.sgd(1.0)
+
+
+def tokens(seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, CFG.vocab_size, size=(ROWS, LENGTH + 1), dtype=np.int32)
+
+
+class AccumStep:
+    """The state, jitted step and compiled HLO collectives of one (layout, k, fsdp_gather)."""
+
+    def __init__(self, name: str, k: int, fsdp_gather: str):
+        sizes, rules = LAYOUTS[name]
+        self.mesh = meshes.single_device_mesh() if name == "single" else meshes.make_mesh(sizes)
+        self.sharded = create_state(lambda: GPT(CFG, rngs=nnx.Rngs(0)), TX, rules, self.mesh)
+        self.batch_sharding = spmd.batch_sharding(rules, self.mesh, dims=("batch",))
+        self.step = make_train_step(self.sharded, TX, rules, self.mesh, self.batch_sharding, grad_accum=k,
+                                    donate=False, fsdp_gather=fsdp_gather)
+
+    def batch(self, seed: int = 0) -> dict:
+        t = tokens(seed)
+        return {"inputs": jax.device_put(t[:, :-1], self.batch_sharding),
+                "targets": jax.device_put(t[:, 1:], self.batch_sharding)}
+
+    @functools.cached_property
+    def compiled(self):
+        return self.step.lower(self.sharded.state, self.batch()).compile()
+
+    @functools.cached_property
+    def ops(self) -> list:
+        return collectives(self.compiled, self.mesh)
+
+    def run(self, seed: int = 0) -> tuple[dict, dict]:
+        """Params after one step and the step's metrics, as numpy."""
+        state, metrics = self.step(self.sharded.state, self.batch(seed))
+        return jax.tree.map(np.asarray, state["params"]), jax.tree.map(np.asarray, metrics)
+
+
+@functools.cache
+def accum_step(name: str, k: int, fsdp_gather: str = "per_microbatch") -> AccumStep:
+    return AccumStep(name, k, fsdp_gather)
+
+
+@functools.cache
+def reference(seed: int = 0) -> tuple[dict, dict]:
+    """One device, the whole batch at once."""
+    return accum_step("single", 1).run(seed)

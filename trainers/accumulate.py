@@ -1,0 +1,78 @@
+"""Gradient accumulation over k microbatches with one gradient reduction per step.
+
+The loop runs inside a ``shard_map`` manual over the batch axes: each device sums its own
+microbatch gradients, ``G{U_data}``, and one sum after the loop reduces them. ``fsdp_gather``
+picks what happens to weights sharded over ``fsdp``: ``"per_microbatch"`` (ZeRO-3: ``fsdp``
+stays automatic, ``W[D_fsdp]`` gathered and ``G`` reduce-scattered every microbatch) or
+``"per_step"`` (``W[D_fsdp] -> W[D]`` gathered once before the loop, ``G[D]{U_fsdp} -> G[D_fsdp]``
+reduce-scattered once after it: full-size weights and accumulator per device). See docs/training.md."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from meshes import axis_sizes
+from spmd import collectives
+from spmd.pipeline.config import split_microbatches
+from spmd.pipeline.manual import manual_batch_axes, with_inner_rules
+from spmd.rules import Rules, axes_of
+
+def reduction_axes(mesh: Mesh, rules: Rules, batch: Any, grad_accum: int, fsdp_gather: str) -> tuple[str, ...]:
+    """The batch axes the loop runs manual over: those the rules split ``batch`` over (size > 1, rows
+    per microbatch dividing), less the axes that shard parameters under ``"per_microbatch"``."""
+    rows = jax.tree.leaves(batch)[0].shape[0] // grad_accum
+    return manual_batch_axes(mesh, rules, rows, axis="", shard_params=fsdp_gather == "per_step")
+
+
+def without_axes(sharding: NamedSharding, axes: tuple[str, ...]) -> NamedSharding:
+    """``sharding`` with ``axes`` dropped from every dim: ``W[D_fsdp, F_tensor] -> W[D, F_tensor]``."""
+    entries = [tuple(a for a in axes_of(e) if a not in axes) or None for e in sharding.spec]
+    return NamedSharding(sharding.mesh, P(*(e[0] if e and len(e) == 1 else e for e in entries)))
+
+
+def accumulate(grad_fn: Callable, params: Any, batch: Any, key: jax.Array, *, grad_accum: int, mesh: Mesh,
+               rules: Rules, param_shardings: Any, axes: tuple[str, ...]):
+    """``(grads, loss, aux)``: the mean over ``grad_accum`` microbatches of ``grad_fn(params, {}, mb, key_j)``
+    (``(loss, (aux, other)), grads``), reduced once over ``axes``, which are manual in the loop.
+
+    A parameter sharded over a manual axis (``W[D_fsdp]``) is all-gathered before the loop, by
+    GSPMD, once. In the loop each device accumulates ``G{U_axes}`` (its rows only); the loop's output
+    stacks those partial sums as ``G[n_axes, ...]`` and one sum over that dim, constrained to the
+    parameter shardings, reduces them: a reduce-scatter over gathered axes, an all-reduce over the
+    rest. Each device's loss is the mean over its rows; loss and aux are averaged over ``axes``
+    (rows split evenly: the global mean). Random draws of the loss use ``key_j`` folded with the
+    device's index over ``axes``: independent per device, not the single-device draws.
+    """
+    gathered = jax.tree.map(lambda s: without_axes(s, axes), param_shardings)
+    params = jax.lax.with_sharding_constraint(params, gathered)  # W[D_fsdp] -> W[D]: once per step
+    n = math.prod(axis_sizes(mesh)[a] for a in axes)
+    micro = jax.tree.map(lambda x: split_microbatches(x, grad_accum), batch)  # [k, B/k, ...], rows stay put
+    batch_spec = jax.tree.map(lambda x: P(None, axes), micro)
+
+    def local(params, micro, key):
+        # differentiate a per-device (varying) copy: its gradient stays a local partial sum, where the
+        # gradient of an invariant input would be psum-ed at every microbatch
+        params = jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), params)
+        device_key = jax.random.fold_in(key, jax.lax.axis_index(axes))
+
+        def body(acc, xs):
+            mb, j = xs
+            (loss, (aux, _)), g = grad_fn(params, {}, mb, jax.random.fold_in(device_key, j))
+            return jax.tree.map(jnp.add, acc, g), (loss, aux)
+
+        acc, (losses, auxs) = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), (micro, jnp.arange(grad_accum)))
+        loss, aux = collectives.pmean(losses.mean(), axes), jax.tree.map(lambda a: collectives.pmean(a.mean(), axes), auxs)
+        return jax.tree.map(lambda g: g[None], acc), loss, aux  # G[1, ...]{U_axes}: one row per device
+
+    inner = with_inner_rules(local, mesh, rules, axes[0], axes)  # constraints name automatic axes only
+    partial, loss, aux = jax.shard_map(inner, mesh=mesh, in_specs=(P(), batch_spec, P()), out_specs=(P(axes), P(), P()),
+                                       axis_names=frozenset(axes))(params, micro, key)
+    grads = jax.tree.map(lambda g: g.sum(0) / (grad_accum * n), partial)  # the one reduction
+    return jax.lax.with_sharding_constraint(grads, param_shardings), loss, aux
