@@ -55,7 +55,7 @@ class AccumStep:
 
     def run(self, seed: int = 0) -> tuple[dict, dict]:
         """Params after one step and the step's metrics, as numpy."""
-        state, metrics = self.step(self.sharded.state, self.batch(seed))
+        state, metrics = self.compiled(self.sharded.state, self.batch(seed))  # one compile per step
         return jax.tree.map(np.asarray, state["params"]), jax.tree.map(np.asarray, metrics)
 
 
