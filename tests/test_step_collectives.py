@@ -457,3 +457,49 @@ def test_negative_control_wrong_gradient_expectations_fail():
                   grad_bytes("fsdp8") + LOSS_BYTES, grad_bytes("dp2_tp4") + LOSS_BYTES):
         assert got != wrong
     assert not np.isclose(got, grad_bytes("dp2_tp4"), rtol=0.5)
+
+
+# A conditional's branches (the pipeline's per-tick sends are a lax.switch over pair sets): each branch's
+# collectives count as often as the conditional runs, flagged in_branch (an upper bound, not a certain figure).
+BRANCH = """%branch{k} (x: f32[8]) -> f32[8] {{
+  %x = f32[8]{{0}} parameter(0)
+  ROOT %cp{k} = f32[8]{{0}} collective-permute(%x), channel_id=1{k}, source_target_pairs={pairs}
+}}
+"""
+IDLE = """%idle (x: f32[8]) -> f32[8] {
+  ROOT %x = f32[8]{0} parameter(0)
+}
+"""
+
+
+def test_collectives_in_conditional_branches_are_flagged_as_upper_bounds():
+    branches = BRANCH.format(k=1, pairs="{{0,4},{1,5},{2,6},{3,7}}") + BRANCH.format(k=2, pairs="{{4,0},{5,1},{6,2},{7,3}}")
+    switch = ("%sw = f32[8]{0} conditional(%i, %x), branch_computations={%idle, %branch1, %branch2}")
+    body = LOOP.format(i=1, inner=switch)
+    cond = "%c = f32[8]{0} conditional(%pred, %p, %p), true_computation=%branch1, false_computation=%idle"
+    ops = {o.name: o for o in collectives(module(while_op(1, 6), cond, extra=IDLE + branches + body), MESH_2x4)}
+    # the loop's own all-reduce runs on every trip: certain
+    assert (ops["ar1"].count, ops["ar1"].in_branch, ops["ar1"].trip_count_known) == (6, False, True)
+    # branch1 is reached from the switch in the loop (6) and from the cond in the entry (1); branch2 from the switch
+    assert (ops["cp1"].count, ops["cp1"].in_branch, ops["cp1"].axes) == (6 + 1, True, ("data",))
+    assert (ops["cp2"].count, ops["cp2"].in_branch, ops["cp2"].trip_count_known) == (6, True, True)
+    text = spmd.hlo.format_collectives(list(ops.values()))
+    permute_row = next(line for line in text.splitlines() if line.startswith("collective-permute"))
+    assert "<=13" in permute_row and "at most" in text
+    assert "<=" not in next(line for line in text.splitlines() if line.startswith("all-reduce"))  # negative control
+    # negative control: the same module without conditionals flags nothing
+    plain = collectives(module(while_op(1, 6), extra=LOOP.format(i=1, inner="")), MESH_2x4)
+    assert plain and not any(o.in_branch for o in plain) and "at most" not in spmd.hlo.format_collectives(plain)
+
+
+def test_accumulation_reduces_gradients_over_data_once_per_step():
+    """``make_train_step`` with k = 4 microbatches on dp8: one all-reduce over data per step (the
+    gradients and the loss), outside every loop (``count`` 1), carrying the same bytes as one
+    microbatch's step. The k = 1 step above reduces per layer inside the backward scan (count > 1):
+    the counter sees collectives in loops, so count 1 here is not vacuous."""
+    from helpers.accum_util import accum_step
+
+    ops = accum_step("dp8", 4).ops
+    grads = grad_bytes("dp8")
+    assert summarize(ops) == {("all-reduce", ("data",)): {"count": 1, "bytes": grads + LOSS_BYTES}}
+    assert summarize(step_ops("dp8"))[("all-reduce", ("data",))]["count"] == N_LAYERS + 1
