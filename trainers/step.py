@@ -41,6 +41,7 @@ def lm_loss_fn(z_loss: float = 0.0, pipeline: PipelineConfig | None = None) -> L
             return model.loss(batch["inputs"], batch["targets"], z_loss=z_loss, pipeline=pipeline)
         return lm_loss(model(batch["inputs"]), batch["targets"], z_loss=z_loss)
 
+    loss_fn.pipelined = pipeline is not None and pipeline.enabled  # runs its own shard_map over the batch axes
     return loss_fn
 
 
@@ -88,6 +89,7 @@ def make_train_step(
                          f"state keys: {sorted(sharded.state)}")
     model_vars, param_shardings = sharded.model, sharded.shardings["params"]
     loss_fn = loss_fn or lm_loss_fn()
+    pipelined = getattr(loss_fn, "pipelined", False)
     rules = spmd.get_rules(rules)
 
     def loss_of(params, other, batch, key):
@@ -106,12 +108,12 @@ def make_train_step(
             axes = accumulate.reduction_axes(mesh, rules, batch, grad_accum, fsdp_gather)
             if grad_accum == 1:
                 (loss, (aux, new_other)), grads = grad_fn(params, other, batch, step_key)
-            elif axes and not jax.tree.leaves(other):  # one reduction per step (see trainers/accumulate.py)
+            elif axes and not jax.tree.leaves(other) and not pipelined:  # one reduction per step (trainers/accumulate.py)
                 grads, loss, aux = accumulate.accumulate(grad_fn, params, batch, step_key, grad_accum=grad_accum,
                                                          mesh=mesh, rules=rules, param_shardings=param_shardings,
                                                          axes=axes)
                 new_other = other
-            else:  # batch statistics or RNG streams: the loop under GSPMD reduces every microbatch
+            else:  # batch statistics, RNG streams or a pipeline: the loop under GSPMD reduces every microbatch
                 micro = jax.tree.map(lambda x: split_microbatches(x, grad_accum), batch)
 
                 def body(carry, xs):

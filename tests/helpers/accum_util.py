@@ -18,11 +18,14 @@ import spmd
 from helpers.gpt_util import CFG, LAYOUTS, LENGTH
 from spmd.hlo import collectives
 from spmd.models import GPT
+from spmd.pipeline import PipelineConfig
 from trainers.state import create_state
-from trainers.step import make_train_step
+from trainers.step import lm_loss_fn, make_train_step
 
 ROWS = 32  # global batch: 4 microbatches of 8 rows, one row per device at 8-way data parallelism
 TX = optax.sgd(1.0)
+PIPELINE = PipelineConfig(schedule="1f1b", microbatches=2)
+PIPELINED = {"dp4_pipe2": ({"data": 4, "pipe": 2}, "dp")}  # the GPT's blocks run as a 1F1B pipeline
 
 
 def tokens(seed: int = 0) -> np.ndarray:
@@ -33,12 +36,13 @@ class AccumStep:
     """The state, jitted step and compiled HLO collectives of one (layout, k, fsdp_gather)."""
 
     def __init__(self, name: str, k: int, fsdp_gather: str):
-        sizes, rules = LAYOUTS[name]
+        sizes, rules = PIPELINED.get(name) or LAYOUTS[name]
         self.mesh = meshes.single_device_mesh() if name == "single" else meshes.make_mesh(sizes)
         self.sharded = create_state(lambda: GPT(CFG, rngs=nnx.Rngs(0)), TX, rules, self.mesh)
         self.batch_sharding = spmd.batch_sharding(rules, self.mesh, dims=("batch",))
+        loss_fn = lm_loss_fn(pipeline=PIPELINE if name in PIPELINED else None)
         self.step = make_train_step(self.sharded, TX, rules, self.mesh, self.batch_sharding, grad_accum=k,
-                                    donate=False, fsdp_gather=fsdp_gather)
+                                    donate=False, fsdp_gather=fsdp_gather, loss_fn=loss_fn)
 
     def batch(self, seed: int = 0) -> dict:
         t = tokens(seed)
