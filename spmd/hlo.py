@@ -6,7 +6,8 @@ bytes per device. By default they are the accelerator's program: the CPU backend
 (a reduce-scatter emitted as all-reduce + dynamic-slice, bf16 all-reduces and all-gathers
 promoted to f32; see :mod:`spmd.hlo_cpu`) are recognised, and each such collective also carries
 what the CPU program emits (``emitted_kind``, ``emitted_axes``, ``emitted_bytes``, ``cpu_note``).
-``view="emitted"`` gives the CPU program as it is. See docs/sharding.md.
+``view="emitted"`` gives the CPU program as it is. Collectives in a conditional's branches carry
+``in_branch``: their count assumes the branch runs every time (an upper bound). See docs/sharding.md.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ class Collective:
     emitted_axes: tuple[str, ...] = ()  # the emitted op's axes where they differ
     emitted_bytes: int | None = None  # its bytes per execution (0: counted with another part of the same op)
     cpu_note: str = ""  # how the CPU program differs
+    # in a conditional's branch (lax.switch / lax.cond): executions depend on the branch taken, and
+    # count is how often the conditional runs (the most it can execute), not a certain figure
+    in_branch: bool = False
 
     @property
     def backward(self) -> bool:
@@ -172,32 +176,38 @@ def _split_computations(text: str) -> dict[str, list[str]]:
     return comps
 
 
-def _multipliers(comps: dict[str, list[str]]) -> tuple[dict[str, int], set[str]]:
-    """Executions per step of each computation, and those under a loop of unknown trip count."""
+def _multipliers(comps: dict[str, list[str]]) -> tuple[dict[str, int], set[str], set[str]]:
+    """Executions per step of each computation (a conditional's branches: as often as the conditional
+    runs, an upper bound), those under a loop of unknown trip count, and those in a conditional's branch."""
     entry = next((c for c in comps if c.startswith("ENTRY ")), None)
     mult: dict[str, int] = defaultdict(int)
     unknown: set[str] = set()
+    branch: set[str] = set()
     if entry is None:
-        return {c: 1 for c in comps}, unknown
+        return {c: 1 for c in comps}, unknown, branch
 
-    def visit(name: str, times: int, uncertain: bool) -> None:
+    def visit(name: str, times: int, uncertain: bool, in_branch: bool) -> None:
         mult[name] += times
         if uncertain:
             unknown.add(name)
+        if in_branch:
+            branch.add(name)
         for line in comps.get(name, ()):
             body = re.search(r"body=%?([\w.\-]+)", line)
             if body:
                 trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
-                visit(body.group(1), times * (int(trip.group(1)) if trip else 1), uncertain or not trip)
-            for callee in re.findall(r"(?:calls|true_computation|false_computation)=%?([\w.\-]+)", line):
-                visit(callee, times, uncertain)
+                visit(body.group(1), times * (int(trip.group(1)) if trip else 1), uncertain or not trip, in_branch)
+            for callee in re.findall(r"calls=%?([\w.\-]+)", line):
+                visit(callee, times, uncertain, in_branch)
             branches = re.search(r"branch_computations=\{([^}]*)\}", line)
-            if branches:
-                for callee in re.findall(r"%?([\w.\-]+)", branches.group(1)):
-                    visit(callee, times, uncertain)
+            callees = re.findall(r"%?([\w.\-]+)", branches.group(1)) if branches else re.findall(
+                r"(?:true_computation|false_computation)=%?([\w.\-]+)", line)
+            for callee in callees:
+                visit(callee, times, uncertain, True)
 
-    visit(entry, 1, False)
-    return {c.removeprefix("ENTRY "): m for c, m in mult.items()}, {c.removeprefix("ENTRY ") for c in unknown}
+    visit(entry, 1, False, False)
+    strip = lambda names: {c.removeprefix("ENTRY ") for c in names}
+    return {c.removeprefix("ENTRY "): m for c, m in mult.items()}, strip(unknown), strip(branch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,17 +218,18 @@ class Computation:
     lines: tuple[str, ...]
     count: int  # executions per step (a while body: once per loop trip; 0: never called)
     trip_count_known: bool = True  # False under a loop whose trip count XLA does not know (counted once)
+    in_branch: bool = False  # in a conditional's branch: count is how often the conditional runs, an upper bound
 
 
 def computations(compiled: Any) -> list[Computation]:
     """Every computation of a compiled function (or its HLO text), with its executions per step."""
     text = compiled if isinstance(compiled, str) else compiled.as_text()
     comps = _split_computations(text)
-    mult, unknown = _multipliers(comps)
+    mult, unknown, branch = _multipliers(comps)
     out = []
     for comp, lines in comps.items():
         name = comp.removeprefix("ENTRY ")
-        out.append(Computation(name, tuple(lines), mult.get(name, 0), name not in unknown))
+        out.append(Computation(name, tuple(lines), mult.get(name, 0), name not in unknown, name in branch))
     return out
 
 
@@ -259,7 +270,7 @@ def collectives(compiled: Any, mesh: Mesh, *, view: str = "accelerator") -> list
             instr = line.split("=", 1)[0].strip().removeprefix("ROOT ").lstrip("%")
             meta = re.search(r'op_name="([^"]*)"', line)
             found = Collective(kind, axes, times, nbytes, group_size, instr, comp.trip_count_known,
-                               meta.group(1) if meta else "")
+                               meta.group(1) if meta else "", in_branch=comp.in_branch)
             if graph is None or op != kind or kind not in ("all-reduce", "all-gather") or axes == ("?",):
                 out.append(found)
             else:
@@ -330,7 +341,8 @@ def _split_axes(axes: tuple[str, ...], size: dict[str, int], k: int) -> tuple[tu
 def summarize(ops: list[Collective], view: str = "accelerator") -> dict[tuple[str, tuple[str, ...]], dict[str, int]]:
     """{(kind, axes): {"count": executions per step, "bytes": total bytes per device per step}}.
 
-    ``view="emitted"``: grouped as the CPU program runs them (each op's ``emitted``).
+    ``view="emitted"``: grouped as the CPU program runs them (each op's ``emitted``). Collectives in a
+    conditional's branches (``in_branch``) count as if their branch always ran: an upper bound.
     """
     if view not in VIEWS:
         raise ValueError(f"view={view!r}; valid: {', '.join(VIEWS)}")
@@ -357,10 +369,14 @@ def format_collectives(ops: list[Collective]) -> str:
             notes = sorted({note for o in diff for note in o.cpu_note.split("; ") if note})
             cpu = "; ".join(f"{k} over {','.join(a) or '-'} {fmt_bytes(r['bytes'])}" for (k, a), r in emitted.items())
             cpu = (cpu or "nothing more (part of another row's emitted all-reduce)") + (f" ({'; '.join(notes)})" if notes else "")
-        cells.append((kind, ",".join(axes) or "-", f"{row['count']:,}", fmt_bytes(row["bytes"]), cpu))
+        at_most = "<=" if any(o.in_branch for o in ops if o.kind == kind and o.axes == axes) else ""
+        cells.append((kind, ",".join(axes) or "-", f"{at_most}{row['count']:,}", at_most + fmt_bytes(row["bytes"]), cpu))
     widths = [max(len(c[i]) for c in cells) for i in range(4)]
     lines = [f"{c[0]:<{widths[0]}}  {c[1]:<{widths[1]}}  {c[2]:>{widths[2]}}  {c[3]:>{widths[3]}}  {c[4]}".rstrip()
              for c in cells]
+    if any(o.in_branch for o in ops):
+        lines.append("<= at most: collectives in a conditional's branches (lax.switch / lax.cond), counted as if "
+                     "their branch ran every time the conditional does")
     total, cpu_total = summarize(ops), summarize(ops, "emitted")
     if total != cpu_total:
         lines.append(f"CPU program as compiled: {sum(r['count'] for r in cpu_total.values()):,} collectives, "

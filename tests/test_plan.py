@@ -35,12 +35,16 @@ SMALL_HBM = custom("h100", hbm_bytes=1.4e9, name="h100-1.4gb")
 
 def test_candidates_are_distinct_factorisations_with_matching_rules():
     layouts = candidates(8)
-    assert len(layouts) == len(set(layouts)) == 20 and all(layout.pipe == 1 for layout in layouts)
+    # 20 data x fsdp x tensor layouts, and the 10 of them with tensor > 1 again under the *_sp rule sets
+    assert len(layouts) == len(set(layouts)) == 30 and all(layout.pipe == 1 for layout in layouts)
+    sp = {(x.mesh, x.remat) for x in layouts if x.rules.endswith("_sp")}
+    assert len(sp) == 10 and sp == {(x.mesh, x.remat) for x in layouts if x.rules in ("dp_tp", "fsdp_tp")}
     for layout in layouts:
         sizes = layout.sizes
-        assert sizes["data"] * sizes["fsdp"] * sizes["tensor"] == 8
+        assert sizes["data"] * sizes["fsdp"] * sizes["tensor"] == 8 and "seq" not in sizes and "expert" not in sizes
         used = {a for a, s in sizes.items() if s > 1}
-        assert {"dp": {"data"}, "tp": {"tensor"}, "dp_tp": {"data", "tensor"}}.get(layout.rules, used) == used
+        assert {"dp": {"data"}, "tp": {"tensor"}, "dp_tp": {"data", "tensor"}}.get(layout.rules.removesuffix("_sp"),
+                                                                                     used) == used
         assert ("fsdp" in layout.rules) == ("fsdp" in used) and ("tp" in layout.rules) == ("tensor" in used)
     assert {str(layout) for layout in candidates(1)} == {"data=1 dp", "data=1 dp remat"}
     with pytest.raises(ValueError, match="devices must be a positive integer, got 0"):
@@ -54,7 +58,7 @@ def test_candidates_are_distinct_factorisations_with_matching_rules():
 def test_pipe_candidates_divide_layers_and_batch():
     layouts = candidates(8, n_layers=4, batch=16)
     piped = [x for x in layouts if x.pipe > 1]
-    assert len(layouts) == len(set(layouts)) and len(layouts) - len(piped) == 20
+    assert len(layouts) == len(set(layouts)) and len(layouts) - len(piped) == 30
     assert {x.pipe for x in piped} == {2, 4}  # 8 does not divide 4 layers
     for x in piped:
         assert math.prod(x.sizes.values()) == 8 and 16 % x.microbatches == 0
@@ -120,10 +124,15 @@ def test_pipe_layouts_carry_their_bubble_and_permutes():
         bubble = (S - 1) / (V * M + S - 1)
         # compute = FLOPs / peak, x4/3 for the recompute of each chunk in its backward, / (1 - bubble)
         assert e.roofline.compute_s == pytest.approx(flops * 4 / 3 / peak / (1 - bubble), rel=1e-9), layout
-        (permute,) = [x for x in e.traffic if x.kind == "collective-permute" and x.axes == ("pipe",)
-                      and x.count > 2]
+        # the busiest stage's sends from the schedule table (no regrouping of interleaved weights any more)
+        (permute,) = [x for x in e.traffic if x.kind == "collective-permute"]
         rows = 32 // (layout.sizes["data"] * layout.sizes["fsdp"]) // M  # per device per microbatch
-        assert permute.count == 2 * 2 * (V * M + S - 1) and permute.bytes == permute.count * rows * 16 * 32 * 4
+        per_stage = get_schedule(layout.schedule, S, M, V).sent_bytes(rows * 16 * 32 * 4).per_stage
+        assert permute.axes == ("pipe",) and permute.bytes == max(per_stage) == permute.count * rows * 16 * 32 * 4
+        # each microbatch leaves a chunk c = v S + s forward when c < C-1, backward when c > 0 (C = S V)
+        C = S * V
+        busiest = max(sum((c < C - 1) + (c > 0) for c in range(s, C, S)) for s in range(S)) * M
+        assert permute.count == busiest < 2 * (V * M + S - 1)  # below one send each way per tick
         seen.add((S, M, V))
     assert {(2, 2, 1), (8, 32, 1), (4, 8, 2)} <= seen
     # negative control: more microbatches, smaller bubble, less compute time
@@ -147,7 +156,9 @@ def test_known_answer_too_big_for_dp_picks_fsdp():
     assert best.fits and best.memory.total <= best.budget
     assert any(e.layout.rules in ("fsdp", "fsdp_tp") and e.layout.pipe == 1 for e in result.ranked)
     dp = [e for e in result.rejected if e.layout.rules == "dp" and e.layout.pipe == 1]
-    assert len(dp) == 2 and all(e.memory.state > e.budget for e in dp)  # the state alone does not fit
+    # the state alone does not fit, with or without a seq axis (context parallelism shards no state)
+    assert len([e for e in dp if "seq" not in e.layout.sizes]) == 2 and all(e.memory.state > e.budget for e in dp)
+    assert len(dp) > 2 and any("seq" in e.layout.sizes for e in dp)
     assert all(e.fits for e in result.ranked) and all(not e.fits for e in result.rejected)
     steps = [e.roofline.step_s for e in result.ranked]
     assert steps == sorted(steps)
@@ -161,6 +172,9 @@ def test_rejected_layouts_really_exceed_the_budget_when_compiled():
     tiny = custom("cpu", hbm_bytes=7e5, name="tiny")
     result = plan(cfg, 8, tiny)
     over = [e for e in result.rejected if e.memory is not None]
+    # data parallelism replicates the state, with or without context parallelism (seq splits only activations)
+    assert {e.layout.rules for e in over} == {"dp"} and any("seq" in e.layout.sizes for e in over)
+    over = [e for e in over if "seq" not in e.layout.sizes]  # the compiles below: the layouts without seq
     assert {str(e.layout) for e in over} == {"data=8 dp", "data=8 dp remat"}
     for e in over:
         report = dry_run(e.layout.apply(cfg), devices=8, hardware=tiny)

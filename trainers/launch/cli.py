@@ -70,7 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="override a config field, e.g. --set model.d_model=256 (repeatable)")
     p.add_argument("--mesh", help="mesh axis sizes, e.g. data=2,tensor=4 (-1 infers one axis)")
     p.add_argument("--dcn", help="axis sizes across slices / hosts (multi-slice), e.g. data=2")
-    p.add_argument("--rules", help="rule set: dp, fsdp, tp, dp_tp, fsdp_tp")
+    p.add_argument("--rules", help="rule set: dp, fsdp, tp, dp_tp, fsdp_tp; sequence-parallel dp_tp_sp, fsdp_tp_sp; "
+                                   "expert-parallel dp_ep, fsdp_ep, fsdp_tp_ep (every set splits the length over seq)")
     p.add_argument("--steps", type=int, help="shorthand for --set run.steps=N, N >= 1 (the LR schedule ends with the run)")
     p.add_argument("--run-dir", help="shorthand for --set run.run_dir=DIR")
     p.add_argument("--simulate-devices", type=int, default=0, metavar="N",

@@ -3,8 +3,8 @@
 No compile, milliseconds per layout: what :mod:`trainers.planning.planner` ranks layouts by and what
 :mod:`trainers.planning.dryrun` prints beside the compiled numbers. The formulas (parameters and optimizer
 state exactly from the rule set's shard shapes; gradients, activations under each remat policy,
-pipeline stashes; ring-algorithm bytes per mesh axis; max(compute, memory) + communication) are
-described in docs/planning.md.
+pipeline stashes, context and expert parallelism; collectives in :mod:`trainers.planning.traffic`;
+max(compute, memory) + communication) are described in docs/planning.md.
 
 The built-in GPT (a ``Config`` alone) is estimated from its config with the formulas below; any
 other task from its :class:`trainers.planning.profile.TaskProfile` (``task_memory_estimate``,
@@ -22,20 +22,20 @@ from flax import nnx
 
 import spmd
 from spmd.models import flops_per_step, flops_per_token
-from spmd.pipeline import Schedule, get_schedule
+from spmd.models.router import capacity
 from spmd.rules import axes_of
 from trainers.config import Config
-from trainers.hardware import Hardware, collective_seconds, networks
+from trainers.hardware import Hardware
 from trainers.optim import make_optimizer
 from trainers.planning.diagnose import ParamInfo, diagnose, param_infos, shard_divisors
 from trainers.planning.profile import TaskProfile, at
+from trainers.planning.traffic import DTYPE_BYTES as _DTYPE_BYTES
+from trainers.planning.traffic import RECOMPUTES_BLOCK, Traffic, comm_estimate, pipeline_schedule, token_axes
 from trainers.validate import Issue, batch_axes
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 # spmd.remat policies by what a block keeps on the device for the backward pass (else: its input only)
 KEEPS_ALL = ("none", "save_all_but_gathered")  # every intermediate; the weights too under none
 KEEPS_DOTS = ("save_dots",)  # the projections' outputs (offload keeps them on the host)
-RECOMPUTES_BLOCK = ("full", "save_block_input")  # the whole forward of each block again
 RECOMPUTES_ATTENTION = ("save_dots", "offload")  # attention's scores and weighted sum again (no projection)
 
 
@@ -57,26 +57,6 @@ class MemoryEstimate:
     @property
     def total(self) -> int:
         return self.state + self.grads + self.activations + self.batch
-
-
-@dataclasses.dataclass(frozen=True)
-class Traffic:
-    """One kind of collective on one set of axes: per device per step."""
-
-    kind: str
-    axes: tuple[str, ...]
-    count: int
-    bytes: int  # total over the step (count x full buffer)
-    network: str  # "ici" | "dcn"
-    seconds: float
-
-    @classmethod
-    def timed(cls, kind: str, axes: tuple[str, ...], count: int, nbytes: float, sizes: dict[str, int], hw: Hardware,
-              dcn_axes: tuple[str, ...] = ()) -> Traffic:
-        """``count`` collectives of ``nbytes`` in all over ``axes``, timed on the slow network if one crosses it."""
-        dcn = any(networks(sizes, hw, dcn_axes).get(a) == "dcn" for a in axes)
-        return cls(kind, axes, int(count), int(nbytes), "dcn" if dcn else "ici",
-                   collective_seconds(hw, kind, nbytes, math.prod(sizes.get(a, 1) for a in axes), dcn=dcn))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,15 +82,24 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
     dt = _DTYPE_BYTES[m.dtype]
     t = sizes.get("tensor", 1) if any(a == "mlp" for a, _ in rules.activations) else 1
     b = rows_per_device(cfg, sizes)
-    L, D, F, H, G, K, V = data.seq_len, m.d_model, m.ff, m.n_heads, m.kv_heads, m.k, m.vocab_size
+    s = sizes.get("seq", 1) if "seq" in token_axes(rules, sizes) else 1  # context parallelism: L/seq per device
+    L, D, F, H, G, K, V = data.seq_len // s, m.d_model, m.ff, m.n_heads, m.kv_heads, m.k, m.vocab_size
     qkv = (H + 2 * max(G, t)) * K / t  # fused q/k/v per shard: t > G copies each KV head to the shards sharing it
     # attention keeps the [B, H, L, L] probabilities (f32 scores + compute-dtype probs) unless a blockwise
-    # path runs (spmd.models.attention: "blockwise", or "auto" past one block): then one f32 log-sum-exp per
-    # row and head, and one block of scores in flight while a block is computed
-    blockwise = m.attention == "blockwise" or (m.attention in ("auto", "cudnn") and L > m.attention_block)
+    # path runs (spmd.models.attention: "blockwise", or "auto" past one block; context parallelism always):
+    # then one f32 log-sum-exp per row and head, and one block of scores in flight while a block is computed
+    blockwise = s > 1 or m.attention == "blockwise" or (m.attention in ("auto", "cudnn") and L > m.attention_block)
     scores = 4 * H / t if blockwise else (4 + dt) * H * L / t
-    per_token_layer = dt * (6 * D + 2 * qkv + H * K / t + 4 * F / t) + 4 * (qkv + 3 * D) + scores
+    mlp = 4 * F / t
+    if m.n_experts:  # MoE layers: x[E, C, D] dispatched and combined, the experts' [E, C, 2F] and [E, C, F] per slot
+        slots = m.n_experts * capacity(b * L, m.n_experts, m.experts_per_token, m.capacity_factor) / max(b * L, 1)
+        moe = slots * (2 * D + 3 * m.expert_ff / t) + 4 * m.n_shared_experts * m.expert_ff / t + 8 * m.n_experts
+        n_moe = m.n_layers // m.moe_every
+        mlp = ((m.n_layers - n_moe) * mlp + n_moe * moe) / m.n_layers  # the mean over the layers
+    per_token_layer = dt * (6 * D + 2 * qkv + H * K / t + mlp) + 4 * (qkv + 3 * D) + scores
     in_flight = (4 + dt) * H / t * min(L, m.attention_block) ** 2 * max(b, 1) if blockwise else 0
+    if s > 1 and m.context_exchange == "allgather":  # the whole K and V of one layer
+        in_flight += 2 * b * data.seq_len * max(G // t, 1) * K * dt
     positions = min(m.loss_chunk, L) if m.loss_chunk else L  # chunked cross-entropy: one chunk's logits at a time
     vt = t if any(a == "vocab" for a, _ in rules.activations) else 1
 
@@ -137,19 +126,18 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
             acts = (n_x + n_g + 2 + M) * x_in + kept(b / M, m.n_layers // (S * pipe.virtual_stages)) + logits(b / M)
     else:
         acts = kept(b, m.n_layers) + logits(b)
-    # FSDP/TP: one layer's weights gathered in the compute dtype (two in flight when prefetched)
+    # FSDP/TP: one layer's weights gathered in the compute dtype (two in flight when prefetched); gradient
+    # accumulation with run.fsdp_gather=per_step: every weight gathered for the step, the accumulator unsharded
     gathered = 0
-    if sizes.get("fsdp", 1) > 1:
+    if sizes.get("fsdp", 1) > 1 and cfg.run.grad_accum > 1 and cfg.run.fsdp_gather == "per_step":
+        unsharded = [p.size // math.prod(shard_divisors(p, rules, {**sizes, "fsdp": 1})) for p in infos]
+        gathered = sum(n * dt for n in unsharded)
+        grads = local + sum(n * p.itemsize for n, p in zip(unsharded, infos))
+    elif sizes.get("fsdp", 1) > 1:
         gathered = 2 * sum(p.size // p.shape[0] * dt // math.prod(shard_divisors(p, rules, sizes, "activations"))
                            for p in infos if p.dims and p.dims[0] == "layers")
-    batch = 2 * b * cfg.run.grad_accum * L * 4
+    batch = 2 * b * cfg.run.grad_accum * data.seq_len * 4
     return MemoryEstimate(local, optimizer, grads, int(acts + gathered), batch)
-
-
-def pipeline_schedule(cfg: Config, pipe: int) -> Schedule:
-    """The schedule table ``cfg.pipeline`` runs on a pipe axis of this size."""
-    p = cfg.pipeline
-    return get_schedule(p.schedule, pipe, p.microbatches, p.virtual_stages)
 
 
 def pipeline_bubble(cfg: Config, pipe: int) -> float:
@@ -165,46 +153,6 @@ def _optimizer_copies(opt_cfg, params) -> float:
     state = jax.eval_shape(make_optimizer(opt_cfg, 1e-3).init, params)
     big = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state) if len(x.shape) >= 1)
     return big / max(sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params)), 1)
-
-
-def comm_estimate(cfg: Config, sizes: dict[str, int], hw: Hardware, dcn_axes: tuple[str, ...] = ()) -> list[Traffic]:
-    """Analytic collectives of one step, per device: gradient reductions, FSDP gathers, TP all-reduces."""
-    m, rules, data = cfg.model, spmd.get_rules(cfg.rules), cfg.data
-    net = networks(sizes, hw, dcn_axes)
-    infos = param_infos(m)
-    dt = _DTYPE_BYTES[m.dtype]
-    d, f, t = sizes.get("data", 1), sizes.get("fsdp", 1), sizes.get("tensor", 1)
-    tp_local = sum(p.size // math.prod(shard_divisors(p, rules, {**sizes, "data": 1, "fsdp": 1})) for p in infos)
-    out = []
-
-    def add(kind, axis, count, nbytes, group):
-        if group > 1 and nbytes > 0:
-            dcn = net[axis] == "dcn"
-            out.append(Traffic(kind, (axis,), count, int(count * nbytes), net[axis],
-                               count * collective_seconds(hw, kind, nbytes, group, dcn=dcn)))
-
-    passes = 2 if m.policy == "none" else 3
-    add("all-gather", "fsdp", passes, tp_local * dt, f)  # weights, forward + backward (+ re-gathered unless kept)
-    add("reduce-scatter", "fsdp", 1, tp_local * 4, f)  # f32 gradients onto their shards
-    add("all-reduce", "data", 1, tp_local // f * 4, d)  # gradients of each shard across replicas
-    b = data.global_batch // math.prod(sizes[a] for a in batch_axes(rules, sizes))
-    S, pipe = sizes.get("pipe", 1), cfg.pipeline
-    piped = S > 1 and pipe.enabled
-    recompute = m.policy in RECOMPUTES_BLOCK or (piped and pipe.schedule != "gpipe")  # 1F1B: each chunk again
-    per_layer = (6 if recompute else 4) * m.n_layers // (S if piped else 1)  # attn-out + mlp-out, fwd + bwd
-    add("all-reduce", "tensor", per_layer, b * data.seq_len * m.d_model * dt, t)
-    if t > m.kv_heads:  # w_kv replicated over tensor (copied per shard): its f32 gradient summed over tensor
-        add("all-reduce", "tensor", m.n_layers // (S if piped else 1), m.d_model * 2 * m.kv_heads * m.k * 4 // f, t)
-    if piped:
-        schedule = pipeline_schedule(cfg, S)
-        ticks = schedule.n_ticks * (2 if schedule.name != "gpipe" else 1)  # table: one send each way per tick
-        x_in = b // cfg.run.grad_accum // pipe.microbatches * data.seq_len * m.d_model * dt
-        add("collective-permute", "pipe", ticks * cfg.run.grad_accum, x_in, S)
-        if pipe.virtual_stages > 1:  # W[L_pipe] -> chunk order, and the gradients back: (S-1)/S of each
-            stage = sum(p.size // math.prod(shard_divisors(p, rules, sizes)) * p.itemsize
-                        for p in infos if p.dims and p.dims[0] == "layers")
-            add("collective-permute", "pipe", 2, stage * (S - 1) // S, S)
-    return out
 
 
 def roofline(cfg: Config, n_devices: int, hw: Hardware, mem: MemoryEstimate, traffic: list[Traffic], *,
@@ -377,7 +325,8 @@ def layout_costs(cfg: Config, sizes: dict[str, int], hw: Hardware, *, profile: T
     """``cfg`` on a mesh of these axis sizes: the static diagnostics (:func:`diagnose`), then memory,
     collectives and roofline, from the built-in GPT's formulas or from a task's ``profile``."""
     issues = tuple(diagnose(cfg.model if profile is None else profile.variables, cfg.rules, sizes,
-                            global_batch=cfg.data.global_batch, grad_accum=cfg.run.grad_accum, pipeline=cfg.pipeline))
+                            global_batch=cfg.data.global_batch, grad_accum=cfg.run.grad_accum, pipeline=cfg.pipeline,
+                            seq_len=cfg.data.seq_len))
     if any(i.fatal for i in issues):
         return Costs(issues)
     if profile is None:

@@ -307,11 +307,39 @@ def capture_stderr() -> Iterator[list[str]]:
                 sys.stderr.write(text)
 
 
+def check_context_and_experts(model: GPTConfig, rules: spmd.Rules | str, sizes: Mapping[str, int], *,
+                              seq_len: int | None, pipeline: PipelineConfig | None = None) -> list[Issue]:
+    """Context parallelism (activation ``length`` over ``seq`` > 1): the length a multiple of 2 x seq,
+    no pipeline; MoE (``model.n_experts`` > 0): no pipeline, and on an ``expert`` axis > 1 a rule set
+    and expert count that give expert parallelism (:func:`spmd.models.moe.expert_layout`). All fatal."""
+    from spmd.models.moe import expert_layout
+
+    rules = spmd.get_rules(rules)
+    length = rules.spec(("length",), kind="activations", mesh_sizes=sizes)
+    seq = sizes.get("seq", 1) if len(length) and "seq" in axes_of(length[0]) else 1
+    piped = pipeline is not None and pipeline.enabled and sizes.get("pipe", 1) > 1
+    issues = []
+    if seq > 1 and seq_len is not None and seq_len % (2 * seq):
+        issues.append(Issue("indivisible", "inputs", "length", f"data.seq_len={seq_len} does not split into 2 x "
+                            f"seq={seq} load-balanced chunks", f"use data.seq_len a multiple of {2 * seq}, or a "
+                            "smaller seq axis", fatal=True))
+    if piped and (seq > 1 or model.n_experts):
+        what = f"context parallelism (seq={seq})" if seq > 1 else f"MoE (model.n_experts={model.n_experts})"
+        issues.append(Issue("pipeline", "pipeline", None, f"{what} does not run under a pipeline",
+                            "use pipeline.schedule=none and pipe=1", fatal=True))
+    if model.n_experts and sizes.get("expert", 1) > 1:
+        try:
+            expert_layout(rules, dict(sizes), model.n_experts)
+        except ValueError as e:
+            issues.append(Issue("rules", "blocks/block/mlp", "expert", str(e), "", fatal=True))
+    return issues
+
+
 def diagnose(model: GPTConfig | ModelVariables, rules: spmd.Rules | str, sizes: Mapping[str, int], *, global_batch: int,
-             grad_accum: int = 1, pipeline: PipelineConfig | None = None) -> list[Issue]:
-    """The static checks (no compile) of one layout: divisibility, batch split, pipeline split (the
-    built-in GPT), large replicated params. ``model`` is the built-in GPT's config or any model's
-    :class:`ModelVariables`."""
+             grad_accum: int = 1, pipeline: PipelineConfig | None = None, seq_len: int | None = None) -> list[Issue]:
+    """The static checks (no compile) of one layout: divisibility, batch split, pipeline split, context
+    and expert parallelism (the built-in GPT), large replicated params. ``model`` is the built-in GPT's
+    config or any model's :class:`ModelVariables`."""
     batch = check_batch(global_batch, grad_accum, rules, sizes)
     if isinstance(model, ModelVariables):
         decisions, issues = check_layout(model, rules, sizes)
@@ -322,4 +350,5 @@ def diagnose(model: GPTConfig | ModelVariables, rules: spmd.Rules | str, sizes: 
     piped = check_pipeline(model, pipeline, rules, sizes, global_batch=global_batch, grad_accum=grad_accum) \
         if pipeline is not None else []
     return (check_heads(model, rules, sizes) + check_divisibility(params, rules, sizes) + batch + piped
+            + check_context_and_experts(model, rules, sizes, seq_len=seq_len, pipeline=pipeline)
             + check_replicated(params, rules, sizes))

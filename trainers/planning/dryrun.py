@@ -22,6 +22,7 @@ from trainers.hardware import Hardware, get_hardware
 from trainers.lr import make_lr_schedule
 from trainers.optim import make_optimizer
 from trainers.planning.costs import Traffic, layout_costs, layout_roofline, pipeline_bubble, rows_per_device
+from trainers.planning.traffic import pipeline_schedule
 from trainers.planning.diagnose import capture_stderr, check_activation_split, check_collectives, parse_remat_warnings
 from trainers.planning.fresh_process import call_with_devices, import_root
 from trainers.planning.profile import abstract_batch, profile_task
@@ -112,8 +113,17 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
     compile_s = time.perf_counter() - t0
 
     ops = spmd.hlo.collectives(compiled, mesh)
+    table = spmd.hlo.summarize(ops)
+    sent = {}
+    if piped:  # the sends sit in switch branches: weigh each by how often the schedule table takes it
+        try:
+            sent = pipe_sends(compiled, cfg, mesh, ops)
+            table[("collective-permute", ("pipe",))] = {"count": sent["count"], "bytes": sent["busiest"]}
+        except ValueError as e:
+            issues.append(Issue("pipeline", "pipe", None, f"the compiled step's sends over pipe could not be matched "
+                                f"to the schedule table ({e}); their bytes count every switch branch on every tick", ""))
     traffic = [Traffic.timed(kind, axes, row["count"], row["bytes"], sizes, hw, dcn_axes)
-               for (kind, axes), row in spmd.hlo.summarize(ops).items()]
+               for (kind, axes), row in table.items() if row["count"]]
     analytic = costs.memory
     if profile is not None:
         issues += check_activation_split(spmd.inspection.memory(compiled).temp, analytic.activations,
@@ -126,4 +136,21 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
         state_bytes=spmd.inspection.tree_bytes_per_device(sharded.abstract),
         batch_bytes=spmd.inspection.tree_bytes_per_device(batch), collectives=tuple(ops), traffic=tuple(traffic),
         analytic_traffic=costs.traffic, roofline=layout_roofline(cfg, sizes, hw, analytic, traffic, profile=profile),
-        issues=tuple(issues), compile_s=compile_s, backend=backend)
+        issues=tuple(issues), compile_s=compile_s, backend=backend, pipe_sent=sent.get("pipeline", 0))
+
+
+def pipe_sends(compiled, cfg: Config, mesh, ops: list[spmd.hlo.Collective]) -> dict[str, int]:
+    """The compiled step's sends over ``pipe`` per step: ``pipeline`` (summed over the stage pairs of one
+    pipeline, :func:`spmd.pipeline.hlo_sent_bytes`: each switch branch weighed by how often the schedule
+    table takes it), and per device the busiest stage's ``count`` and ``busiest`` bytes (the branches'
+    bytes in the table's per-stage proportion, plus every permute outside a branch on each execution)."""
+    schedule = pipeline_schedule(cfg, mesh.shape["pipe"])
+    found = spmd.pipeline.hlo_sent_bytes(compiled, schedule, mesh)
+    per_stage = schedule.sent_bytes(1).per_stage  # activations each stage sends per pipeline run
+    share = max(per_stage) / max(sum(per_stage), 1)
+    branch = [op for op in ops if op.kind == "collective-permute" and op.axes == ("pipe",) and op.in_branch]
+    certain = [op for op in ops if op.kind == "collective-permute" and op.axes == ("pipe",) and not op.in_branch]
+    busiest = found["executed"] * share
+    count = round(busiest / branch[0].bytes) if branch else 0
+    return {"pipeline": found["executed"] + found["unattributed"], "count": count + sum(op.count for op in certain),
+            "busiest": int(busiest) + sum(op.total_bytes for op in certain)}

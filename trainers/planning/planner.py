@@ -1,6 +1,6 @@
 """``spmd-plan TARGET --devices N --hardware H``: which layout to run, decided before the pod.
 
-Enumerates layouts (``data x pipe x fsdp x tensor``, rule sets, remat, schedules), estimates each
+Enumerates layouts (``data x pipe x fsdp x seq x expert x tensor``, rule sets, remat, schedules), estimates each
 analytically (:mod:`trainers.planning.costs`), drops those that cannot be built or do not fit and ranks
 the rest by estimated step time; ``--verify`` confirms the best with a dry-run compile. See
 docs/planning.md.
@@ -27,9 +27,13 @@ from trainers.planning.profile import TaskProfile, profile_task
 from trainers.task import Task, load_task
 from trainers.validate import Issue
 
-# rule set -> (mesh axes it needs > 1, axes it may also use): one candidate per distinct layout
+# rule set -> (mesh axes it needs > 1, axes it may also use): one candidate per distinct layout. Every
+# rule set also splits the length over seq (context parallelism), so seq is open to each of them.
 RULE_AXES = {"dp": (("data",), ()), "fsdp": (("fsdp",), ("data",)), "tp": (("tensor",), ()),
-             "dp_tp": (("data", "tensor"), ()), "fsdp_tp": (("fsdp", "tensor"), ("data",))}
+             "dp_tp": (("data", "tensor"), ()), "fsdp_tp": (("fsdp", "tensor"), ("data",)),
+             "dp_tp_sp": (("data", "tensor"), ()), "fsdp_tp_sp": (("fsdp", "tensor"), ("data",)),
+             "dp_ep": (("expert",), ("data",)), "fsdp_ep": (("fsdp", "expert"), ("data",)),
+             "fsdp_tp_ep": (("fsdp", "tensor", "expert"), ("data",))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,27 +195,35 @@ def pipeline_options(pipe: int, n_layers: int, batch: int) -> list[tuple[str, in
 
 
 def candidates(devices: int, *, remat: tuple[bool | str | None, ...] = (False, True), n_layers: int | None = None,
-               batch: int | None = None) -> list[Layout]:
-    """Every (data, pipe, fsdp, tensor) factorisation of ``devices`` with each rule set using exactly the
-    non-pipe axes; pipe > 1 only with ``n_layers`` (a divisor of it) and ``batch`` (M must divide it)."""
+               batch: int | None = None, seq_len: int | None = None, n_experts: int = 0) -> list[Layout]:
+    """Every (data, pipe, fsdp, seq, expert, tensor) factorisation of ``devices`` with each rule set using
+    exactly the axes other than pipe and seq; pipe > 1 only with ``n_layers`` (a divisor of it) and
+    ``batch`` (M must divide it); seq > 1 only with ``seq_len`` a multiple of 2 x seq; expert > 1 only
+    with ``n_experts`` a multiple of it (the ``*_ep`` rule sets). Neither seq nor expert with a pipe."""
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
         raise ValueError(f"devices must be a positive integer, got {devices!r}")
-    for name, value in (("n_layers", n_layers), ("batch", batch)):
+    for name, value in (("n_layers", n_layers), ("batch", batch), ("seq_len", seq_len)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+    if not isinstance(n_experts, int) or n_experts < 0:
+        raise ValueError(f"n_experts must be an integer >= 0, got {n_experts!r}")
     out = []
-    for d, p, f, t in _factorisations(devices, 4):
-        if p > 1 and (n_layers is None or batch is None or n_layers % p):
+    for d, p, f, s, e, t in _factorisations(devices, 6):
+        if p > 1 and (n_layers is None or batch is None or n_layers % p or s > 1 or n_experts):
             continue
-        rest = devices // p
-        used = {a for a, size in {"data": d, "fsdp": f, "tensor": t}.items() if size > 1}
+        if s > 1 and (seq_len is None or seq_len % (2 * s)) or e > 1 and (not n_experts or n_experts % e):
+            continue
+        rest = devices // (p * s)
+        used = {a for a, size in {"data": d, "fsdp": f, "expert": e, "tensor": t}.items() if size > 1}
         for (rules, (need, may)), r in itertools.product(RULE_AXES.items(), remat):
             if rest > 1 and not (set(need) <= used <= set(need) | set(may)):
                 continue
             if rest == 1 and rules != "dp":
                 continue
+            mesh = tuple((a, n) for a, n in (("data", d), ("pipe", p), ("fsdp", f), ("seq", s), ("expert", e),
+                                             ("tensor", t)) if n > 1 or a not in ("seq", "expert"))
             for schedule, M, V in pipeline_options(p, n_layers or 1, batch or 1):
-                out.append(Layout((("data", d), ("pipe", p), ("fsdp", f), ("tensor", t)), rules, r, schedule, M, V))
+                out.append(Layout(mesh, rules, r, schedule, M, V))
     return out
 
 
@@ -258,7 +270,8 @@ def plan(cfg: Config, devices: int, hardware: str | Hardware, *, headroom: float
         raise ValueError(f"headroom must be in (0, 1], got {headroom!r}")
     if task is None:
         profile = None
-        layouts = candidates(devices, n_layers=cfg.model.n_layers, batch=cfg.data.global_batch // cfg.run.grad_accum)
+        layouts = candidates(devices, n_layers=cfg.model.n_layers, batch=cfg.data.global_batch // cfg.run.grad_accum,
+                             seq_len=cfg.data.seq_len, n_experts=cfg.model.n_experts)
     else:
         profile = task if isinstance(task, TaskProfile) else profile_task(
             load_task(task) if isinstance(task, str) else task, cfg)

@@ -38,11 +38,19 @@ class DryRunReport:
     backend: str = ""
     pipeline: str = ""  # "1f1b S=2 M=4 V=1" when the step is pipelined, else ""
     bubble: float = 0.0  # idle fraction of the pipeline's schedule table
+    pipe_sent: int = 0  # bytes sent over pipe per step, summed over one pipeline's stage pairs (spmd.pipeline.hlo_sent_bytes)
 
     @property
     def pipe_permutes(self) -> tuple:
-        """The compiled step's collective-permutes over the ``pipe`` axis (the pipeline's sends)."""
+        """The compiled step's collective-permutes over the ``pipe`` axis (the pipeline's sends; those in
+        switch branches have ``in_branch`` and count every tick, an upper bound)."""
         return tuple(op for op in self.collectives if op.kind == "collective-permute" and op.axes == ("pipe",))
+
+    @property
+    def pipe_traffic(self) -> Traffic | None:
+        """The pipe sends of the busiest stage per device per step, as timed: from the switch branches weighed by
+        the schedule table (the compiled row) and, beside it in ``analytic_traffic``, from the table alone."""
+        return next((x for x in self.traffic if x.kind == "collective-permute" and x.axes == ("pipe",)), None)
 
     @property
     def budget(self) -> float:
@@ -82,12 +90,15 @@ class DryRunReport:
             out.append(f"{verdict}: {fmt_bytes(self.peak_bytes)} of {fmt_bytes(hw.hbm_bytes)} HBM (budget {self.headroom:.0%} = "
                        f"{fmt_bytes(self.budget)})")
         if self.pipeline:
-            sends = self.pipe_permutes
+            sends, compiled = self.pipe_permutes, self.pipe_traffic
             expected = [x for x in self.analytic_traffic if x.kind == "collective-permute" and x.axes == ("pipe",)]
-            out += ["", f"pipeline: {self.pipeline}, bubble {self.bubble:.1%} of the schedule's slots idle; "
-                        f"{sum(op.count for op in sends)} collective-permutes over pipe per step "
-                        f"({fmt_bytes(sum(op.total_bytes for op in sends))}; analytic "
-                        f"{sum(x.count for x in expected)}, {fmt_bytes(sum(x.bytes for x in expected))})"]
+            out += ["", f"pipeline: {self.pipeline}, bubble {self.bubble:.1%} of the schedule's slots idle",
+                    f"sends over pipe per step: {fmt_bytes(self.pipe_sent)} over one pipeline's stage pairs (compiled "
+                    f"switch branches weighed by the schedule table: spmd.pipeline.hlo_sent_bytes); busiest stage "
+                    f"{compiled.count if compiled else 0} sends, {fmt_bytes(compiled.bytes if compiled else 0)} per "
+                    f"device (analytic {sum(x.count for x in expected)}, {fmt_bytes(sum(x.bytes for x in expected))}); "
+                    f"the table below counts every branch on every tick: {sum(op.count for op in sends)} "
+                    f"collective-permutes, {fmt_bytes(sum(op.total_bytes for op in sends))}"]
         if self.collectives:
             out += ["", "collectives (compiled step, per device per step, as an accelerator runs it; the last column "
                         "says where the CPU program emits something else):", format_collectives(list(self.collectives))]

@@ -1,0 +1,151 @@
+"""Analytic collectives of the built-in GPT's train step: one :class:`Traffic` row per kind and axes.
+
+Per parameter ``W``, from the axes its rule shards it over and the axes that split the tokens
+(the batch axes and ``seq``): gathered over the axes that do both (``W[D_fsdp] -> W[D]``, FSDP) with
+its gradient reduce-scattered back, and its gradient shard all-reduced over the others. Tensor
+parallelism: 2 all-reduces of ``x[B_local, L_seq, D]`` per layer per direction (reduce-scatter +
+all-gather under the ``*_sp`` presets); pipeline sends from the schedule table (the busiest
+stage); context parallelism's K/V exchange over ``seq``; MoE's dispatch/combine all-to-alls over
+``expert``. Formulas: docs/planning.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import spmd
+from meshes import AXES
+from spmd.models.router import capacity
+from spmd.pipeline import Schedule, get_schedule
+from spmd.rules import axes_of
+from spmd.sharding import fit_spec
+from trainers.config import Config
+from trainers.hardware import Hardware, collective_seconds, networks
+from trainers.planning.diagnose import ParamInfo, param_infos, shard_divisors
+from trainers.validate import batch_axes
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+RECOMPUTES_BLOCK = ("full", "save_block_input")  # spmd.remat policies that run each block's forward twice
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """One kind of collective on one set of axes: per device per step."""
+
+    kind: str
+    axes: tuple[str, ...]
+    count: int
+    bytes: int  # total over the step (count x full buffer)
+    network: str  # "ici" | "dcn"
+    seconds: float
+
+    @classmethod
+    def timed(cls, kind: str, axes: tuple[str, ...], count: int, nbytes: float, sizes: dict[str, int], hw: Hardware,
+              dcn_axes: tuple[str, ...] = ()) -> Traffic:
+        """``count`` collectives of ``nbytes`` in all over ``axes``, timed on the slow network if one crosses it."""
+        dcn = any(networks(sizes, hw, dcn_axes).get(a) == "dcn" for a in axes)
+        return cls(kind, axes, int(count), int(nbytes), "dcn" if dcn else "ici",
+                   collective_seconds(hw, kind, nbytes, math.prod(sizes.get(a, 1) for a in axes), dcn=dcn))
+
+
+def pipeline_schedule(cfg: Config, pipe: int) -> Schedule:
+    """The schedule table ``cfg.pipeline`` runs on a pipe axis of this size."""
+    p = cfg.pipeline
+    return get_schedule(p.schedule, pipe, p.microbatches, p.virtual_stages)
+
+
+def pipeline_sends(cfg: Config, pipe: int) -> int:
+    """Activations ``x[B/M, L, D]`` the busiest stage sends over ``pipe`` per pipeline run: the table
+    engine's sends (:meth:`spmd.pipeline.Schedule.sent_bytes` per stage); GPipe's scan and its
+    transpose send on every tick from every stage but the last, ``2 (M + S - 1)``."""
+    schedule = pipeline_schedule(cfg, pipe)
+    if schedule.name == "gpipe":
+        return 2 * (schedule.n_microbatches + pipe - 1)
+    return max(schedule.sent_bytes(1).per_stage)
+
+
+def token_axes(rules: spmd.Rules, sizes: dict[str, int]) -> tuple[str, ...]:
+    """Mesh axes (size > 1) that split the tokens: the batch axes and the axes of activation ``length``."""
+    length = rules.spec(("length",), kind="activations", mesh_sizes=sizes)
+    out = batch_axes(rules, sizes) + (axes_of(length[0]) if len(length) else ())
+    return tuple(a for a in AXES if a in out)
+
+
+def param_axes(info: ParamInfo, rules: spmd.Rules, sizes: dict[str, int]) -> tuple[str, ...]:
+    """Mesh axes (size > 1) the rule set shards parameter ``info`` over."""
+    if info.dims is None:
+        return ()
+    spec = fit_spec(rules.spec(info.dims, kind="params", mesh_sizes=sizes, what=info.path), info.shape, info.dims, sizes)
+    return tuple(a for e in spec for a in axes_of(e) if sizes.get(a, 1) > 1)
+
+
+def comm_estimate(cfg: Config, sizes: dict[str, int], hw: Hardware, dcn_axes: tuple[str, ...] = ()) -> list[Traffic]:
+    """Analytic collectives of one step of the built-in GPT, per device (see the module docstring)."""
+    m, rules, data, run = cfg.model, spmd.get_rules(cfg.rules), cfg.data, cfg.run
+    dt, k = DTYPE_BYTES[m.dtype], run.grad_accum
+    S, t, pipe = sizes.get("pipe", 1), sizes.get("tensor", 1), cfg.pipeline
+    piped = S > 1 and pipe.enabled
+    tokens = token_axes(rules, sizes)
+    totals: dict[tuple[str, tuple[str, ...]], list[float]] = {}
+
+    def add(kind: str, axes: tuple[str, ...], count: float, nbytes: float) -> None:  # nbytes per collective
+        axes = tuple(a for a in AXES if a in axes and sizes.get(a, 1) > 1)
+        if axes and count > 0 and nbytes > 0:
+            row = totals.setdefault((kind, axes), [0, 0.0])
+            row[0], row[1] = row[0] + count, row[1] + count * nbytes
+
+    # gradients and FSDP: per_step gathers once and reduce-scatters once; per microbatch otherwise
+    once = k > 1 and run.fsdp_gather == "per_step"
+    passes = 1 if once or piped else (2 if m.policy == "none" else 3)  # the pipeline gathers before its loop
+    micro = 1 if once else k
+    grads: dict[tuple[str, tuple[str, ...]], list[float]] = {}  # all parameters' bytes per collective, as XLA combines them
+    for p in param_infos(m):
+        on = param_axes(p, rules, sizes)
+        local = p.size // math.prod(shard_divisors(p, rules, sizes))
+        gather = tuple(a for a in tokens if a in on)
+        if gather:
+            full = local * math.prod(sizes[a] for a in gather)
+            matrix = len(p.shape) - (p.dims[0] == "layers") >= 2  # matrices are gathered in the compute dtype
+            grads.setdefault(("all-gather", gather), [passes * micro, 0])[1] += full * (dt if matrix else p.itemsize)
+            grads.setdefault(("reduce-scatter", gather), [micro, 0])[1] += full * p.itemsize
+        grads.setdefault(("all-reduce", tuple(a for a in tokens if a not in on)), [1, 0])[1] += local * p.itemsize
+    for (kind, axes), (count, nbytes) in grads.items():
+        add(kind, axes, count, nbytes)
+
+    b = data.global_batch // math.prod(sizes[a] for a in batch_axes(rules, sizes)) // k  # rows per microbatch
+    s = sizes.get("seq", 1) if "seq" in tokens else 1
+    L, D, K = data.seq_len // s, m.d_model, m.k
+    n_layers = m.n_layers // (S if piped else 1)
+    n_moe = n_layers // m.moe_every if m.n_experts else 0
+    recompute = m.policy in RECOMPUTES_BLOCK or (piped and pipe.schedule != "gpipe")  # 1F1B: each chunk again
+    directions = 3 if recompute else 2  # forward (again), backward
+    C = capacity(b * L, m.n_experts, m.experts_per_token, m.capacity_factor) if m.n_experts else 0
+    ecd = m.n_experts * C * D * dt  # an MoE layer's dispatch buffer x[E, C, D]
+    heads = rules.spec(("heads",), kind="params", mesh_sizes=sizes)
+    if t > 1 and len(heads) and "tensor" in axes_of(heads[0]):
+        bld = b * L * D * dt
+        residual = rules.spec(("residual_length",), kind="activations", mesh_sizes=sizes)
+        sp = len(residual) > 0 and "tensor" in axes_of(residual[0])  # Megatron-SP
+        count = directions * (2 * n_layers - n_moe + (n_moe if m.n_shared_experts else 0)) * k  # attention + dense MLPs
+        for kind in ("reduce-scatter", "all-gather") if sp else ("all-reduce",):
+            add(kind, ("tensor",), count, bld)
+        add("all-reduce", ("tensor",), directions * n_moe * k, ecd)  # the experts' row-parallel w_down output
+        if t > m.kv_heads:  # w_kv replicated over tensor (copied per shard): its gradient summed over tensor
+            add("all-reduce", ("tensor",), 1, n_layers * D * 2 * m.kv_heads * K * 4 // sizes.get("fsdp", 1))
+    if piped:
+        x_in = b // pipe.microbatches * data.seq_len * D * dt
+        add("collective-permute", ("pipe",), pipeline_sends(cfg, S) * k, x_in)
+    if s > 1:  # context parallelism: K/V [2, B, L/seq, G, K] per attention layer
+        kv = 2 * b * L * max(m.kv_heads // t, 1) * K
+        forward = directions - 1
+        if m.context_exchange == "ring":  # seq-1 hops forward (again) and backward, dK/dV home in seq hops
+            add("collective-permute", ("seq",), (s - 1) * (forward + 1) * n_layers * k, kv * dt)
+            add("collective-permute", ("seq",), s * n_layers * k, kv * 4)
+        else:  # K and V gathered whole in each pass, dK and dV reduce-scattered
+            add("all-gather", ("seq",), 2 * (forward + 1) * n_layers * k, kv // 2 * s * dt)
+            add("reduce-scatter", ("seq",), 2 * n_layers * k, kv // 2 * s * 4)
+    if n_moe and sizes.get("expert", 1) > 1:  # dispatch + combine, forward (again) and backward
+        add("all-to-all", ("expert",), 2 * directions * n_moe * k, ecd)
+    return [Traffic.timed(kind, axes, count, nbytes, sizes, hw, dcn_axes)
+            for (kind, axes), (count, nbytes) in totals.items()]
