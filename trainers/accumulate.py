@@ -5,7 +5,8 @@ microbatch gradients, ``G{U_data}``, and one sum after the loop reduces them. ``
 picks what happens to weights sharded over ``fsdp``: ``"per_microbatch"`` (ZeRO-3: ``fsdp``
 stays automatic, ``W[D_fsdp]`` gathered and ``G`` reduce-scattered every microbatch) or
 ``"per_step"`` (``W[D_fsdp] -> W[D]`` gathered once before the loop, ``G[D]{U_fsdp} -> G[D_fsdp]``
-reduce-scattered once after it: full-size weights and accumulator per device). See docs/training.md."""
+reduce-scattered once after it: full-size weights and accumulator per device). See docs/training.md.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshes import axis_sizes
@@ -24,9 +25,13 @@ from spmd.pipeline.config import split_microbatches
 from spmd.pipeline.manual import manual_batch_axes, with_inner_rules
 from spmd.rules import Rules, axes_of
 
+
 def reduction_axes(mesh: Mesh, rules: Rules, batch: Any, grad_accum: int, fsdp_gather: str) -> tuple[str, ...]:
     """The batch axes the loop runs manual over: those the rules split ``batch`` over (size > 1, rows
-    per microbatch dividing), less the axes that shard parameters under ``"per_microbatch"``."""
+    per microbatch dividing), less the axes that shard parameters under ``"per_microbatch"``; none on
+    a mesh with Explicit axes (the loop then stays under GSPMD)."""
+    if any(t == AxisType.Explicit for t in mesh.axis_types):
+        return ()
     rows = jax.tree.leaves(batch)[0].shape[0] // grad_accum
     return manual_batch_axes(mesh, rules, rows, axis="", shard_params=fsdp_gather == "per_step")
 
@@ -76,3 +81,22 @@ def accumulate(grad_fn: Callable, params: Any, batch: Any, key: jax.Array, *, gr
                                        axis_names=frozenset(axes))(params, micro, key)
     grads = jax.tree.map(lambda g: g.sum(0) / (grad_accum * n), partial)  # the one reduction
     return jax.lax.with_sharding_constraint(grads, param_shardings), loss, aux
+
+
+def accumulate_gspmd(grad_fn: Callable, params: Any, other: Any, batch: Any, key: jax.Array, *, grad_accum: int,
+                     param_shardings: Any):
+    """``(grads, other, loss, aux)`` by a loop under GSPMD: the accumulator is constrained to the
+    parameter shardings, so every reduction runs once per microbatch; batch statistics and random
+    draws are exactly the single-device ones. For models with non-parameter state and pipelines."""
+    micro = jax.tree.map(lambda x: split_microbatches(x, grad_accum), batch)
+
+    def body(carry, xs):
+        acc, other = carry
+        mb, j = xs
+        (loss, (aux, other)), g = grad_fn(params, other, mb, jax.random.fold_in(key, j))
+        acc = jax.tree.map(jnp.add, acc, g)
+        return (jax.lax.with_sharding_constraint(acc, param_shardings), other), (loss, aux)
+
+    zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), param_shardings)
+    (grads, other), (losses, auxs) = jax.lax.scan(body, (zeros, other), (micro, jnp.arange(grad_accum)))
+    return jax.tree.map(lambda g: g / grad_accum, grads), other, losses.mean(), jax.tree.map(jnp.mean, auxs)

@@ -1,7 +1,7 @@
 """The pure, jitted train and eval steps, for any model, loss and batch structure.
 
 ``train_step(state, batch) -> (state, metrics)``: explicit shardings, state donated, gradient
-accumulation, the pre-clip gradient norm and the guard. ``eval_step(state, batch, mask) -> sums``
+accumulation (reduced once per step: :mod:`trainers.accumulate`), the pre-clip gradient norm and the guard. ``eval_step(state, batch, mask) -> sums``
 over the real rows. See docs/training.md.
 """
 
@@ -19,7 +19,6 @@ from jax.sharding import Mesh, NamedSharding
 import spmd
 from spmd.models import lm_loss
 from spmd.pipeline import PipelineConfig
-from spmd.pipeline.config import split_microbatches
 from trainers import accumulate
 from trainers.faults import guard
 from trainers.optim import global_norm
@@ -79,6 +78,10 @@ def make_train_step(
 ) -> Callable[[State, Batch], tuple[State, dict[str, jax.Array]]]:
     """The jitted train step for this state, mesh and rule set.
 
+    ``grad_accum`` > 1 splits the batch into that many microbatches whose gradients are reduced once
+    per step; ``fsdp_gather`` ("per_microbatch" | "per_step") says when weights sharded over ``fsdp``
+    are gathered (:mod:`trainers.accumulate`).
+
     ``spike_factor > 0`` needs a ``"guard"`` window in the state (``trainers.faults.guard.init_state``);
     with a window, the metrics also carry ``ok``, ``loss_spike``, ``grad_norm_spike`` and the medians.
     """
@@ -114,19 +117,9 @@ def make_train_step(
                                                          axes=axes)
                 new_other = other
             else:  # batch statistics, RNG streams or a pipeline: the loop under GSPMD reduces every microbatch
-                micro = jax.tree.map(lambda x: split_microbatches(x, grad_accum), batch)
-
-                def body(carry, xs):
-                    acc, other = carry
-                    mb, j = xs
-                    (l, (aux, other)), g = grad_fn(params, other, mb, jax.random.fold_in(step_key, j))
-                    acc = jax.tree.map(jnp.add, acc, g)
-                    return (jax.lax.with_sharding_constraint(acc, param_shardings), other), (l, aux)
-
-                zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), param_shardings)
-                (grads, new_other), (losses, auxs) = jax.lax.scan(body, (zeros, other), (micro, jnp.arange(grad_accum)))
-                grads = jax.tree.map(lambda g: g / grad_accum, grads)
-                loss, aux = losses.mean(), jax.tree.map(jnp.mean, auxs)
+                grads, new_other, loss, aux = accumulate.accumulate_gspmd(grad_fn, params, other, batch, step_key,
+                                                                          grad_accum=grad_accum,
+                                                                          param_shardings=param_shardings)
         grad_norm = global_norm(grads)
         flags = guard.check(state["guard"], loss, grad_norm, spike_factor) if "guard" in state else None
         ok = flags["ok"] if flags is not None else jnp.isfinite(loss) & jnp.isfinite(grad_norm)
