@@ -59,7 +59,7 @@ def real_step(cfg):
     batch = {k: jax.device_put(tokens, batch_sharding) for k in ("inputs", "targets")}
     compiled = step.lower(sharded.state, batch).compile()
     batch_bytes = spmd.inspection.tree_bytes_per_device(batch)
-    return spmd.inspection.memory(compiled), batch_bytes, spmd.hlo.collectives(compiled, mesh)
+    return spmd.inspection.memory(compiled), batch_bytes, spmd.hlo.collectives(compiled, mesh), (compiled, mesh)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def real():
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_state_bytes_match_the_real_compiled_step(name, reports, real):
-    memory, batch_bytes, _ = real[name]
+    memory, batch_bytes, *_ = real[name]
     real_state = memory.argument - batch_bytes
     report = reports[name]
     assert report.compiled is not None and report.fits
@@ -104,19 +104,27 @@ def test_collectives_tell_layouts_apart(reports):
 def test_pipelined_dry_run_matches_the_real_pipelined_step(reports):
     cfg = override(recipe("gpt-small", tiny=True), PIPE)
     report = dry_run(cfg, devices=8, hardware="h100")
-    memory, batch_bytes, real_ops = real_step(cfg)
+    memory, batch_bytes, real_ops, (compiled, mesh) = real_step(cfg)
     assert report.compiled is not None and report.fits
     assert list(report.collectives) == real_ops and spmd.hlo.summarize(list(report.collectives)) == spmd.hlo.summarize(real_ops)
     assert abs(report.compiled.argument - report.batch_bytes - (memory.argument - batch_bytes)) == 0
-    # the pipeline's sends: one x[B/M, L, D] each way on each of the 2(M+S-1) = 10 ticks
-    sends = report.pipe_permutes
-    rows = 16 // 4 // 4  # per device per microbatch
-    assert sum(op.count for op in sends) == 2 * 10 and all(op.bytes == rows * 16 * 32 * 4 for op in sends)
+    # the pipeline's sends sit in switch branches, each listing the stage pairs of a tick: the HLO's count
+    # (every branch on each of the 2(M+S-1) = 10 ticks) is an upper bound, flagged in_branch
+    sends, act = report.pipe_permutes, 16 // 4 // 4 * 16 * 32 * 4  # x[B/M, L, D] per device
+    assert sends and all(op.in_branch and op.bytes == act for op in sends)
+    assert sum(op.count for op in sends) == 2 * 10
+    # the report's pipe bytes are the branches weighed by the schedule table, exactly
+    schedule = spmd.pipeline.get_schedule("1f1b", 2, 4)
+    table = schedule.sent_bytes(act)
+    assert report.pipe_sent == spmd.pipeline.hlo_sent_bytes(compiled, schedule, mesh)["executed"] == table.executed
+    assert table.executed == table.minimum == 2 * 4 * act < sum(op.total_bytes for op in sends)
+    # per device, the busiest stage (each sends M = 4): the compiled row equals the analytic one
     (analytic,) = [x for x in report.analytic_traffic if x.kind == "collective-permute"]
-    assert analytic.count == 20 and analytic.bytes == sum(op.total_bytes for op in sends)
+    assert (report.pipe_traffic.count, report.pipe_traffic.bytes) == (analytic.count, analytic.bytes) == (4, max(table.per_stage))
     assert report.pipeline == "1f1b S=2 M=4 V=1" and report.bubble == pytest.approx(1 / 5)
     text = report.format()
-    assert "pipeline: 1f1b S=2 M=4 V=1, bubble 20.0%" in text and "20 collective-permutes over pipe" in text
+    assert "pipeline: 1f1b S=2 M=4 V=1, bubble 20.0%" in text and "hlo_sent_bytes" in text
+    assert "busiest stage 4 sends" in text and "<=20" in text  # the upper bound, marked
     # negative control: the unpipelined step on the same mesh sends nothing over pipe
     assert not reports["dp8"].pipe_permutes and reports["dp8"].pipeline == "" and reports["dp8"].bubble == 0
     assert spmd.hlo.summarize(list(reports["dp8"].collectives)) != spmd.hlo.summarize(real_ops)
@@ -238,3 +246,25 @@ def test_subprocess_hand_off_is_json_and_rebuilds_only_toolkit_types():
     assert decode(json.loads(json.dumps(encode([cfg, 8, get_hardware("h100"), 0.9])))) == [cfg, 8, get_hardware("h100"), 0.9]
     with pytest.raises(ValueError, match="refusing to rebuild 'os:system'"):
         decode({"__dataclass__": "os:system", "fields": {}})
+
+
+def test_context_and_expert_parallel_dry_run_matches_the_analytic_exchange():
+    """One compile of data=2 x seq=2 x expert=2 (dp_ep, 4 experts, dropless): the ring's K/V permutes
+    over seq and the MoE all-to-alls over expert equal the analytic counts and bytes."""
+    cfg = override(recipe("gpt-small", tiny=True), ["mesh.axes=data=2,seq=2,expert=2", "rules=dp_ep",
+                                                    "model.n_experts=4"])
+    report = dry_run(cfg, devices=8, hardware="h100")
+    assert report.compiled is not None and report.fits
+    compiled = spmd.hlo.summarize(list(report.collectives))
+    analytic = {(x.kind, x.axes): x for x in report.analytic_traffic}
+    for key in (("collective-permute", ("seq",)), ("all-to-all", ("expert",))):
+        assert (compiled[key]["count"], compiled[key]["bytes"]) == (analytic[key].count, analytic[key].bytes), key
+    m, b, length = cfg.model, 8 // 4, cfg.data.seq_len // 2  # rows per device (data x expert), positions per device
+    assert compiled[("all-to-all", ("expert",))]["count"] == 4 * m.n_layers  # dispatch + combine, forward + backward
+    assert compiled[("all-to-all", ("expert",))]["bytes"] == 4 * m.n_layers * m.n_experts * b * length * m.d_model * 4
+    kv = 2 * b * length * m.kv_heads * m.k * 4  # [2, B, L/seq, G, K] f32
+    assert compiled[("collective-permute", ("seq",))]["bytes"] == m.n_layers * (2 * kv + 2 * kv)  # K/V fwd, bwd + dK/dV x2
+    # the MoE's own all_to_alls are no reshard: nothing flagged; the table shows both exchanges
+    assert not [i for i in report.issues if i.kind == "all-to-all"], report.issues
+    text = report.format()
+    assert re.search(r"collective-permute\s+seq\s", text) and re.search(r"all-to-all\s+expert\s", text)

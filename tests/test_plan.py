@@ -222,6 +222,8 @@ def test_large_replicated_params_and_all_to_alls_and_remat_warnings():
            spmd.hlo.Collective("all-to-all", ("tensor",), 2, 4096, 4, op_name="jit(step)/jvp(GPT)/attn/reshape")]
     issues = check_collectives(ops)
     assert len(issues) == 1 and "jit(step)/jvp(GPT)/attn/reshape" in str(issues[0]) and "spmd.constrain" in str(issues[0])
+    moe = spmd.hlo.Collective("all-to-all", ("expert",), 4, 4096, 2, op_name="jit(step)/jvp()/shard_map/all_to_all")
+    assert check_collectives([moe]) == [] and len(check_collectives(ops + [moe])) == 1  # an explicit all_to_all is meant
 
     log = ('W0101 spmd_partitioner.cc:630] [spmd] Involuntary full rematerialization. The compiler was not able to go '
            'from sharding {devices=[1,8]<=[8]} to {devices=[8,1]<=[8]} without doing a full rematerialization of the '
@@ -245,3 +247,71 @@ def test_plan_cli(capsys):
     big = custom("h100", hbm_bytes=1e6, name="nothing-fits")
     with pytest.raises(ValueError, match="no layout of 8 devices fits nothing-fits"):
         plan(recipe("gpt-125m"), 8, big).best
+
+
+def _rows(e, kind, axes):
+    return [x for x in e.traffic if x.kind == kind and x.axes == axes]
+
+
+@pytest.mark.parametrize("exchange", ["ring", "allgather"])
+def test_seq_layout_bytes_are_the_context_exchange(exchange):
+    """data=4 x seq=2: per attention layer the ring sends seq-1 K/V [2, B, L/seq, G, K] forward, seq-1 more
+    and seq dK/dV (f32) backward; all-gather moves K and V whole per pass and reduce-scatters dK, dV."""
+    cfg = override(recipe("gpt-small", tiny=True), ["data.seq_len=64", f"model.context_exchange={exchange}"])
+    m, s = cfg.model, 2
+    e = estimate_layout(cfg, Layout((("data", 4), ("seq", s)), "dp", False), "h100")
+    assert e.buildable, e.reason
+    kv = 2 * (8 // 4) * (64 // s) * m.kv_heads * m.k  # elements of [2, B, L/seq, G, K]
+    if exchange == "ring":
+        (row,) = _rows(e, "collective-permute", ("seq",))
+        assert row.count == m.n_layers * (2 * (s - 1) + s) and row.bytes == m.n_layers * (2 * (s - 1) + s) * kv * 4
+    else:
+        (gather,), (scatter,) = _rows(e, "all-gather", ("seq",)), _rows(e, "reduce-scatter", ("seq",))
+        assert (gather.count, gather.bytes) == (4 * m.n_layers, 4 * m.n_layers * kv // 2 * s * 4)
+        assert (scatter.count, scatter.bytes) == (2 * m.n_layers, 2 * m.n_layers * kv // 2 * s * 4)
+    # the parameters are replicated over seq: their gradients are summed over data and seq together
+    (grads,) = _rows(e, "all-reduce", ("data", "seq"))
+    assert grads.bytes == e.memory.params
+    # activations per device: the length is split over seq (negative control: data=4 alone, 4 devices)
+    whole = memory_estimate(cfg, {"data": 4})
+    assert 0.3 * whole.activations < e.memory.activations < 0.6 * whole.activations
+    assert not _rows(estimate_layout(cfg, Layout((("data", 8),), "dp", False), "h100"), "collective-permute", ("seq",))
+
+
+@pytest.mark.parametrize("cf, slots", [(0.0, 64), (1.25, 40)])  # dropless: C = T = 64 tokens; else ceil(cf T k / E)
+def test_expert_layout_bytes_are_the_dispatch_and_combine(cf, slots):
+    cfg = override(recipe("gpt-small", tiny=True), ["data.seq_len=64", "model.n_experts=4",
+                                                    f"model.capacity_factor={cf}"])
+    m = cfg.model
+    e = estimate_layout(cfg, Layout((("data", 2), ("expert", 4)), "dp_ep", False), "h100")
+    assert e.buildable, e.reason
+    (a2a,) = _rows(e, "all-to-all", ("expert",))
+    assert a2a.count == 4 * m.n_layers and a2a.bytes == a2a.count * m.n_experts * slots * m.d_model * 4
+    # the experts stay on their shards (nothing gathered over expert); the other weights' gradients
+    # are summed over every token axis, the experts' over data only
+    assert not _rows(e, "all-gather", ("expert",)) and not _rows(e, "reduce-scatter", ("expert",))
+    infos = param_infos(m)
+    experts = sum(p.nbytes for p in infos if p.dims and "expert" in p.dims)
+    assert _rows(e, "all-reduce", ("data",))[0].bytes == experts // 4
+    assert _rows(e, "all-reduce", ("data", "expert"))[0].bytes == sum(p.nbytes for p in infos) - experts
+    assert e.memory.params == sum(p.nbytes for p in infos) - experts * 3 // 4  # E/4 experts per device
+    # refused where the rule set cannot give expert parallelism, or the experts do not split
+    bad = estimate_layout(cfg, Layout((("data", 2), ("expert", 4)), "dp", False), "h100")
+    assert not bad.buildable and "expert" in bad.reason
+    odd = override(cfg, ["model.n_experts=6"])
+    assert not estimate_layout(odd, Layout((("data", 2), ("expert", 4)), "dp_ep", False), "h100").buildable
+
+
+def test_planner_lists_seq_layouts_for_a_long_sequence():
+    cfg = override(recipe("gpt-small", tiny=True), ["data.seq_len=4096", "data.global_batch=8"])
+    layouts = candidates(8, n_layers=cfg.model.n_layers, batch=8, seq_len=4096)
+    assert {x.sizes.get("seq", 1) for x in layouts} == {1, 2, 4, 8}
+    assert all(x.pipe == 1 for x in layouts if x.sizes.get("seq", 1) > 1)  # no context parallelism in a pipeline
+    assert {x.sizes.get("seq", 1) for x in candidates(8, seq_len=12)} == {1, 2}  # 12 splits in 2 x 2 only
+    result = plan(cfg, 8, "h100")
+    seq = [e for e in result.ranked if e.layout.sizes.get("seq", 1) > 1]
+    assert seq and all(_rows(e, "collective-permute", ("seq",)) for e in seq)
+    assert "seq=" in result.format(top=len(result.ranked))
+    moe = candidates(8, n_experts=4)
+    assert {x.rules for x in moe if x.sizes.get("expert", 1) > 1} == {"dp_ep", "fsdp_ep", "fsdp_tp_ep"}
+    assert {x.sizes.get("expert", 1) for x in moe} == {1, 2, 4}  # 4 experts do not split 8 ways

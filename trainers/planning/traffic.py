@@ -1,8 +1,8 @@
 """Analytic collectives of the built-in GPT's train step: one :class:`Traffic` row per kind and axes.
 
 Per parameter ``W``, from the axes its rule shards it over and the axes that split the tokens
-(the batch axes and ``seq``): gathered over the axes that do both (``W[D_fsdp] -> W[D]``, FSDP) with
-its gradient reduce-scattered back, and its gradient shard all-reduced over the others. Tensor
+(the batch axes and ``seq``): gathered over the axes that do both but ``expert`` (``W[D_fsdp] -> W[D]``,
+FSDP) with its gradient reduce-scattered back, and its gradient shard all-reduced over the others. Tensor
 parallelism: 2 all-reduces of ``x[B_local, L_seq, D]`` per layer per direction (reduce-scatter +
 all-gather under the ``*_sp`` presets); pipeline sends from the schedule table (the busiest
 stage); context parallelism's K/V exchange over ``seq``; MoE's dispatch/combine all-to-alls over
@@ -103,13 +103,14 @@ def comm_estimate(cfg: Config, sizes: dict[str, int], hw: Hardware, dcn_axes: tu
     for p in param_infos(m):
         on = param_axes(p, rules, sizes)
         local = p.size // math.prod(shard_divisors(p, rules, sizes))
-        gather = tuple(a for a in tokens if a in on)
+        gather = tuple(a for a in tokens if a in on and a != "expert")  # experts stay put: tokens travel
         if gather:
             full = local * math.prod(sizes[a] for a in gather)
             matrix = len(p.shape) - (p.dims[0] == "layers") >= 2  # matrices are gathered in the compute dtype
             grads.setdefault(("all-gather", gather), [passes * micro, 0])[1] += full * (dt if matrix else p.itemsize)
             grads.setdefault(("reduce-scatter", gather), [micro, 0])[1] += full * p.itemsize
         grads.setdefault(("all-reduce", tuple(a for a in tokens if a not in on)), [1, 0])[1] += local * p.itemsize
+        # (an expert's gradient is whole on its shard: every token routed to it arrived by the all-to-all)
     for (kind, axes), (count, nbytes) in grads.items():
         add(kind, axes, count, nbytes)
 
