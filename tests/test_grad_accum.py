@@ -92,3 +92,24 @@ def test_fsdp_gather_config_key():
     with pytest.raises(ValueError, match=r"run.fsdp_gather='zero2'; valid: per_microbatch, per_step"):
         override(Config(), ["run.fsdp_gather=zero2"])
     assert CFG.n_layers == 2  # the byte relations above assume the tiny GPT
+
+
+def test_train_loop_passes_fsdp_gather(tmp_path):
+    """``run.fsdp_gather`` reaches the step through ``trainers.train``: both modes train alike, and a
+    resume may switch modes (the state's layout does not depend on it)."""
+    from trainers.loop import train
+    from trainers.recipes import recipe
+
+    def cfg(where, *sets):
+        return override(recipe("gpt-small", tiny=True), [
+            f"run.run_dir={tmp_path / where}", "run.progress=false", "run.tensorboard=false", "run.eval_every=100",
+            "mesh.axes=data=2,fsdp=2,tensor=2", "rules=fsdp_tp", "data.global_batch=16", "run.grad_accum=2",
+            "checkpoint.every_steps=1", *sets])
+
+    zero3 = train(cfg("a", "run.steps=2"))
+    first = train(cfg("b", "run.steps=1", "run.fsdp_gather=per_step"))
+    resumed = train(cfg("b", "run.steps=2", "run.fsdp_gather=per_microbatch"))
+    assert resumed.start_step == 1
+    assert first.losses[1] == pytest.approx(zero3.losses[1], rel=1e-5)
+    assert resumed.losses[2] == pytest.approx(zero3.losses[2], rel=1e-5)
+    assert resumed.losses[2] != pytest.approx(zero3.losses[1], rel=1e-5)  # the step moved the loss
