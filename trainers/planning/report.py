@@ -42,14 +42,16 @@ class DryRunReport:
 
     @property
     def pipe_permutes(self) -> tuple:
-        """The compiled step's collective-permutes over the ``pipe`` axis (the pipeline's sends; those in
-        switch branches have ``in_branch`` and count every tick, an upper bound)."""
+        """The compiled step's collective-permutes over the ``pipe`` axis (the pipeline's sends).
+
+        Those in switch branches have ``in_branch`` and count every tick: an upper bound."""
         return tuple(op for op in self.collectives if op.kind == "collective-permute" and op.axes == ("pipe",))
 
     @property
     def pipe_traffic(self) -> Traffic | None:
-        """The pipe sends of the busiest stage per device per step, as timed: from the switch branches weighed by
-        the schedule table (the compiled row) and, beside it in ``analytic_traffic``, from the table alone."""
+        """The busiest stage's sends over ``pipe`` per device per step, as the roofline times them.
+
+        From the compiled switch branches weighed by the schedule table; ``analytic_traffic`` has the table's own."""
         return next((x for x in self.traffic if x.kind == "collective-permute" and x.axes == ("pipe",)), None)
 
     @property
