@@ -46,6 +46,7 @@ EXPECTED_FIGURES = {
     "05_train_a_gpt": 2,  # LR schedule; train/eval loss and gradient norm curves
     "06_from_notebook_to_pod": 1,  # loss curve of the 2-process run
     "07_bring_your_own_model": 2,  # one digit per class; loss and accuracy curves with the resume marked
+    "08_long_context_and_experts": 4,  # seq layout; ring schedule work; dispatch per device and expert; load per expert
 }
 CELL_TIMEOUT_S = 300
 KERNEL = "python3"
