@@ -13,8 +13,8 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 
-from benchmarks import (attention, checkpoint, comms, common, gpu, loss, memory, mfu, overhead, pipeline, remat, scaling,
-                        steptime)
+from benchmarks import (attention, checkpoint, comms, common, context, gpu, loss, memory, mfu, overhead, pipeline, remat,
+                        scaling, steptime)
 
 BENCHMARKS: dict[str, Callable[..., int]] = {
     "overhead": overhead.main,
@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, Callable[..., int]] = {
     "steptime": steptime.main,
     "memory": memory.main,
     "attention": attention.main,
+    "context": context.main,
     "loss": loss.main,
     "remat": remat.main,
     "pipeline": pipeline.main,
