@@ -29,8 +29,11 @@ from spmd.rules import Rules, axes_of
 def reduction_axes(mesh: Mesh, rules: Rules, batch: Any, grad_accum: int, fsdp_gather: str) -> tuple[str, ...]:
     """The batch axes the loop runs manual over: those the rules split ``batch`` over (size > 1, rows
     per microbatch dividing), less the axes that shard parameters under ``"per_microbatch"``; none on
-    a mesh with Explicit axes (the loop then stays under GSPMD)."""
+    a mesh with Explicit axes, or under context parallelism (length over a seq axis of size > 1: its
+    attention's custom VJP is not typed for an enclosing manual region yet); the loop then stays under GSPMD."""
     if any(t == AxisType.Explicit for t in mesh.axis_types):
+        return ()
+    if dict(mesh.shape).get("seq", 1) > 1 and "seq" in axes_of(dict(rules.activations).get("length")):
         return ()
     rows = jax.tree.leaves(batch)[0].shape[0] // grad_accum
     return manual_batch_axes(mesh, rules, rows, axis="", shard_params=fsdp_gather == "per_step")
