@@ -232,7 +232,10 @@ def context_attend(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, *, m
     b, length, h, kd = q_BLHK.shape
     g = k_BLGK.shape[2]
     balanced_positions(length, n)  # the divisibility check, with its message
-    size = _block_size(length // (2 * n), block)
+    span = length // (2 * n)
+    # flash tiles of at most a quarter of a chunk: the [H, size, size] f32 score tiles then shrink with
+    # the local span, so per-device temporaries fall as 1/seq even where a chunk is only a few blocks long
+    size = _block_size(span, min(block, max(1, span // 4)))
 
     def local(q, k, v):
         out = _attend_local(q.reshape(*q.shape[:2], g, h // g, kd), k, v, axis, n, size, exchange)
