@@ -57,6 +57,8 @@ def kept_weights(cfg: GPTConfig, mesh: jax.sharding.Mesh, rules: str, batch: int
         tokens = jax.ShapeDtypeStruct((batch, length), "int32")
         shapes = {tuple(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(state))
                   if "blocks" in spmd.sharding.path_str(path) and len(x.shape) >= 3}
+        # attention's fused q/k/v weight W[layers, D, G, H/G + 2, K], built from w_q and w_kv at use (no tensor axis here)
+        shapes.add((cfg.n_layers, cfg.d_model, cfg.kv_heads, cfg.n_heads // cfg.kv_heads + 2, cfg.k))
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             print_saved_residuals(

@@ -18,6 +18,10 @@ ALIASES = {"save_block_input": "full"}
 HOST = "pinned_host"  # the memory space ``offload`` moves kept values to
 OFFLOADING_PLATFORMS = ("tpu", "gpu")  # where jax lowers the host transfers (elsewhere they are no-ops)
 _CONSTRAINTS = ("sharding_constraint", "reshard")  # how a weight is laid out for compute (Auto / Explicit)
+# also redone, never kept (free to redo; their inputs are kept instead where needed): reshapes and
+# concatenation (attention's fused q/k/v weight reshapes and joins the w_q and w_kv shards before its
+# one gather; keeping the joined weight would keep a second copy of the layer's weights)
+_NOT_KEPT = (*_CONSTRAINTS, "concatenate", "reshape")
 
 
 def resolve(remat: bool | str) -> str:
@@ -48,7 +52,7 @@ def offloads(device: jax.Device | None = None) -> bool:
 
 
 def _all_but_constraints(prim: Any, *_: Any, **__: Any) -> bool:
-    return prim.name not in _CONSTRAINTS
+    return prim.name not in _NOT_KEPT
 
 
 def jax_policy(policy: bool | str) -> Callable | None:

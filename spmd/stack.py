@@ -77,7 +77,8 @@ class Stack(nnx.Module):
         def body(carry, layer):
             block = nnx.merge(graphdef, *layer)
             out = block(carry, *args)
-            y, aux = out if isinstance(out, tuple) else (out, None)
+            # a block returns its carry, or (carry, aux): told apart by the carry's structure (a carry may be a tuple)
+            y, aux = (out, None) if jax.tree.structure(out) == jax.tree.structure(carry) else out
             return y, (nnx.state(block, nnx.Not(nnx.Param)), aux)
 
         y, (rest, aux) = jax.lax.scan(remat_lib.wrap(body, self.remat), x, (params, rest))

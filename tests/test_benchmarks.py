@@ -158,5 +158,5 @@ def test_quick_mode_writes_its_table(name, tmp_path, capsys):
         assert "pipeline: not available" in section
         return
     assert "| what | measured | limit or baseline | ratio | goal | met | note |" in section
-    assert section.count("\n| ") >= 3  # header, rule, at least one row
+    assert section.count("\n| ") >= 2  # the header and at least one row (the rule line starts "|-")
     assert "| met |" in section or "| NOT met |" in section

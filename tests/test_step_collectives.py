@@ -335,7 +335,10 @@ def test_fsdp8_gathers_each_weight_once_and_all_reduces_gradients():
     # them (no remat): temp memory holds the gathered weights instead of a second round of gathers.
     gathers = [o for o in ops if o.kind == "all-gather"]
     assert all(o.axes == ("fsdp",) and o.group_size == 8 and not o.backward for o in gathers)
-    per_layer = sorted(b // N_LAYERS for b in full_bytes(lay.params["blocks"]))
+    # attention's w_q and w_kv are joined on their shards and gathered as one fused q/k/v weight
+    blocks = {spmd.sharding.path_str(p): x.nbytes for p, x in jax.tree_util.tree_leaves_with_path(lay.params["blocks"])}
+    fused = sum(blocks.pop(k) for k in [k for k in blocks if k.endswith(("w_q", "w_kv"))])
+    per_layer = sorted(b // N_LAYERS for b in [*blocks.values(), fused])
     assert sorted(o.bytes for o in gathers if in_scan(o)) == per_layer
     assert {o.count for o in gathers if in_scan(o)} == {N_LAYERS}
     top = {k: v for k, v in lay.params.items() if k != "blocks"}  # embed, head, final_norm

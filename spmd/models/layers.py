@@ -32,7 +32,7 @@ def param(
     return nnx.Param(init(rngs.params(), tuple(shape), dtype), out_sharding=tuple(dims), eager_sharding=False)
 
 
-def weight(var: nnx.Param, dtype: jnp.dtype) -> jax.Array:
+def weight(var: nnx.Param, dtype: jnp.dtype, *, gather: bool = True) -> jax.Array:
     """A parameter as used in compute: cast to ``dtype`` and laid out by the *activation* rules.
 
     Under FSDP this is where a weight ``W[D_fsdp, F]`` is all-gathered to ``W[D, F]`` (activation
@@ -40,7 +40,8 @@ def weight(var: nnx.Param, dtype: jnp.dtype) -> jax.Array:
     so explicitly gives GSPMD the clean plan: one all-gather per weight per pass. The cast runs on
     the shard first (constrained to the *parameter* layout), so the gather moves ``dtype``: under
     bf16 compute half the bytes of f32 (cast and gathered in one constraint, XLA gathers the f32
-    shard and converts after).
+    shard and converts after). ``gather=False``: the cast shard only, in the parameter layout (to
+    combine shards before one gather, as the fused q/k/v weight does).
     """
     dims = var.get_metadata().get("out_sharding")
     value = var[...]
@@ -49,9 +50,9 @@ def weight(var: nnx.Param, dtype: jnp.dtype) -> jax.Array:
     dims = tuple(dims)
     while len(dims) > value.ndim and dims[0] in ("layers", "stage"):
         dims = dims[1:]  # inside a Stack's scan the stacked dims are sliced away
-    if value.dtype != dtype:
+    if value.dtype != dtype or not gather:
         value = constrain(value.astype(dtype), dims, kind="params")
-    return constrain(value, dims)
+    return constrain(value, dims) if gather else value
 
 
 def fan_in_init(fan_in: int) -> Init:
@@ -148,11 +149,15 @@ class Attention(nnx.Module):
         """The fused weight ``W[D, n, H/n + 2, K]`` in the compute dtype (slot dim over ``kv_heads``' axes)."""
         h, g = self.n_heads, self.n_kv_heads
         n = kv_slots(h, g)
-        w_q_DHK = weight(self.w_q, self.dtype)
+        # shards combined first (in the parameter layout), then one gather of the fused weight; both are
+        # constraint outputs, which save_all_but_gathered recomputes rather than keeps
+        w_q_DHK = weight(self.w_q, self.dtype, gather=False)
         w_q_DnRK = w_q_DHK.reshape(w_q_DHK.shape[0], n, h // n, w_q_DHK.shape[-1])
-        w_kv_DG2K = weight(self.w_kv, self.dtype)
+        w_kv_DG2K = weight(self.w_kv, self.dtype, gather=False)
         w_kv_Dn2K = jnp.repeat(w_kv_DG2K, n // g, axis=1) if n > g else w_kv_DG2K  # a copy per shard sharing it
-        return constrain(jnp.concatenate([w_q_DnRK, w_kv_Dn2K], axis=2), ("embed", "kv_heads", None, "head_dim"))
+        dims = ("embed", "kv_heads", None, "head_dim")
+        w_DnSK = constrain(jnp.concatenate([w_q_DnRK, w_kv_Dn2K], axis=2), dims, kind="params")
+        return constrain(w_DnSK, dims)
 
     def __call__(self, x_BLD: jax.Array, positions_L: jax.Array) -> jax.Array:
         dt = self.dtype
