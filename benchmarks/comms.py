@@ -84,7 +84,7 @@ def role_row(what: str, role: str, ops: Sequence[spmd.hlo.Collective], theory: f
     """One role's bytes against its minimum; ``notes``: (reason, bytes) explaining bytes above it."""
     measured = sum(o.count * (o.wire_bytes if wire else o.bytes) for o in ops)
     kinds = sorted({f"{o.kind} over {','.join(o.axes)}" for o in ops}) or ["none"]
-    goal = GOALS[role if role in GOALS else role.split(" (")[0]]
+    goal = GOALS[role if role in GOALS else role.split(" (")[0].split(":")[0]]
     unexplained = measured - theory - sum(b for _, b in notes)
     parts = [f"+{fmt_bytes(b)}: {why}" for why, b in notes if b]
     if below and measured < theory:
@@ -258,7 +258,9 @@ def run(options: common.Options, command: str = "python -m benchmarks.comms") ->
         rows += pipeline_rows((4,) if options.quick else (4, 8, 16))
         print("pipeline: done", flush=True)
         if not options.quick:  # quick mode (the test suite's) leaves out the accumulation steps' compiles
-            rows += accumulation_rows(cfg, batch, length)
+            # 32 rows: 4 microbatches of 8, one row per device each (the once-per-step loop needs the rows of a
+            # microbatch to divide over the batch axes; it falls back to per-microbatch reductions otherwise)
+            rows += accumulation_rows(cfg, max(batch, 32), length)
     before = [f"- model: GPT d_model={cfg.d_model}, n_layers={cfg.n_layers}, n_heads={cfg.n_heads}, "
               f"kv_heads={cfg.kv_heads}, d_ff={cfg.ff}, vocab={cfg.vocab_size}, {cfg.dtype} (bf16 rows: compute "
               f"bfloat16); batch {batch} x {length}; AdamW; bytes per device per step as an accelerator runs the "

@@ -275,7 +275,8 @@ def plan(cfg: Config, devices: int, hardware: str | Hardware, *, headroom: float
     else:
         profile = task if isinstance(task, TaskProfile) else profile_task(
             load_task(task) if isinstance(task, str) else task, cfg)
-        layouts = candidates(devices, remat=(None,))
+        # a task's model annotates what it annotates: the plain rule sets only (no SP / EP presets)
+        layouts = [c for c in candidates(devices, remat=(None,)) if not c.rules.endswith(("_sp", "_ep"))]
     estimates = [estimate_layout(cfg, layout, hw, headroom=headroom, task=profile) for layout in layouts]
     ranked = sorted((e for e in estimates if e.fits), key=lambda e: (e.roofline.step_s, e.memory.total))
     rejected = sorted((e for e in estimates if not e.fits), key=lambda e: e.memory.total if e.memory else math.inf)
