@@ -31,7 +31,6 @@ F32 = 4
 GQA = dataclasses.replace(CFG, n_kv_heads=2)  # 8 query heads, 2 KV heads
 CASES = {  # name -> (model config, mesh sizes, rule preset)
     "mha4_dp2_tp4": (CFG, {"data": 2, "tensor": 4}, "dp_tp"),  # CFG has 4 KV heads: sharded over tensor
-    "mha4_dp2_fsdp2_tp2": (CFG, {"data": 2, "fsdp": 2, "tensor": 2}, "fsdp_tp"),
     "gqa2_dp2_tp4": (GQA, {"data": 2, "tensor": 4}, "dp_tp"),  # 2 KV heads on 4 shards: each copied twice
     "gqa2_tp8": (GQA, {"tensor": 8}, "tp"),  # ... on 8 shards: each copied 4 times
 }

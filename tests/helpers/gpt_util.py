@@ -25,8 +25,8 @@ LAYOUTS = {
     "dp2_fsdp2_tp2": ({"data": 2, "fsdp": 2, "tensor": 2}, "fsdp_tp"),
     "dp2_tp4_sp": ({"data": 2, "tensor": 4}, "dp_tp_sp"),
     "dp2_fsdp2_tp2_sp": ({"data": 2, "fsdp": 2, "tensor": 2}, "fsdp_tp_sp"),
-    # context parallelism: the length over seq (ring K/V exchange, load-balanced chunks), with GQA
-    "seq8": ({"seq": 8}, "none"),
+    # context parallelism: the length over seq (ring K/V exchange, load-balanced chunks), with GQA (seq = 8:
+    # tests/test_context.py, the attention alone)
     "fsdp2_seq4": ({"fsdp": 2, "seq": 4}, "fsdp"),
     "dp2_seq2_tp2": ({"data": 2, "seq": 2, "tensor": 2}, "dp_tp"),
     "seq2_tp4_sp": ({"seq": 2, "tensor": 4}, "dp_tp_sp"),
