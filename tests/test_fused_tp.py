@@ -121,8 +121,10 @@ def test_gqa_step_communicates_two_activation_all_reduces_per_direction():
                     (True, "bld,dnsk->blnsk")]
     assert all(o.kind == "all-reduce" and o.count == GQA.n_layers for o in ops if o.bytes == bld)
     kv_copy = GQA.d_model * 2 * GQA.k * F32  # one shard's [D, 1, 2, K] slot of the repeated w_kv
-    rest = sorted((o.kind, o.bytes, o.group_size, o.backward) for o in ops if o.bytes != bld)
-    assert rest == [("all-gather", 2 * kv_copy, 2, True), ("all-reduce", kv_copy, 2, True)]
+    rest = sorted((o.kind, o.bytes, o.backward) for o in ops if o.bytes != bld)
+    assert rest == [("all-gather", 2 * kv_copy, True), ("all-reduce", kv_copy, True)]
+    # over the 2 shards that share a KV head, or over all 4 tensor shards (XLA versions differ): same bytes
+    assert {o.group_size for o in ops if o.bytes != bld} <= {2, 4}
 
 
 def test_head_counts_tensor_cannot_serve_are_refused_by_name():
