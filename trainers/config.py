@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import types
 import typing
 import warnings
@@ -28,6 +29,7 @@ from spmd.models import GPTConfig
 from spmd.pipeline import PipelineConfig
 from trainers.checkpoint import CheckpointConfig
 from trainers.data import DataConfig
+from trainers.local_sgd import LocalSGDConfig
 from trainers.optim import OptimizerConfig
 from trainers.lr import LRConfig
 from trainers.trace import PROCESSES, parse_steps
@@ -135,6 +137,7 @@ class Config:
     checkpoint: CheckpointConfig = CheckpointConfig()
     run: RunConfig = RunConfig()
     pipeline: PipelineConfig = PipelineConfig()  # schedule "none": the block stack runs as a plain scan
+    local_sgd: LocalSGDConfig = LocalSGDConfig()  # every >= 1: replica groups over data, synchronised every H steps
 
     def __post_init__(self) -> None:
         from spmd import get_rules
@@ -148,6 +151,8 @@ class Config:
         self.lr.for_run(self.run.steps)  # the schedule fits the run (lr.total_steps 0 is run.steps)
         if self.model.vocab_size < self.data.vocab_size:
             raise ValueError(f"model.vocab_size {self.model.vocab_size} < data.vocab_size {self.data.vocab_size}")
+        if self.local_sgd.enabled:
+            self._check_local_sgd()
         if self.pipeline.enabled:
             # checked when the config is built (``spmd-train --set`` fails before any compile), with the
             # axis sizes mesh.axes fixes; an inferred (-1) axis skips the checks that need its size
@@ -158,6 +163,18 @@ class Config:
                                     grad_accum=self.run.grad_accum)
             if issues:
                 raise ValueError(str(issues[0]))
+
+    def _check_local_sgd(self) -> None:
+        """What local SGD cannot combine with, refused when the config is built."""
+        every = self.local_sgd.every
+        if self.pipeline.enabled:
+            raise ValueError(f"local_sgd.every={every} cannot run with pipeline.schedule={self.pipeline.schedule!r}: "
+                             "the pipeline's shard_map is not mapped over replica groups; use one or the other")
+        ici, dcn = dict(self.mesh.spec.ici).get("data", 1), dict(self.mesh.spec.dcn).get("data", 1)
+        data = ici * dcn
+        if ici > 0 and dcn > 0 and data < 2:  # an inferred (-1) size is checked on the mesh
+            raise ValueError(f"local_sgd.every={every} needs replica groups over the data axis, but mesh.axes="
+                             f"{self.mesh.axes!r} gives data={data}; give data >= 2 (e.g. data=2,fsdp=4) or set local_sgd.every=0")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -197,6 +214,30 @@ def config_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple
 def fixed_on_resume(key: str) -> bool:
     """Whether a resumed run must keep ``key`` as its checkpoint was written with."""
     return any(key == f or (f.endswith(".") and key.startswith(f)) for f in FIXED_ON_RESUME)
+
+
+def changes_since_last_run(cfg: Config) -> list[tuple[str, Any, Any]]:
+    """What differs from the config stored in the run directory. ValueError, before anything is
+    written, when a checkpoint will be resumed and a change cannot be (model shapes, the data stream)."""
+    directory = cfg.run.directory
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(f"run.run_dir={directory!r} is a file, not a directory; give a directory path "
+                         f"(e.g. runs/{cfg.run.name})")
+    from trainers.logger import read_config
+
+    previous = read_config(directory)
+    if previous is None:
+        return []
+    changes = config_changes(previous, cfg.to_dict())
+    ckpt_dir = cfg.checkpoint.resolve_directory(directory)
+    resumes = cfg.run.resume and os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
+    refused = [c for c in changes if fixed_on_resume(c[0])] if resumes else []
+    if refused:
+        listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in refused)
+        raise ValueError(f"cannot resume {directory} with {listed}: its checkpoints were written with the values in "
+                         f"{os.path.join(directory, 'config.json')}, which is left as it was. Keep those values, "
+                         "or give another run.run_dir")
+    return changes
 
 
 def valid_keys(cfg: Any, prefix: str = "") -> list[str]:

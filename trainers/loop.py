@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,10 +24,11 @@ import spmd
 from spmd.rules import RulesError
 from trainers.faults import guard as guard_lib
 from trainers.checkpoint import Checkpointer, NoUsableCheckpointError, resolve_init_from
-from trainers.config import Config, config_changes, fixed_on_resume
+from trainers.config import Config, changes_since_last_run
 from trainers.data import ExampleLoader, IterLoader, process_rows, to_global
 from trainers.data.loader import eval_batches
 from trainers.faults.guard import DivergenceError, Guard, GuardEvent
+from trainers.local_sgd import LocalSGD, check_resume, groups_of, inner_rules
 from trainers.logger import RunLogger, read_config, write_config
 from trainers.metrics import StepMeter, peak_flops_per_device
 from trainers.optim import make_optimizer
@@ -144,8 +144,9 @@ def _model_flops(task: Task, sharded: ShardedState, batch, global_batch: int) ->
     return 3 * spmd.inspection.jaxpr_flops(forward, *abstract), "counted from the loss's jaxpr (3 x forward matmul FLOPs)"
 
 
-def _initial_state(cfg: Config, ckpt: Checkpointer, sharded: ShardedState, logger: RunLogger) -> tuple[int, State, dict[str, Any]]:
-    """``(start step, state, data state)``: resume, else ``init_from`` params, else fresh."""
+def _initial_state(cfg: Config, ckpt: Checkpointer, sharded: ShardedState, logger: RunLogger,
+                   local: LocalSGD | None, fresh: Callable[[Any], State]) -> tuple[int, State, dict[str, Any]]:
+    """``(start step, state, data state)``: resume, else ``init_from`` params, else ``fresh(None)``."""
     if not cfg.run.resume:
         if ckpt.all_steps():
             raise ValueError(
@@ -154,8 +155,11 @@ def _initial_state(cfg: Config, ckpt: Checkpointer, sharded: ShardedState, logge
             )
         restored = None
     else:
+        newest = ckpt.newest_tree()  # written in the other mode or with another number of replica groups: refused
+        if newest is not None:
+            check_resume(newest[1], local.groups if local else None, newest[0])
         try:
-            restored = ckpt.restore(sharded.abstract)
+            restored = ckpt.restore(local.abstract if local else sharded.abstract)
         except NoUsableCheckpointError as exc:
             if not cfg.checkpoint.allow_fresh_start:
                 raise
@@ -172,35 +176,18 @@ def _initial_state(cfg: Config, ckpt: Checkpointer, sharded: ShardedState, logge
         with Checkpointer(directory, cfg.checkpoint, read_only=True, layer_orders=sharded.layer_orders) as source:
             step, params = source.restore_params(sharded.abstract["params"], step=step)
         logger.message(f"initialised params from step {step} of {directory}; fresh optimizer, step 0")
-        return 0, {**sharded.state, "params": params}, {}
-    return 0, sharded.state, {}
+        return 0, fresh(params), {}
+    return 0, fresh(None), {}
 
 
-def _changes_since_last_run(cfg: Config) -> list[tuple[str, Any, Any]]:
-    """What differs from the config stored in the run directory. ValueError, before anything is
-    written, when a checkpoint will be resumed and a change cannot be (model shapes, the data stream)."""
-    directory = cfg.run.directory
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise ValueError(f"run.run_dir={directory!r} is a file, not a directory; give a directory path "
-                         f"(e.g. runs/{cfg.run.name})")
-    previous = read_config(directory)
-    if previous is None:
-        return []
-    changes = config_changes(previous, cfg.to_dict())
-    ckpt_dir = cfg.checkpoint.resolve_directory(directory)
-    resumes = cfg.run.resume and os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
-    refused = [c for c in changes if fixed_on_resume(c[0])] if resumes else []
-    if refused:
-        listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in refused)
-        raise ValueError(f"cannot resume {directory} with {listed}: its checkpoints were written with the values in "
-                         f"{os.path.join(directory, 'config.json')}, which is left as it was. Keep those values, "
-                         "or give another run.run_dir")
-    return changes
+def _saved(state: State, local: LocalSGD | None) -> State:
+    """What checkpoints hold: the state as ``create_state`` makes it, without the guard window
+    (local SGD: every group's state with its window, the outer params and outer optimizer state)."""
+    return state if local is not None else {k: v for k, v in state.items() if k != "guard"}
 
 
-def _without_window(state: State) -> State:
-    """The train state as ``create_state`` makes it (what checkpoints hold): without the guard window."""
-    return {k: v for k, v in state.items() if k != "guard"}
+def _skipped(state: State, local: LocalSGD | None) -> int:
+    return local.skipped(state) if local is not None else int(jax.device_get(state["skipped"]))
 
 
 def _next_batch(loader: ExampleLoader | IterLoader, skip: set[int]) -> tuple[int, dict[str, np.ndarray]]:
@@ -233,12 +220,15 @@ def train(
     for issue in heads + check_batch(data_cfg.global_batch, run.grad_accum, rules, dict(mesh.shape)):
         raise ValueError(str(issue))  # before any state is built or compiled
     is_main = jax.process_index() == 0
-    changes = _changes_since_last_run(cfg)  # refuses what cannot be resumed before anything is written
+    changes = changes_since_last_run(cfg)  # refuses what cannot be resumed before anything is written
 
     schedule = make_lr_schedule(cfg.lr, cfg.run.steps)
     tx = make_optimizer(cfg.optimizer, schedule)
+    state_rules = inner_rules(rules) if cfg.local_sgd.enabled else rules  # local SGD: one replica group's rules
+    if cfg.local_sgd.enabled:
+        groups_of(mesh, cfg.local_sgd)
     try:
-        sharded = create_state(lambda: task.model(nnx.Rngs(run.seed)), tx, rules, mesh, seed=run.seed,
+        sharded = create_state(lambda: task.model(nnx.Rngs(run.seed)), tx, state_rules, mesh, seed=run.seed,
                                path_rules=task.path_rules, pipeline=cfg.pipeline)
     except RulesError as e:  # a dim that does not divide by its mesh axes
         raise RulesError(name_config_key(e) if task.name == "lm" else str(e)) from None
@@ -246,9 +236,16 @@ def train(
         write_config(run.directory, cfg.to_dict())
     stepped = guard_lib.add_window(sharded, run.spike_window, mesh)  # what the step carries: state + guard window
     batch_sharding = spmd.batch_sharding(rules, mesh, dims=("batch",))
-    train_step = make_train_step(stepped, tx, rules, mesh, batch_sharding, schedule=schedule,
+    train_step = make_train_step(stepped, tx, state_rules, mesh, batch_sharding, schedule=schedule,
                                  grad_accum=run.grad_accum, loss_fn=task.loss, spike_factor=run.spike_factor,
-                                 fsdp_gather=run.fsdp_gather)
+                                 fsdp_gather=run.fsdp_gather, jit=not cfg.local_sgd.enabled)
+    local = LocalSGD(cfg.local_sgd, stepped, train_step, mesh, batch_sharding, steps=run.steps) \
+        if cfg.local_sgd.enabled else None
+    if local is not None:
+        train_step = local.train_step
+        fresh = lambda params: local.start(stepped.state if params is None else {**stepped.state, "params": params})
+    else:
+        fresh = lambda params: sharded.state if params is None else {**sharded.state, "params": params}
     eval_source = task.eval_source(cfg) if run.eval_batches else None
     eval_step = make_eval_step(sharded, rules, mesh, batch_sharding, loss_fn=task.loss, metrics=task.eval_metrics)
 
@@ -258,14 +255,17 @@ def train(
     logger = RunLogger(run.directory, is_main=is_main, total_steps=run.steps,
                        use_tensorboard=run.tensorboard, progress=run.progress)
     try:
-        start, state, data_state = _initial_state(cfg, ckpt, sharded, logger)
+        start, state, data_state = _initial_state(cfg, ckpt, sharded, logger, local, fresh)
     except BaseException:
         ckpt.close()
         logger.close()
         raise
     if "train" in data_state:
         train_data.set_state(data_state["train"])
-    state = {**state, "guard": guard_lib.window_from_json(data_state.get("guard"), run.spike_window, mesh)}
+    if local is None:  # local SGD keeps each group's window in the checkpointed state
+        state = {**state, "guard": guard_lib.window_from_json(data_state.get("guard"), run.spike_window, mesh)}
+    else:  # the one group's state the groups were made from is not used again
+        jax.tree.map(lambda x: x.delete(), stepped.state)
     skip_batches: set[int] = set(data_state.get("skip_batches", []))
 
     if changes:
@@ -306,6 +306,8 @@ def train(
                     with profiler.before(step + 1):  # run.profile_steps
                         state, metrics = train_step(state, batch)  # contract errors surface at its trace, before any compile
                 step += 1
+                if local is not None and local.due(step):
+                    state = local.outer_step(state)  # groups synchronise: one all-reduce over data
                 profiler.after(step, metrics)
                 steps_since += 1
                 pending.append((step, index, metrics))
@@ -315,7 +317,7 @@ def train(
                 save = ckpt.should_save(step, force=stop or step == run.steps)
                 log_now = step % run.log_every == 0 or step == run.steps or step == start + 1
                 if log_now or save:  # fetch flags and metrics; the guard acts before anything is saved
-                    fetched = jax.device_get([m for _, _, m in pending])
+                    fetched = (local.fetch if local else jax.device_get)([m for _, _, m in pending])
                     bad, error = [], None
                     try:
                         for (s, i, _), flags in zip(pending, fetched):
@@ -327,13 +329,15 @@ def train(
                     if bad and error is None and run.guard == "rollback":
                         skip_batches.update(bad)
                         ckpt.wait()
-                        restored = ckpt.restore(sharded.abstract)
+                        restored = ckpt.restore(local.abstract if local else sharded.abstract)
                         if restored is None:
                             raise DivergenceError(f"run.guard='rollback' at step {step}: no checkpoint to roll back to "
                                                   f"in {ckpt.directory}; bad batches {sorted(bad)}")
                         at, (step, state, data_state) = step, restored
                         train_data.set_state(data_state["train"])
-                        state = {**state, "guard": guard_lib.window_from_json(data_state.get("guard"), run.spike_window, mesh)}
+                        if local is None:
+                            state = {**state, "guard": guard_lib.window_from_json(data_state.get("guard"),
+                                                                                  run.spike_window, mesh)}
                         guard.rolled_back(step, skip_batches, at)
                         t_last, steps_since = time.perf_counter(), 0
                         continue
@@ -344,13 +348,15 @@ def train(
                         values = {k: float(v) for k, v in fetched[-1].items() if k not in guard_lib.FLAG_KEYS}
                         if not task.tokens_per_example:
                             timing["examples_per_s"] = timing.pop("tokens_per_s")
-                        values.update(timing, skipped=float(jax.device_get(state["skipped"])))
+                        values.update(timing, skipped=float(_skipped(state, local)))
+                        if local is not None:
+                            values["data_bytes"] = float(local.bytes_sent)
                         losses[step] = values["loss"]
                         logger.log(step, values)
                     if error is not None:
                         raise error
                 if eval_source is not None and (step % run.eval_every == 0 or step == run.steps):
-                    results = evaluate(eval_step, eval_view(state), eval_source, batch_sharding, data_cfg.global_batch,
+                    results = evaluate(eval_step, (local.eval_view(state) if local else eval_view(state)), eval_source, batch_sharding, data_cfg.global_batch,
                                        run.eval_batches)
                     eval_losses[step], eval_results[step] = results["loss"], results
                     if "ce" in results:  # a language model's cross-entropy: perplexity too
@@ -358,9 +364,10 @@ def train(
                     logger.log(step, results, prefix="eval")
                     t_last = time.perf_counter()  # eval time is not step time
                 if save:
-                    data_state = {"train": train_data.get_state(), "skip_batches": sorted(skip_batches),
-                                  "guard": guard_lib.window_to_json(state["guard"])}
-                    ckpt.save(step, _without_window(state), data_state, force=True)  # due: decided above
+                    data_state = {"train": train_data.get_state(), "skip_batches": sorted(skip_batches)}
+                    if local is None:
+                        data_state["guard"] = guard_lib.window_to_json(state["guard"])
+                    ckpt.save(step, _saved(state, local), data_state, force=True)  # due: decided above
                 if stop:
                     ckpt.wait()
                     preempted = True
@@ -377,6 +384,7 @@ def train(
         summary["examples_per_s"] = summary.pop("tokens_per_s")
     summary = summary | {"peak_flops_per_device": peak, "peak_source": peak_source,
                                                                 "flops_source": flops_source}
-    skipped = int(jax.device_get(state["skipped"]))
-    return Result(run.directory, start, step, losses, eval_losses, skipped, summary,
-                  _without_window(state) if keep_state else None, preempted, list(guard.events), eval_results)
+    if local is not None:
+        summary |= local.summary(step - start)
+    return Result(run.directory, start, step, losses, eval_losses, _skipped(state, local), summary,
+                  _saved(state, local) if keep_state else None, preempted, list(guard.events), eval_results)

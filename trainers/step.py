@@ -75,8 +75,10 @@ def make_train_step(
     donate: bool = True,
     spike_factor: float = 0.0,
     fsdp_gather: str = "per_microbatch",
+    jit: bool = True,
 ) -> Callable[[State, Batch], tuple[State, dict[str, jax.Array]]]:
-    """The jitted train step for this state, mesh and rule set.
+    """The jitted train step for this state, mesh and rule set (``jit=False``: the pure function, for
+    callers that transform it first, e.g. :mod:`trainers.local_sgd` maps it over replica groups).
 
     ``grad_accum`` > 1 splits the batch into that many microbatches whose gradients are reduced once
     per step; ``fsdp_gather`` ("per_microbatch" | "per_step") says when weights sharded over ``fsdp``
@@ -150,6 +152,8 @@ def make_train_step(
             metrics["lr"] = schedule(state["step"])
         return new_state, metrics
 
+    if not jit:
+        return step
     return jax.jit(
         step,
         in_shardings=(sharded.shardings, batch_sharding),

@@ -192,6 +192,11 @@ class Checkpointer:
         """Steps that are finalised, hold both items with metadata, and whose state metadata reads."""
         return [s for s in self.all_steps() if self._invalid_reason(s)[0] is None]
 
+    def newest_tree(self) -> tuple[int, Any] | None:
+        """``(step, stored state tree)`` of the newest valid step: shapes and dtypes, no data (None: no valid step)."""
+        steps = self.valid_steps()
+        return (steps[-1], self._invalid_reason(steps[-1])[1]) if steps else None
+
     def _invalid_reason(self, step: int) -> tuple[str | None, Any]:
         """(None, state metadata tree) for a usable step, else (reason, None)."""
         self._finish_handoff()  # orbax's manager is not shared with the background thread

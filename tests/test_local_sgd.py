@@ -1,0 +1,193 @@
+"""Local SGD / DiLoCo (trainers.local_sgd): H = 1 with outer SGD(lr 1) is data parallelism, the inner step
+sends nothing over ``data`` and the outer step one gradient-sized all-reduce, the outer update against a
+host reference, exact resume mid-interval, refused restores and configs, and a 2-process run."""
+
+import io
+import os
+import shutil
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import spmd
+import trainers.loop as loop
+from trainers.config import override
+from trainers.launch import cli, command
+from trainers.launch.local import launch
+from trainers.local_sgd import LocalSGDConfig, groups_of, outer_optimizer
+from trainers.logger import read_metrics
+from trainers.loop import train
+from trainers.recipes import recipe
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MESH = "mesh.axes=data=2,fsdp=2,tensor=2"
+SGD = ["optimizer.name=sgd", "optimizer.momentum=0.5", "optimizer.clip_norm=none"]  # linear in the gradient
+H1 = ["local_sgd.every=1", "local_sgd.outer_optimizer=sgd", "local_sgd.outer_lr=1", "local_sgd.outer_momentum=0"]
+_made: list = []  # every trainers.local_sgd.LocalSGD the runs below built, to inspect its compiled steps
+
+
+class _Recorded(loop.LocalSGD):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _made.append(self)
+
+
+def tiny(run_dir, *sets):
+    return override(recipe("gpt-small", tiny=True), [f"run.run_dir={run_dir}", "run.progress=false", "run.tensorboard=false",
+                                                     MESH, "run.log_every=1", *sets])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Data parallelism and local SGD with H = 1 over 5 steps (inner SGD with momentum), and H = 2 with
+    Nesterov over 5 steps (checkpoints at 3 and 5): each run's result and its LocalSGD."""
+    root = tmp_path_factory.mktemp("local_sgd")
+    common = ["run.steps=5", "run.eval_every=5", "run.eval_batches=1", "checkpoint.every_steps=3", *SGD]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loop, "LocalSGD", _Recorded)
+        dp = train(tiny(root / "dp", *common), keep_state=True)
+        h1 = train(tiny(root / "h1", *common, *H1), keep_state=True)
+        h1_local = _made[-1]
+        h2 = train(tiny(root / "h2", *common, "local_sgd.every=2"), keep_state=True)
+    return {"root": root, "dp": dp, "h1": h1, "h1_local": h1_local, "h2": h2, "h2_local": _made[-1], "common": common}
+
+
+def _close(a, b, tol=1e-5):
+    return all(np.allclose(x, y, rtol=tol, atol=tol) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_h1_with_outer_sgd_lr1_equals_data_parallelism(runs):
+    dp, h1, h2 = runs["dp"], runs["h1"], runs["h2"]
+    assert sorted(h1.losses) == [1, 2, 3, 4, 5]
+    assert all(abs(h1.losses[s] - dp.losses[s]) <= 1e-5 * abs(dp.losses[s]) for s in dp.losses), (h1.losses, dp.losses)
+    assert abs(h1.eval_losses[5] - dp.eval_losses[5]) <= 1e-5 * dp.eval_losses[5]
+    dp_params = jax.device_get(dp.state["params"])
+    assert _close(jax.device_get(h1.state["outer_params"]), dp_params)
+    for g in range(2):  # every group holds the synchronised params
+        assert _close(jax.tree.map(lambda x: x[g], jax.device_get(h1.state["params"])), dp_params)
+    # negative control: H = 2 with Nesterov moves the params away from data parallelism's
+    assert not _close(jax.device_get(h2.state["outer_params"]), dp_params, tol=1e-4)
+    assert h2.losses[1] == pytest.approx(dp.losses[1], rel=1e-6)  # the same first step: the same start and data
+
+
+def _param_bytes(tree):
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+def test_inner_step_sends_nothing_over_data_and_outer_step_one_gradient_sized_all_reduce(runs):
+    local, h1 = runs["h1_local"], runs["h1"]
+    inner = spmd.hlo.collectives(local.compiled["inner"], local.mesh)
+    outer = spmd.hlo.collectives(local.compiled["outer"], local.mesh)
+    assert inner and all("data" not in op.axes for op in inner)  # the groups' own fsdp/tensor collectives only
+    over_data = [op for op in outer if "data" in op.axes]
+    assert len(outer) == len(over_data) == 1, spmd.hlo.format_collectives(outer)
+    (op,) = over_data
+    assert (op.kind, op.axes, op.count) == ("all-reduce", ("data",), 1)
+    assert op.bytes == _param_bytes(h1.state["outer_params"])  # gradient-sized: every parameter shard once
+    assert local.bytes_per_call["inner"] == 0 and local.bytes_per_call["outer"] == op.bytes
+    # the run summary counts them: 5 outer steps, the metrics' few scalars at each fetch
+    assert 5 * op.bytes <= h1.summary["data_bytes"] < 5 * op.bytes + 1000
+    assert h1.summary["data_bytes_outer"] == op.bytes
+    h2 = runs["h2"]  # H = 2 over 5 steps: outer steps at 2, 4 and the last step
+    assert 3 * op.bytes <= h2.summary["data_bytes"] < 3 * op.bytes + 1000
+
+
+def test_outer_step_equals_a_host_reference(runs):
+    """Groups moved apart by known offsets; the outer step against numpy and optax on one device."""
+    local, state = runs["h2_local"], runs["h2"].state
+    rng = np.random.default_rng(0)
+    outer = jax.device_get(state["outer_params"])
+    group_params = jax.tree.map(lambda x: np.stack([x + rng.normal(0, 0.01, x.shape).astype(x.dtype) for _ in range(2)]),
+                                outer)
+    moved = jax.device_put({**jax.device_get(state), "params": group_params}, local.shardings)  # donated: a copy
+    opt_host = jax.device_get(state["outer_opt_state"])
+    after = jax.device_get(local.outer_step(moved))
+    tx = outer_optimizer(local.cfg)
+    pseudo = jax.tree.map(lambda o, g: o - g.mean(0), outer, group_params)
+    updates, want_opt = tx.update(pseudo, opt_host, outer)
+    want = optax.apply_updates(outer, updates)
+    assert _close(after["outer_params"], want, tol=1e-6) and _close(after["outer_opt_state"], want_opt, tol=1e-6)
+    assert all(np.array_equal(p[0], p[1]) for p in jax.tree.leaves(after["params"]))
+    assert _close(jax.tree.map(lambda x: x[0], after["params"]), want, tol=1e-6)
+    assert not _close(after["outer_params"], outer, tol=1e-4)  # negative control: the update moved them
+
+
+def test_resume_mid_interval_is_exact(runs):
+    """Crash after step 4 (checkpoint 3 is mid-interval: H = 2), resume: the same losses and state as straight."""
+    straight, run_dir = runs["h2"], runs["root"] / "h2-crash"
+
+    def crash(step):
+        if step == 4:
+            raise KeyboardInterrupt("simulated crash")
+
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny(run_dir, *runs["common"], "local_sgd.every=2"), step_hook=crash)
+    resumed = train(tiny(run_dir, *runs["common"], "local_sgd.every=2"), keep_state=True)
+    assert resumed.start_step == 3
+    assert [resumed.losses[s] for s in (4, 5)] == [straight.losses[s] for s in (4, 5)]
+    same = jax.tree.map(lambda a, b: np.array_equal(a, b, equal_nan=True), jax.device_get(resumed.state), jax.device_get(straight.state))
+    assert all(jax.tree.leaves(same))
+
+
+def test_restores_onto_another_group_count_or_mode_are_refused(runs, tmp_path):
+    source = runs["root"] / "h2"
+    for name, sets, match in [
+        ("g4", ["mesh.axes=data=4,fsdp=2", "local_sgd.every=2"], r"holds 2 replica groups but this mesh has data=4"),
+        ("dp", [], r"written by local SGD with 2 replica groups; resume it with local_sgd.every >= 1"),
+    ]:
+        shutil.copytree(source / "checkpoints", tmp_path / name / "checkpoints")
+        with pytest.raises(ValueError, match=match):
+            train(tiny(tmp_path / name, *runs["common"], *sets))
+    shutil.copytree(runs["root"] / "dp" / "checkpoints", tmp_path / "to-local" / "checkpoints")
+    with pytest.raises(ValueError, match=r"written without local SGD; .*checkpoint.init_from"):
+        train(tiny(tmp_path / "to-local", *runs["common"], "local_sgd.every=2"))
+
+
+@pytest.mark.parametrize("sets, match", [
+    (["local_sgd.every=-1"], r"local_sgd.every=-1 must be an integer >= 0"),
+    (["local_sgd.every=2", "local_sgd.outer_optimizer=adam"], r"outer_optimizer='adam'; valid: nesterov, sgd"),
+    (["local_sgd.every=2", "local_sgd.outer_momentum=0"], r"'nesterov' needs local_sgd.outer_momentum > 0"),
+    (["local_sgd.every=2", "local_sgd.outer_lr=0"], r"local_sgd.outer_lr=0.0 must be a finite number > 0"),
+    (["local_sgd.every=2", "local_sgd.outer_momentum=1"], r"outer_momentum=1.0 must be a number in \[0, 1\)"),
+    (["local_sgd.every=2", "mesh.axes=fsdp=4,tensor=2"], r"needs replica groups over the data axis, .* gives data=1"),
+])
+def test_bad_configs_are_refused(sets, match):
+    with pytest.raises(ValueError, match=match):
+        override(recipe("gpt-small", tiny=True), sets)
+
+
+def test_pipeline_and_a_mesh_without_data_groups_are_refused():
+    with pytest.raises(ValueError, match=r"local_sgd.every=4 cannot run with pipeline.schedule='1f1b'"):
+        override(recipe("gpt-small-pp", tiny=True), ["local_sgd.every=4"])
+    mesh = jax.make_mesh((1, 8), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with pytest.raises(ValueError, match=r"this mesh has data=1 .* give data >= 2"):
+        groups_of(mesh, LocalSGDConfig(every=3))
+
+
+TRAIN_ARGS = ["gpt-small", "--tiny", "--mesh", "data=2,fsdp=2,tensor=2", "--steps", "4", "--set", "local_sgd.every=2",
+              "--set", "checkpoint.every_steps=4", "--set", "run.eval_batches=0", "--set", "run.progress=false",
+              "--set", "run.log_every=1"]
+
+
+@pytest.mark.slow
+def test_two_processes_one_group_each_match_one_process(tmp_path):
+    """spmd-launch: 2 processes x 4 devices, data=2 across them (one replica group per process)."""
+    one, two = str(tmp_path / "1x8"), str(tmp_path / "2x4")
+    reference = train(command.build_config(cli.parse_args([*TRAIN_ARGS, "--run-dir", one])))
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cache = jax.config.jax_compilation_cache_dir
+    if cache:
+        env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    out = io.StringIO()
+    code = launch([sys.executable, "-m", "trainers", *TRAIN_ARGS, "--run-dir", two], processes=2,
+                  devices_per_process=4, env=env, out=out)
+    assert code == 0, out.getvalue()[-3000:]
+    losses = {r["step"]: r["loss"] for r in read_metrics(two) if r["split"] == "train"}
+    assert sorted(losses) == [1, 2, 3, 4]
+    assert all(abs(losses[s] - reference.losses[s]) <= 1e-5 * reference.losses[s] for s in losses), (losses, reference.losses)
+    bytes_two = [r["data_bytes"] for r in read_metrics(two) if r["split"] == "train"][-1]
+    assert bytes_two == reference.summary["data_bytes"] > 0  # 2 outer steps, the same compiled programs

@@ -1,0 +1,237 @@
+"""Local SGD / DiLoCo: replica groups over ``data`` that train alone and synchronise every H steps.
+
+The ``data`` axis (size G, the slow DCN axis) holds G replica groups. Every leaf of the ordinary train
+state gains a leading group dim, ``X[G_data, ...]``: params, inner optimizer state, counters, RNG and
+guard window per group. The inner step is the ordinary step (:mod:`trainers.step`) mapped over groups
+(``jax.vmap(..., spmd_axis_name="data")``) under the rule set without ``data``: group g trains on rows
+``[g*B/G, (g+1)*B/G)`` of the global batch, and nothing in it communicates over ``data``. Every H steps
+(and at the run's last step) the outer step all-reduces the params over ``data`` once (one variadic
+psum of gradient size), applies ``outer_params - mean_g(params_g)`` as a pseudo-gradient with an outer
+optax optimizer (Nesterov momentum, Douillard et al. 2023) and sets every group's params to the result.
+See docs/training.md ("Local SGD / DiLoCo").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import spmd
+from spmd.rules import Rules, axes_of
+from trainers.state import ShardedState, State
+
+OUTER_OPTIMIZERS = ("nesterov", "sgd")
+OUTER_KEYS = ("outer_params", "outer_opt_state")
+AXIS = "data"
+_ALL = ("ok", "finite")  # flags true for the step only when true in every group
+_ANY = ("loss_spike", "grad_norm_spike")
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalSGDConfig:
+    """``every`` (H): inner steps between synchronisations; 0 = off (ordinary data parallelism).
+    The outer optimizer: ``"nesterov"`` (DiLoCo's defaults: lr 0.7, momentum 0.9) or ``"sgd"``
+    (heavy-ball momentum ``outer_momentum``; 0 = plain SGD: lr 1 and H = 1 is data parallelism)."""
+
+    every: int = 0
+    outer_optimizer: str = "nesterov"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 0:
+            raise ValueError(f"local_sgd.every={self.every!r} must be an integer >= 0 (0: off; H >= 1 inner steps "
+                             "between synchronisations)")
+        if self.outer_optimizer not in OUTER_OPTIMIZERS:
+            raise ValueError(f"local_sgd.outer_optimizer={self.outer_optimizer!r}; valid: {', '.join(OUTER_OPTIMIZERS)}")
+        if not isinstance(self.outer_lr, (int, float)) or not 0 < self.outer_lr < math.inf:
+            raise ValueError(f"local_sgd.outer_lr={self.outer_lr!r} must be a finite number > 0")
+        if not isinstance(self.outer_momentum, (int, float)) or not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"local_sgd.outer_momentum={self.outer_momentum!r} must be a number in [0, 1)")
+        if self.outer_optimizer == "nesterov" and self.outer_momentum == 0:
+            raise ValueError("local_sgd.outer_optimizer='nesterov' needs local_sgd.outer_momentum > 0; "
+                             "use outer_optimizer=sgd for plain SGD")
+
+    @property
+    def enabled(self) -> bool:
+        return self.every >= 1
+
+
+def outer_optimizer(cfg: LocalSGDConfig) -> optax.GradientTransformation:
+    """The outer optax optimizer of ``cfg``: SGD with Nesterov or heavy-ball momentum, or none."""
+    momentum = cfg.outer_momentum if cfg.outer_momentum > 0 else None
+    return optax.sgd(cfg.outer_lr, momentum=momentum, nesterov=cfg.outer_optimizer == "nesterov")
+
+
+def inner_rules(rules: Rules) -> Rules:
+    """``rules`` with the ``data`` axis removed from every dim: what one replica group runs under."""
+    def strip(table):
+        return tuple((dim, tuple(a for a in axes_of(axes) if a != AXIS) or None) for dim, axes in table)
+
+    return Rules(f"{rules.name}/local", strip(rules.params), strip(rules.activations))
+
+
+def groups_of(mesh: Mesh, cfg: LocalSGDConfig) -> int:
+    """G, the size of ``data``; ValueError when it cannot hold replica groups."""
+    groups = dict(mesh.shape).get(AXIS, 1)
+    if groups < 2:
+        raise ValueError(f"local_sgd.every={cfg.every} needs replica groups over the {AXIS!r} axis, but this mesh has "
+                         f"{AXIS}={groups} ({dict(mesh.shape)}); give {AXIS} >= 2 (e.g. mesh.axes=data=2,fsdp=4) or "
+                         "set local_sgd.every=0")
+    return groups
+
+
+def check_resume(stored: Any, groups: int | None, step: int) -> None:
+    """ValueError when checkpoint ``step`` (its metadata tree ``stored``) was written with another
+    number of replica groups, or in the other mode; ``groups=None`` is ordinary data parallelism."""
+    written = int(stored["step"].shape[0]) if OUTER_KEYS[0] in stored and stored["step"].shape else None
+    if written == groups:
+        return
+    if groups is None:
+        raise ValueError(f"checkpoint step {step} was written by local SGD with {written} replica groups; resume it "
+                         "with local_sgd.every >= 1 on a mesh with data={written}")
+    if written is None:
+        raise ValueError(f"checkpoint step {step} was written without local SGD; local_sgd.every={groups and 'H'} "
+                         "cannot resume it: start from its params with checkpoint.init_from and a new run.run_dir")
+    raise ValueError(f"checkpoint step {step} holds {written} replica groups but this mesh has data={groups}: "
+                     f"restoring onto another number of groups is not supported; use data={written}")
+
+
+def data_bytes(compiled: Any, mesh: Mesh) -> int:
+    """Bytes per device that one run of ``compiled`` sends over ``data`` (every collective whose axes
+    include it, as the accelerator runs it; ``spmd.hlo.collectives``)."""
+    return sum(op.total_bytes for op in spmd.hlo.collectives(compiled, mesh) if AXIS in op.axes)
+
+
+class LocalSGD:
+    """The local-SGD form of a run's state and steps (see the module docstring).
+
+    ``state`` holds the ordinary state's keys with a leading group dim plus ``outer_params`` (the last
+    synchronised params, sharded like params, replicated over ``data``) and ``outer_opt_state``.
+    ``bytes_sent`` counts the bytes per device sent over ``data`` by every compiled call so far.
+    """
+
+    def __init__(self, cfg: LocalSGDConfig, template: ShardedState, step_fn: Callable, mesh: Mesh,
+                 batch_sharding: NamedSharding, *, steps: int) -> None:
+        """``template``: one group's state (``create_state`` under :func:`inner_rules`, plus the guard
+        window); ``step_fn``: the pure ordinary step under those rules (``make_train_step(jit=False)``);
+        ``batch_sharding``: the global batch's (rows over ``data`` and the inner batch axes)."""
+        self.cfg, self.mesh, self.steps, self.groups = cfg, mesh, steps, groups_of(mesh, cfg)
+        if "model_state" in template.state:
+            raise ValueError("local_sgd.every >= 1 does not support models with non-parameter state (batch statistics, "
+                             f"RNG streams: {sorted(template.state['model_state'])}); set local_sgd.every=0")
+        self.tx = outer_optimizer(cfg)
+        params, param_shardings = template.state["params"], template.shardings["params"]
+        outer_opt = jax.eval_shape(self.tx.init, params)
+        outer_shardings = {"outer_params": param_shardings,
+                           "outer_opt_state": spmd.optimizer_shardings(self.tx, outer_opt, param_shardings, mesh)}
+        group = lambda s: NamedSharding(mesh, P(AXIS, *s.spec))
+        self.group_shardings = jax.tree.map(group, template.shardings)
+        self.shardings = {**self.group_shardings, **outer_shardings}
+        self.batch_sharding = batch_sharding
+        metric = NamedSharding(mesh, P(AXIS))
+        G = self.groups
+
+        def start(one: State) -> State:
+            """Every group from one state (each its own RNG stream), outer params = the params."""
+            groups = jax.tree.map(lambda x: jnp.broadcast_to(x, (G, *x.shape)), one)
+            key = jax.random.wrap_key_data(one["rng"])
+            groups["rng"] = jax.vmap(lambda g: jax.random.key_data(jax.random.fold_in(key, g)))(jnp.arange(G))
+            return {**groups, "outer_params": one["params"], "outer_opt_state": self.tx.init(one["params"])}
+
+        self._start = jax.jit(start, out_shardings=self.shardings)
+        grouped = jax.vmap(step_fn, spmd_axis_name=AXIS)
+
+        def inner(state: State, batch: Any) -> tuple[State, dict[str, jax.Array]]:
+            groups = {k: v for k, v in state.items() if k not in OUTER_KEYS}
+            split = jax.tree.map(lambda x: x.reshape(G, x.shape[0] // G, *x.shape[1:]), batch)  # rows stay put
+            groups, metrics = grouped(groups, split)
+            return {**state, **groups}, metrics
+
+        def outer(state: State) -> State:
+            mean = group_mean(state["params"], mesh, G)
+            pseudo_grad = jax.tree.map(jnp.subtract, state["outer_params"], mean)
+            updates, opt_state = self.tx.update(pseudo_grad, state["outer_opt_state"], state["outer_params"])
+            new = optax.apply_updates(state["outer_params"], updates)
+            params = jax.tree.map(lambda x: jnp.broadcast_to(x, (G, *x.shape)), new)
+            return {**state, "params": params, "outer_params": new, "outer_opt_state": opt_state}
+
+        def reduce(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+            """One step's per-group metrics as the run logs them: flags over every group, the rest means."""
+            pick = lambda k, v: v.all() if k in _ALL else v.any() if k in _ANY else v.astype(jnp.float32).mean()
+            return {k: pick(k, v) for k, v in metrics.items()}
+
+        rep = spmd.sharding.replicated(mesh)
+        self._inner = jax.jit(inner, in_shardings=(self.shardings, batch_sharding),
+                              out_shardings=(self.shardings, metric), donate_argnums=(0,))
+        self._outer = jax.jit(outer, in_shardings=(self.shardings,), out_shardings=self.shardings, donate_argnums=(0,))
+        self._reduce = jax.jit(reduce, out_shardings=rep)
+        self._skipped = jax.jit(lambda s: s.sum(), out_shardings=rep)
+        self.compiled: dict[str, Any] = {}
+        self.bytes_per_call: dict[str, int] = {}
+        self.bytes_sent = 0
+        abstract = lambda x, s: jax.ShapeDtypeStruct((G, *x.shape), x.dtype, sharding=s)
+        self.abstract = {**jax.tree.map(abstract, template.abstract, self.group_shardings),
+                         **jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                        {"outer_params": params, "outer_opt_state": outer_opt}, outer_shardings)}
+
+    # ------------------------------------------------------------------------------------ running
+    def _call(self, name: str, fn: Any, *args: Any) -> Any:
+        """Compile ``fn`` for ``args`` once (counting its bytes over ``data``), run it, count the bytes."""
+        if name not in self.compiled:
+            self.compiled[name] = fn.lower(*args).compile()
+            self.bytes_per_call[name] = data_bytes(self.compiled[name], self.mesh)
+        self.bytes_sent += self.bytes_per_call[name]
+        return self.compiled[name](*args)
+
+    def start(self, one: State) -> State:
+        """The local-SGD state from one group's state (fresh, or ``init_from`` params)."""
+        return self._start(one)
+
+    def train_step(self, state: State, batch: Any) -> tuple[State, dict[str, jax.Array]]:
+        """One inner step of every group: ``(state, metrics[G])``; nothing is sent over ``data``."""
+        return self._call("inner", self._inner, state, batch)
+
+    def due(self, step: int) -> bool:
+        """Whether the outer step runs after inner step ``step``: every H steps and at the last step."""
+        return step % self.cfg.every == 0 or step == self.steps
+
+    def outer_step(self, state: State) -> State:
+        """Average params over groups (one all-reduce over ``data``), the outer update, re-broadcast."""
+        return self._call("outer", self._outer, state)
+
+    def fetch(self, metrics: list[dict[str, jax.Array]]) -> list[dict[str, Any]]:
+        """Per-group step metrics as host values, one dict per step (a few scalars over ``data`` each)."""
+        return jax.device_get([self._call("metrics", self._reduce, m) for m in metrics])
+
+    def skipped(self, state: State) -> int:
+        """Group-steps skipped by the guard, summed over groups."""
+        return int(jax.device_get(self._skipped(state["skipped"])))
+
+    def eval_view(self, state: State) -> State:
+        """What eval reads: the outer (last synchronised) params."""
+        return {"params": state["outer_params"]}
+
+    def summary(self, steps: int) -> dict[str, float]:
+        """Bytes per device sent over ``data``: in all, per inner and outer call, and per step run."""
+        per = {f"data_bytes_{k}": float(v) for k, v in self.bytes_per_call.items() if k != "metrics"}
+        return {"data_bytes": float(self.bytes_sent), "data_bytes_per_step": self.bytes_sent / max(steps, 1), **per}
+
+
+def group_mean(params_G: Any, mesh: Mesh, groups: int) -> Any:
+    """``mean_g params[g]``: ``X[G_data, ...] -> X[...]``, one all-reduce over ``data`` of every leaf
+    together (a variadic psum in a ``shard_map`` manual over ``data`` only; other axes stay automatic)."""
+    def local(x_1):
+        return jax.tree.map(lambda s: s / groups, jax.lax.psum(jax.tree.map(lambda x: x[0], x_1), AXIS))
+
+    specs = jax.tree.map(lambda _: P(AXIS), params_G)
+    return jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=jax.tree.map(lambda _: P(), params_G),
+                         axis_names=frozenset({AXIS}))(params_G)
