@@ -13,8 +13,8 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 
-from benchmarks import (attention, checkpoint, comms, common, context, gpu, loss, memory, mfu, overhead, pipeline, remat,
-                        scaling, steptime)
+from benchmarks import (attention, checkpoint, comms, common, context, gpu, local_sgd, loss, memory, mfu, overhead,
+                        pipeline, remat, scaling, steptime)
 
 BENCHMARKS: dict[str, Callable[..., int]] = {
     "overhead": overhead.main,
@@ -29,6 +29,7 @@ BENCHMARKS: dict[str, Callable[..., int]] = {
     "mfu": mfu.main,
     "checkpoint": checkpoint.main,
     "scaling": scaling.main,
+    "local_sgd": local_sgd.main,
     "gpu": gpu.main,
 }
 assert tuple(BENCHMARKS) == common.ORDER
