@@ -1,9 +1,10 @@
 """Running a stack of blocks as a pipeline over the ``pipe`` mesh axis, with ``shard_map``.
 
 :func:`run_schedule` splits the stacked layers ``W[L_pipe, ...]`` into chunks, one or more per
-stage, and runs the schedule: ``gpipe`` by autodiff through one scan, ``1f1b`` and ``interleaved``
-from a :class:`Schedule` table with a recomputing backward, whose ``ppermute`` s carry only the
-activations the table sends (:mod:`spmd.pipeline.sends`). See docs/pipelines.md.
+stage, and runs the schedule: ``gpipe`` by autodiff through one scan, the others from a
+:class:`Schedule` table with a recomputing backward (split into B and W for the zero-bubble ones),
+whose ``ppermute`` s carry only the activations the table sends (:mod:`spmd.pipeline.sends`).
+See docs/pipelines.md.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from spmd.pipeline.layout import ParamLayout, param_layout
 from spmd.pipeline.manual import manual_batch_axes, with_inner_rules
 from spmd.pipeline.order import NATURAL, LayerOrder, order_of
-from spmd.pipeline.schedules import BACKWARD, FORWARD, IDLE, Schedule
+from spmd.pipeline.schedules import BACKWARD, FORWARD, IDLE, WEIGHT, Schedule
 from spmd.pipeline.sends import send_plan
 from spmd.rules import Rules
 
@@ -29,8 +30,8 @@ StageFn = Callable[[Any, jax.Array], jax.Array]  # (chunk params [Lc, ...], x[b,
 HeadFn = Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, dict]]  # (head params, y, targets) -> (loss, aux)
 
 # table fields
-_KIND, _M, _V, _FIRST, _XSLOT, _GSLOT, _RECV_F, _RECV_B = range(8)
-_IDLE, _FWD, _FWD_LAST, _BWD = range(4)
+_KIND, _M, _V, _FIRST, _XSLOT, _GSLOT, _RECV_F, _RECV_B, _WSLOT = range(9)
+_IDLE, _FWD, _FWD_LAST, _BWD, _WGT = range(5)  # _BWD: the whole backward, or B when the schedule has W
 
 
 def _intervals_to_slots(intervals: list[tuple[int, int, Any]]) -> tuple[dict[Any, int], int]:
@@ -49,33 +50,41 @@ def _intervals_to_slots(intervals: list[tuple[int, int, Any]]) -> tuple[dict[Any
     return slots, max(1, len(free_at))
 
 
-def _build_tables(schedule: Schedule) -> tuple[np.ndarray, int, int]:
-    """The per-device program of a schedule: int32 ``[ticks, S, 8]`` plus stash and grad-buffer sizes.
+def _build_tables(schedule: Schedule) -> tuple[np.ndarray, int, int, int]:
+    """The per-device program of a schedule: int32 ``[ticks, S, 9]`` plus stash, grad-buffer and
+    W-stash sizes.
 
-    Per (tick, stage): kind (idle/fwd/fwd_last/bwd), m, v, first-chunk flag, the stash slot of the
-    chunk input, the grad-buffer slot of the output gradient, and the slots where this tick's
-    incoming activation / gradient (sent by a neighbour on the previous tick) are written (-1: none).
+    Per (tick, stage): kind (idle/fwd/fwd_last/bwd/wgt), m, v, first-chunk flag, the stash slot of the
+    chunk input (held to the chunk's W when the schedule has W ops, else to its backward), the
+    grad-buffer slot of the output gradient (held to the backward / B), the slots where this tick's
+    incoming activation / gradient (sent by a neighbour on the previous tick) are written (-1: none),
+    and the W-stash slot holding the per-layer output gradients from B to W (-1: none).
     """
     S, C, T = schedule.n_stages, schedule.n_chunks, schedule.n_ticks
     ticks = schedule.ticks()
-    has_b = schedule.has_backward
-    x_iv, g_iv = [[] for _ in range(S)], [[] for _ in range(S)]
+    has_b, split = schedule.has_backward, schedule.split_backward
+    release = WEIGHT if split else BACKWARD
+    x_iv, g_iv, w_iv = [[] for _ in range(S)], [[] for _ in range(S)], [[] for _ in range(S)]
     for (kind, m, c), t in ticks.items():
         s = c % S
         if kind == FORWARD and c > 0:
-            end = ticks[(BACKWARD, m, c)] if has_b else t
+            end = ticks[(release, m, c)] if has_b else t
             x_iv[s].append((ticks[(FORWARD, m, c - 1)] + 1, end, (m, c)))
         if kind == BACKWARD:
             start = ticks[(FORWARD, m, c)] if c == C - 1 else ticks[(BACKWARD, m, c + 1)] + 1
             g_iv[s].append((start, t, (m, c)))
-    x_slots, g_slots, n_x, n_g = {}, {}, 1, 1
+        if kind == WEIGHT:
+            w_iv[s].append((ticks[(BACKWARD, m, c)], t, (m, c)))
+    x_slots, g_slots, w_slots, n_x, n_g, n_w = {}, {}, {}, 1, 1, 1
     for s in range(S):
         xs, nx = _intervals_to_slots(x_iv[s])
         gs, ng = _intervals_to_slots(g_iv[s])
+        ws, nw = _intervals_to_slots(w_iv[s])
         x_slots.update(xs)
         g_slots.update(gs)
-        n_x, n_g = max(n_x, nx), max(n_g, ng)
-    table = np.full((T, S, 8), -1, np.int32)
+        w_slots.update(ws)
+        n_x, n_g, n_w = max(n_x, nx), max(n_g, ng), max(n_w, nw)
+    table = np.full((T, S, 9), -1, np.int32)
     table[..., _KIND] = _IDLE
     table[..., _FIRST] = 0
     for t in range(T):
@@ -84,15 +93,16 @@ def _build_tables(schedule: Schedule) -> tuple[np.ndarray, int, int]:
             if kind == IDLE:
                 continue
             c = v * S + s
-            code = _BWD if kind == BACKWARD else (_FWD_LAST if c == C - 1 else _FWD)
+            code = {BACKWARD: _BWD, WEIGHT: _WGT}.get(kind, _FWD_LAST if c == C - 1 else _FWD)
             table[t, s, :_XSLOT] = (code, m, v, int(c == 0))
             table[t, s, _XSLOT] = x_slots.get((m, c), -1)
             table[t, s, _GSLOT] = g_slots.get((m, c), -1) if has_b else -1
+            table[t, s, _WSLOT] = w_slots.get((m, c), -1)
             if kind == FORWARD and c + 1 < C and t + 1 < T:
                 table[t + 1, (c + 1) % S, _RECV_F] = x_slots[(m, c + 1)]
             if kind == BACKWARD and c > 0 and t + 1 < T:
                 table[t + 1, (c - 1) % S, _RECV_B] = g_slots[(m, c - 1)]
-    return table, n_x, n_g
+    return table, n_x, n_g, n_w if split else 0
 
 
 def _perm(S: int, step: int) -> list[tuple[int, int]]:
@@ -168,16 +178,27 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
     devices along them) each device sees its own rows: the loss cotangent is ``1/(M*n_batch)``,
     gradients stay local partial sums at gathered size through every tick and are reduced
     (:meth:`ParamLayout.reduce`) once after the schedule; loss and aux are averaged over them.
+
+    Backward ops recompute their chunk from the stashed input. A schedule with W ops splits them:
+    B runs the chunk layer by layer (``stage_fn`` on one-layer slices) with zero taps on each
+    layer's output and takes the VJP w.r.t. the input and the taps only (no weight gradient is
+    formed): it sends the input gradient upstream and keeps the taps' gradients, the per-layer
+    output gradients ``dy[Lc, b, L, D]``, in a W-stash slot. W recomputes the layers from the
+    stashed chunk input (held until W, not B) and takes the gradient of ``sum_l dy_l . layer_l(p_l,
+    x_l)`` with each layer input held constant: the weight gradient alone, added to the accumulator.
     """
     batch_axes = layout.batch_axes
     S, M, V = schedule.n_stages, schedule.n_microbatches, schedule.n_virtual
-    table_np, n_x, n_g = _build_tables(schedule)
+    table_np, n_x, n_g, n_w = _build_tables(schedule)
     plan = send_plan(schedule)
     (f_pats, f_idx), (b_pats, b_idx) = plan.patterns("forward"), plan.patterns("backward")
     send_f, send_b = _sender(f_pats, axis), _sender(b_pats, axis)
 
     def stage(leaves, x):
         return stage_fn(jax.tree.unflatten(trees[0], leaves), x)
+
+    def layer(leaves_l, x):  # one layer: the chunk's leaves sliced at one index of their [Lc] dim
+        return stage([a[None] for a in leaves_l], x)
 
     def run(p_leaves, h_leaves, x_MbLD, tg_MbL):
         s = jax.lax.axis_index(axis)
@@ -192,6 +213,8 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
         }
         if train:
             carry.update(pgrad=_tree_zeros(params), hgrad=_tree_zeros(head), dx=jnp.zeros_like(x_MbLD))
+        if train and n_w:  # per W slot: the chunk's per-layer output gradients dy[Lc, b, L, D]
+            carry["wstash"] = jnp.zeros((n_w, params[0].shape[1], *zx.shape), zx.dtype)
 
         def chunk(v):
             return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, v, keepdims=False), params)
@@ -200,7 +223,7 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
             row_all, kf, kb = xs
             row = jax.lax.dynamic_index_in_dim(row_all, s, keepdims=False)
             kind, m, v, first = row[_KIND], row[_M], row[_V], row[_FIRST]
-            xs, gs, rf, rb = (jnp.maximum(row[i], 0) for i in (_XSLOT, _GSLOT, _RECV_F, _RECV_B))
+            xs, gs, rf, rb, ws = (jnp.maximum(row[i], 0) for i in (_XSLOT, _GSLOT, _RECV_F, _RECV_B, _WSLOT))
             c = dict(c)
             c["stash"] = c["stash"].at[rf].set(jnp.where(row[_RECV_F] >= 0, c["recv_f"], c["stash"][rf]))
             c["gbuf"] = c["gbuf"].at[rb].set(jnp.where(row[_RECV_B] >= 0, c["recv_b"], c["gbuf"][rb]))
@@ -234,7 +257,38 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
                 c["dx"] = c["dx"].at[m].add(jnp.where(first == 1, dx, 0))
                 return c, zx, jnp.where(first == 1, 0, dx)
 
-            branches = [idle, fwd, fwd_last, bwd] if train else [idle, fwd, fwd_last]
+            def bwd_input(c):  # B: recompute the chunk layer by layer, gradient w.r.t. its input only
+                def taps_run(x, taps):  # zero taps on each layer's output: their gradients are the dy's
+                    def body(x, a):
+                        return layer(a[0], x) + a[1].astype(x.dtype), None
+                    return jax.lax.scan(body, x, (chunk(v), taps))[0]
+
+                taps = jnp.zeros((params[0].shape[1], *zx.shape), zx.dtype)
+                _, vjp = jax.vjp(taps_run, x_in, taps)
+                dx, dys = vjp(c["gbuf"][gs])
+                c = dict(c)
+                c["wstash"] = c["wstash"].at[ws].set(dys)
+                c["dx"] = c["dx"].at[m].add(jnp.where(first == 1, dx, 0))
+                return c, zx, jnp.where(first == 1, 0, dx)
+
+            def weight(c):  # W: recompute the chunk, sum_l dy_l . layer_l(p_l, x_l) with x_l held constant
+                dys = c["wstash"][ws]
+
+                def contract(p):
+                    def body(x, a):
+                        y = layer(a[0], jax.lax.stop_gradient(x))
+                        return y, jnp.sum(y * a[1].astype(y.dtype))
+                    return jax.lax.scan(body, x_in, (p, dys))[1].sum()
+
+                dp = jax.grad(contract)(chunk(v))
+                c = dict(c)
+                c["pgrad"] = jax.tree.map(lambda acc, g: acc.at[v].add(g), c["pgrad"], dp)
+                return c, zx, zx
+
+            if not train:
+                branches = [idle, fwd, fwd_last]
+            else:
+                branches = [idle, fwd, fwd_last, bwd_input, weight] if n_w else [idle, fwd, fwd_last, bwd]
             c, y, dx = jax.lax.switch(jnp.minimum(kind, len(branches) - 1), branches, c)
             c["recv_f"], c["recv_b"] = send_f(kf, y), send_b(kb, dx)
             return c, None

@@ -1,7 +1,9 @@
 """Pipeline schedules as data: which stage does what on which tick.
 
 A :class:`Schedule` is a table ``actions[tick, stage] = (kind, m, v)``, built by :func:`gpipe`,
-:func:`one_f_one_b` or :func:`interleaved`; the bubble is what the order of ops implies.
+:func:`one_f_one_b`, :func:`interleaved` or the zero-bubble ``zb_h1`` / ``zb_h2`` (whose
+backward is split into B, the input gradient, and W, the weight gradient); the bubble is what the
+order of ops implies.
 
     print(get_schedule("1f1b", 4, 8).timeline())
 
@@ -14,9 +16,9 @@ import dataclasses
 
 import numpy as np
 
-IDLE, FORWARD, BACKWARD = 0, 1, 2
-_LETTER = {FORWARD: "F", BACKWARD: "B"}
-NAMES = ("gpipe", "1f1b", "interleaved")
+IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3
+_LETTER = {FORWARD: "F", BACKWARD: "B", WEIGHT: "W"}
+NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
 
 Op = tuple[int, int, int]  # (kind, microbatch, virtual stage)
 
@@ -29,7 +31,10 @@ def _check_sizes(S: int, M: int, V: int = 1) -> None:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Schedule:
-    """``actions[tick, stage] = (kind, m, v)`` (kind IDLE/FORWARD/BACKWARD; m, v = -1 when idle)."""
+    """``actions[tick, stage] = (kind, m, v)`` (kind IDLE/FORWARD/BACKWARD/WEIGHT; m, v = -1 when idle).
+
+    With WEIGHT ops (a split schedule) BACKWARD is the input-gradient half B only and WEIGHT the
+    deferred weight gradient W; without them BACKWARD is the whole backward."""
 
     name: str
     n_stages: int
@@ -65,6 +70,39 @@ class Schedule:
     def has_backward(self) -> bool:
         return bool((self.actions[..., 0] == BACKWARD).any())
 
+    @property
+    def split_backward(self) -> bool:
+        """True when the backward runs as B (input gradient) + W (weight gradient) ops."""
+        return bool((self.actions[..., 0] == WEIGHT).any())
+
+    @property
+    def overlapped_bubble_fraction(self) -> float:
+        """Idle share if every stage started the next step as soon as it finished this one (steps
+        overlapping, as the zero-bubble paper's optimizer post-validation allows): 1 - busy / (S x the
+        longest first-to-last-op span of a stage). This engine's steps are synchronous: what it runs
+        is :attr:`bubble_fraction`."""
+        busy = self.actions[..., 0] != IDLE
+        spans = [np.nonzero(busy[:, s])[0] for s in range(self.n_stages)]
+        period = max(int(t[-1] - t[0] + 1) for t in spans if len(t))
+        return 1 - self.busy / (period * self.n_stages)
+
+    def op_costs(self) -> dict[int, int]:
+        """Cost of each op kind as the table engine runs it, in forwards of one chunk: F = 1; the
+        whole backward B = 3 (recompute + input and weight gradients); split, B = 2 (recompute +
+        input gradient) and W = 2 (recompute + weight gradient). gpipe (autodiff): B = 2."""
+        if self.split_backward:
+            return {FORWARD: 1, BACKWARD: 2, WEIGHT: 2}
+        return {FORWARD: 1, BACKWARD: 2 if self.name == "gpipe" else 3}
+
+    def lockstep_time(self, costs: dict[int, float] | None = None) -> float:
+        """Step time in chunk forwards when all stages advance tick by tick (each tick as long as its
+        slowest op, as the engine's scan runs): sum over ticks of the max op cost (:meth:`op_costs`)."""
+        costs = self.op_costs() if costs is None else costs
+        lut = np.zeros(4)
+        for kind, cost in costs.items():
+            lut[kind] = cost
+        return float(lut[self.actions[..., 0]].max(axis=1).sum())
+
     def ticks(self) -> dict[tuple[int, int, int], int]:
         """{(kind, m, chunk): tick} for every op in the table."""
         out = {}
@@ -73,16 +111,21 @@ class Schedule:
             out[(kind, m, v * self.n_stages + int(s))] = int(t)
         return out
 
+    def _release(self) -> int:
+        """The op after which a chunk input is no longer needed: W when split, else B."""
+        return WEIGHT if self.split_backward else BACKWARD
+
     def in_flight(self) -> np.ndarray:
         """Per stage, the most microbatch inputs held at once: from the tick an input arrives (or,
-        for the first chunk, its forward) to the tick of its backward (or its forward, without one)."""
-        S, ticks = self.n_stages, self.ticks()
+        for the first chunk, its forward) to the tick of its W (split), else its backward (or its
+        forward, without one)."""
+        S, ticks, rel = self.n_stages, self.ticks(), self._release()
         count = np.zeros((self.n_ticks + 1, S), np.int64)
         for (kind, m, c), t in ticks.items():
             if kind != FORWARD:
                 continue
             start = t if c == 0 else ticks[(FORWARD, m, c - 1)] + 1
-            end = ticks.get((BACKWARD, m, c), t)
+            end = ticks.get((rel, m, c), t)
             count[start:end + 1, c % S] += 1
         return count.max(axis=0)
 
@@ -92,17 +135,29 @@ class Schedule:
 
     def stash_sizes(self) -> tuple[int, int]:
         """Buffer slots a stage of the table engine needs (at least 1 each): stashed chunk inputs, held
-        from the tick one arrives to its chunk's backward (its forward, without one); output gradients,
-        from the tick one arrives to its backward. The most held at once on any stage."""
-        S, C, ticks = self.n_stages, self.n_chunks, self.ticks()
+        from the tick one arrives to its chunk's W (split) or backward (its forward, without one);
+        output gradients, from the tick one arrives to its backward. The most held at once on any stage."""
+        S, C, ticks, rel = self.n_stages, self.n_chunks, self.ticks(), self._release()
         x_held, g_held = (np.zeros((self.n_ticks + 1, S), np.int64) for _ in range(2))
         for (kind, m, c), t in ticks.items():
             if kind == FORWARD and c > 0:
-                x_held[ticks[(FORWARD, m, c - 1)] + 1:ticks.get((BACKWARD, m, c), t) + 1, c % S] += 1
+                x_held[ticks[(FORWARD, m, c - 1)] + 1:ticks.get((rel, m, c), t) + 1, c % S] += 1
             elif kind == BACKWARD:
                 start = ticks[(FORWARD, m, c)] if c == C - 1 else ticks[(BACKWARD, m, c + 1)] + 1
                 g_held[start:t + 1, c % S] += 1
         return max(1, int(x_held.max())), max(1, int(g_held.max()))
+
+    def weight_stash_size(self) -> int:
+        """Split schedules: the most microbatches between their B and W on any stage (each holds the
+        chunk's per-layer output gradients for its W); 0 without W ops."""
+        if not self.split_backward:
+            return 0
+        ticks = self.ticks()
+        held = np.zeros((self.n_ticks + 1, self.n_stages), np.int64)
+        for (kind, m, c), t in ticks.items():
+            if kind == WEIGHT:
+                held[ticks[(BACKWARD, m, c)]:t + 1, c % self.n_stages] += 1
+        return int(held.max())
 
     def sent_bytes(self, activation_bytes: int):
         """Bytes per step the table engine sends over ``pipe`` for activations of ``activation_bytes``
@@ -127,6 +182,7 @@ class Schedule:
                     raise ValueError(f"{_LETTER[kind]}{m} of chunk {key[2]} runs twice (ticks {seen[key]} and {t})")
                 seen[key] = t
         kinds = (FORWARD, BACKWARD) if self.has_backward else (FORWARD,)
+        kinds += (WEIGHT,) if self.split_backward else ()
         for kind in kinds:
             for m in range(M):
                 for c in range(C):
@@ -142,9 +198,13 @@ class Schedule:
                 if c < C - 1 and seen[(BACKWARD, m, c + 1)] >= t:
                     raise ValueError(f"B{m} of chunk {c} at tick {t} runs before B{m} of chunk {c + 1} "
                                      f"finished (tick {seen[(BACKWARD, m, c + 1)]})")
+            if kind == WEIGHT and seen.get((BACKWARD, m, c), t) >= t:
+                raise ValueError(f"W{m} of chunk {c} at tick {t} does not follow its B (tick "
+                                 f"{seen.get((BACKWARD, m, c), 'missing')})")
 
     def timeline(self) -> str:
-        """Rows = stages, columns = ticks: ``F3`` forward of microbatch 3, ``B0.1`` backward of m=0, v=1."""
+        """Rows = stages, columns = ticks: ``F3`` forward of microbatch 3, ``B0.1`` backward of m=0, v=1,
+        ``W2`` weight gradient of microbatch 2."""
         cells = [[self._cell(t, s) for t in range(self.n_ticks)] for s in range(self.n_stages)]
         width = max(len(c) for row in cells for c in row)
         head = (f"{self.name}: S={self.n_stages} M={self.n_microbatches} V={self.n_virtual}, "
@@ -166,7 +226,7 @@ class Schedule:
 
         if ax is None:
             _, ax = plt.subplots(figsize=(max(4.0, 0.35 * self.n_ticks), 0.5 * self.n_stages + 1))
-        colors = {FORWARD: "tab:blue", BACKWARD: "tab:orange"}
+        colors = {FORWARD: "tab:blue", BACKWARD: "tab:orange", WEIGHT: "tab:green"}
         for t, s in zip(*np.nonzero(self.actions[..., 0])):
             kind = int(self.actions[t, s, 0])
             ax.broken_barh([(int(t), 1)], (int(s) - 0.4, 0.8), facecolors=colors[kind], edgecolor="k", linewidth=0.3)
@@ -207,6 +267,8 @@ def _simulate(S: int, M: int, V: int, orders: list[list[Op]]) -> np.ndarray:
             c = v * S + s
             if kind == FORWARD:
                 ready = c == 0 or done.get((FORWARD, m, c - 1), t) < t
+            elif kind == WEIGHT:
+                ready = done.get((BACKWARD, m, c), t) < t
             else:
                 ready = done.get((FORWARD, m, c), t) < t and (c == C - 1 or done.get((BACKWARD, m, c + 1), t) < t)
             if ready:
@@ -258,7 +320,7 @@ def interleaved(S: int, M: int, V: int) -> Schedule:
 
 
 def get_schedule(name: str, S: int, M: int, V: int = 1, *, n_layers: int | None = None) -> Schedule:
-    """A schedule by name (``"gpipe"``, ``"1f1b"``, ``"interleaved"``); checks ``n_layers % (S*V)``."""
+    """A schedule by name (one of :data:`NAMES`); checks ``n_layers % (S*V)``."""
     if name not in NAMES:
         raise ValueError(f"unknown pipeline schedule {name!r}; valid: {', '.join(NAMES)}")
     _check_sizes(S, M, V)
@@ -270,4 +332,8 @@ def get_schedule(name: str, S: int, M: int, V: int = 1, *, n_layers: int | None 
         return gpipe(S, M)
     if name == "1f1b":
         return one_f_one_b(S, M)
+    if name in ("zb-h1", "zb-h2"):
+        from spmd.pipeline import zero_bubble  # the builders read this module
+
+        return zero_bubble.zb_h1(S, M) if name == "zb-h1" else zero_bubble.zb_h2(S, M)
     return interleaved(S, M, V)
