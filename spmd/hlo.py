@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from spmd import hlo_cpu
-from spmd.units import fmt_bytes
+from spmd.units import fmt_bytes, fmt_count, format_table
 
 VIEWS = ("accelerator", "emitted")
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -359,7 +359,8 @@ def summarize(ops: list[Collective], view: str = "accelerator") -> dict[tuple[st
 
 def format_collectives(ops: list[Collective]) -> str:
     """A table: kind, axes, executions per step, bytes per device per step (as an accelerator runs the
-    program), and where the CPU program differs, what it emits instead."""
+    program), and where the CPU program differs, what it emits instead. Columns are as wide as their
+    widest cell (counts with thousands separators, bytes up to PiB), so pod-scale figures stay aligned."""
     cells = [("collective", "axes", "count", "bytes/device", "CPU program emits")]
     for (kind, axes), row in summarize(ops).items():
         diff = [o for o in ops if o.kind == kind and o.axes == axes and o.differs]
@@ -370,16 +371,15 @@ def format_collectives(ops: list[Collective]) -> str:
             cpu = "; ".join(f"{k} over {','.join(a) or '-'} {fmt_bytes(r['bytes'])}" for (k, a), r in emitted.items())
             cpu = (cpu or "nothing more (part of another row's emitted all-reduce)") + (f" ({'; '.join(notes)})" if notes else "")
         at_most = "<=" if any(o.in_branch for o in ops if o.kind == kind and o.axes == axes) else ""
-        cells.append((kind, ",".join(axes) or "-", f"{at_most}{row['count']:,}", at_most + fmt_bytes(row["bytes"]), cpu))
-    widths = [max(len(c[i]) for c in cells) for i in range(4)]
-    lines = [f"{c[0]:<{widths[0]}}  {c[1]:<{widths[1]}}  {c[2]:>{widths[2]}}  {c[3]:>{widths[3]}}  {c[4]}".rstrip()
-             for c in cells]
+        cells.append((kind, ",".join(axes) or "-", at_most + fmt_count(row["count"]), at_most + fmt_bytes(row["bytes"]),
+                      cpu))
+    lines = format_table(cells, "<<>><").splitlines()
     if any(o.in_branch for o in ops):
         lines.append("<= at most: collectives in a conditional's branches (lax.switch / lax.cond), counted as if "
                      "their branch ran every time the conditional does")
     total, cpu_total = summarize(ops), summarize(ops, "emitted")
     if total != cpu_total:
-        lines.append(f"CPU program as compiled: {sum(r['count'] for r in cpu_total.values()):,} collectives, "
+        lines.append(f"CPU program as compiled: {fmt_count(sum(r['count'] for r in cpu_total.values()))} collectives, "
                      f"{fmt_bytes(sum(r['bytes'] for r in cpu_total.values()))} per device per step; above, as an "
                      f"accelerator runs it: {fmt_bytes(sum(r['bytes'] for r in total.values()))}")
     return "\n".join(lines)

@@ -143,6 +143,30 @@ def test_report_roofline_and_format(reports):
         assert needle in text, needle
 
 
+def test_fit_verdict_is_the_accelerator_memory_model_for_a_gpu_and_the_compile_for_a_cpu(reports, real):
+    """A GPU/TPU target fits by the accelerator memory model on the compiled shapes (compiled state and batch +
+    gradients and activations in the compute dtype), never by the CPU compile's temporaries; a CPU target by
+    the compiled program. A budget between the two figures tells the verdicts apart (negative control)."""
+    from trainers.planning.report import is_cpu_target
+
+    r = reports["fsdp8"]
+    mem, batch_bytes = real["fsdp8"][:2]
+    assert r.verdict == "accelerator" and not is_cpu_target(r.hardware) and is_cpu_target(custom("cpu", name="x"))
+    assert r.state_bytes == mem.argument - batch_bytes and r.batch_bytes == batch_bytes  # compiled shard shapes
+    assert r.model_bytes == r.state_bytes + r.batch_bytes + r.analytic.grads + r.analytic.activations
+    assert r.peak_bytes == r.model_bytes and r.model_bytes != r.compiled.total
+    lo, hi = sorted((r.model_bytes, r.compiled.total))
+    between = (lo + hi) / 2 / r.headroom
+    gpu = dataclasses.replace(r, hardware=custom("h100", hbm_bytes=between, name="mid"))
+    cpu = dataclasses.replace(r, hardware=custom("cpu", hbm_bytes=between, name="mid-cpu"), verdict="compiled")
+    assert gpu.fits == (r.model_bytes < r.compiled.total) and cpu.fits == (r.compiled.total < r.model_bytes)
+    assert gpu.fits != cpu.fits and cpu.peak_bytes == r.compiled.total
+    text = gpu.format()
+    assert re.search(r"per device\s+analytic\s+accelerator\s+CPU compile", text)
+    assert "verdict from the accelerator memory model on the compiled shapes" in text
+    assert "the compiled program's total (a CPU target" in cpu.format()
+
+
 def test_a_layout_that_cannot_be_built_is_diagnosed_without_compiling():
     cfg = override(recipe("gpt-small", tiny=True), ["mesh.axes=data=1,tensor=8", "rules=tp", "model.d_ff=68"])
     report = dry_run(cfg, devices=8, hardware="h100")

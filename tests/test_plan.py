@@ -15,7 +15,9 @@ every layout the planner rejects for memory must need more than the budget in th
 dry run, and the chosen one must fit there.
 """
 
+import collections
 import math
+import re
 
 import pytest
 
@@ -23,7 +25,8 @@ import spmd
 from trainers import override, recipe
 from trainers.planning.diagnose import Issue, check_collectives, check_divisibility, check_replicated, param_infos, parse_remat_warnings
 from trainers.planning.dryrun import dry_run
-from trainers.hardware import custom
+from trainers.hardware import custom, get_hardware
+from trainers.planning.blockers import blockers, group_reasons, workable_counts
 from trainers.planning.costs import memory_estimate
 from trainers.launch.plan import main
 from trainers.planning.planner import Layout, candidates, estimate_layout, plan
@@ -63,16 +66,20 @@ def test_pipe_candidates_divide_layers_and_batch():
     for x in piped:
         assert math.prod(x.sizes.values()) == 8 and 16 % x.microbatches == 0
         assert x.microbatches in (x.pipe, 2 * x.pipe, 4 * x.pipe)
-        assert (x.schedule, x.virtual_stages) in (("1f1b", 1), ("interleaved", 2))
-        assert x.schedule == "1f1b" or 4 % (2 * x.pipe) == 0  # interleaved V=2 only where 2*pipe divides the layers
-    assert {(x.schedule, x.microbatches) for x in piped if x.pipe == 4} == {("1f1b", 4), ("1f1b", 8), ("1f1b", 16)}
+        assert x.virtual_stages == (2 if x.schedule == "interleaved" else 1)
+        assert x.schedule == "1f1b" or x.virtual_stages == 1 or 4 % (2 * x.pipe) == 0  # V=2 where 2*pipe divides
+    # every schedule spmd.pipeline.NAMES lists (the zero-bubble ones too), no special cases
+    assert {x.schedule for x in piped} == set(spmd.pipeline.NAMES)
+    single = {n for n in spmd.pipeline.NAMES if n != "interleaved"}  # one chunk per stage
+    assert {(x.schedule, x.microbatches) for x in piped if x.pipe == 4} == {(n, m) for n in single for m in (4, 8, 16)}
     assert {(x.schedule, x.microbatches) for x in piped if x.pipe == 2 and x.sizes["data"] == 4 and not x.remat} == {
-        ("1f1b", 2), ("1f1b", 4), ("1f1b", 8), ("interleaved", 2), ("interleaved", 4), ("interleaved", 8)}
+        (n, m) for n in spmd.pipeline.NAMES for m in (2, 4, 8)}
     x = next(x for x in piped if x.schedule == "interleaved")
     assert {"pipeline.schedule=interleaved", f"pipeline.microbatches={x.microbatches}",
             "pipeline.virtual_stages=2"} <= set(x.overrides())
     assert "--set pipeline.schedule=interleaved" in x.command() and "pipe=2" in x.command()
     assert "pipeline" not in candidates(8)[0].command()  # negative control
+    assert x.apply(deep_model()) == override(deep_model(), x.overrides())  # built directly = the CLI overrides
 
 
 def deep_model():
@@ -113,7 +120,7 @@ def test_pipe_layouts_carry_their_bubble_and_permutes():
     cfg = deep_model()
     peak = custom("h100").peak(cfg.model.dtype)
     flops = flops_per_step(cfg.model, cfg.data.global_batch, cfg.data.seq_len) / 8
-    seen = set()
+    seen, unstretched = set(), collections.defaultdict(set)
     for layout in candidates(8, n_layers=16, batch=32):
         if layout.pipe == 1 or layout.remat:
             continue
@@ -121,6 +128,11 @@ def test_pipe_layouts_carry_their_bubble_and_permutes():
         if not e.buildable:  # tensor > 1 with one head
             continue
         S, M, V = layout.pipe, layout.microbatches, layout.virtual_stages
+        table = get_schedule(layout.schedule, S, M, V).bubble_fraction
+        # any schedule: compute is stretched by 1 / (1 - the table's bubble), the only thing M changes
+        unstretched[(layout.schedule, S, layout.sizes["fsdp"])].add(round(e.roofline.compute_s * (1 - table), 18))
+        if layout.schedule not in ("1f1b", "interleaved"):
+            continue
         bubble = (S - 1) / (V * M + S - 1)
         # compute = FLOPs / peak, x4/3 for the recompute of each chunk in its backward, / (1 - bubble)
         assert e.roofline.compute_s == pytest.approx(flops * 4 / 3 / peak / (1 - bubble), rel=1e-9), layout
@@ -135,6 +147,7 @@ def test_pipe_layouts_carry_their_bubble_and_permutes():
         assert permute.count == busiest < 2 * (V * M + S - 1)  # below one send each way per tick
         seen.add((S, M, V))
     assert {(2, 2, 1), (8, 32, 1), (4, 8, 2)} <= seen
+    assert {k[0] for k in unstretched} == set(spmd.pipeline.NAMES) and all(len(v) == 1 for v in unstretched.values())
     # negative control: more microbatches, smaller bubble, less compute time
     few, many = (estimate_layout(cfg, Layout((("pipe", 8),), "dp", False, "1f1b", m), "h100") for m in (8, 32))
     assert many.roofline.compute_s < few.roofline.compute_s
@@ -169,18 +182,87 @@ def test_known_answer_too_big_for_dp_picks_fsdp():
 
 def test_rejected_layouts_really_exceed_the_budget_when_compiled():
     cfg = recipe("gpt-small", tiny=True)
-    tiny = custom("cpu", hbm_bytes=7e5, name="tiny")
-    result = plan(cfg, 8, tiny)
+    tiny = custom("cpu", hbm_bytes=7e5, name="tiny")  # a CPU target: the compiled program is the verdict
+    result = plan(cfg, 8, tiny, confirm=1)
     over = [e for e in result.rejected if e.memory is not None]
-    # data parallelism replicates the state, with or without context parallelism (seq splits only activations)
+    # data parallelism replicates the state, with or without context parallelism (seq splits only activations);
+    # GPipe keeps every microbatch's residuals
     assert {e.layout.rules for e in over} == {"dp"} and any("seq" in e.layout.sizes for e in over)
     over = [e for e in over if "seq" not in e.layout.sizes]  # the compiles below: the layouts without seq
-    assert {str(e.layout) for e in over} == {"data=8 dp", "data=8 dp remat"}
+    assert {str(e.layout) for e in over} == {"data=8 dp", "data=8 dp remat", "data=4,pipe=2 dp gpipe M=2",
+                                             "data=4,pipe=2 dp gpipe M=2 remat"}
     for e in over:
+        if e.layout.remat:
+            continue
         report = dry_run(e.layout.apply(cfg), devices=8, hardware=tiny)
         assert report.compiled.total > report.budget and not report.fits, (e.layout, report.compiled)
-    chosen = dry_run(result.best.layout.apply(cfg), devices=8, hardware=tiny)
-    assert chosen.fits and chosen.compiled.total <= chosen.budget  # negative control
+    # the printed top choice was compiled and fits (negative control for the rejections above)
+    (chosen,) = result.compiled[:1]
+    assert result.confirmed[0] is result.best is result.ranked[0] and chosen.fits
+    assert chosen.compiled.total <= chosen.budget and chosen.verdict == "compiled"
+    text = result.format(top=1)
+    assert str(result.best.layout) in text and spmd.units.fmt_bytes(chosen.peak_bytes) in text
+    assert "memory above the budget" in text and "closest over the budget:" in text
+
+
+def test_printed_top_choices_all_fit_when_compiled_for_an_accelerator(capsys):
+    """spmd-plan --top 1: the pick printed was compiled, and fits by the accelerator memory model on its shapes."""
+    assert main(["gpt-small", "--tiny", "--devices", "8", "--hardware", "h100", "--top", "1", "--verify"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("dominant cost"):out.index("chosen:")]
+    assert "each pick's accelerator memory model on the compiled shapes fits" in table
+    assert len([line for line in table.splitlines() if line.lstrip().startswith("1 ")]) == 1
+    assert "2 " not in [line.lstrip()[:2] for line in table.splitlines()]  # --top 1: one pick
+    assert "the chosen pick's dry run:" in out and "verdict from the accelerator memory model" in out
+    assert "fits:" in out and "does NOT fit" not in out
+
+
+def test_impossible_device_counts_name_the_blocker_and_the_nearest_counts():
+    """No compile: the constraints that rule out every factorisation, and the nearest counts that work."""
+    pod = override(recipe("gpt-350m"), ["model.d_model=4096", "model.n_layers=32", "model.n_heads=32",
+                                         "data.global_batch=1024", "data.seq_len=2048"])
+    found = blockers(pod, 7168)
+    assert any(b.startswith("global batch 1024 cannot split over more than 1024 devices on the batch axes")
+               for b in found), found
+    seven = next(b for b in found if b.startswith("7 divides the device count 7168 but none of"))
+    assert "n_layers 32 (pipe" in seven and "tensor of 1, 2, 4, 8, 16, 32" in seven and "seq_len 2048" in seven
+    assert workable_counts(pod, 7168) == ((4096,), (8192,))
+    assert blockers(pod, 4096) == [] and blockers(pod, 256) == []  # negative control
+    # a small impossible count through the planner: 0 of K, the reasons grouped and counted, the budget right
+    cfg = recipe("gpt-small", tiny=True)
+    result = plan(cfg, 24, "h100")
+    assert not result.ranked and result.budget == pytest.approx(0.9 * get_hardware("h100").hbm_bytes)
+    assert any(b.startswith("3 divides the device count 24 but none of") for b in result.blockers), result.blockers
+    below, above = result.nearest
+    assert below and above and below[0] < 24 < above[0]
+    assert plan(cfg, below[0], "h100").ranked and plan(cfg, above[0], "h100").ranked  # they really work
+    text = result.format()
+    assert text.startswith(f"0 of {len(result.rejected):,} layouts of 24 devices fit h100")
+    assert f"budget {spmd.units.fmt_bytes(result.budget)}" in text and "0 B" not in text.splitlines()[0]
+    assert f"nearest device counts with a layout that fits: {below[0]} below, {above[0]} above" in text
+    groups = {g: n for g, n, _ in group_reasons(next(i for i in e.issues if i.fatal) for e in result.rejected)}
+    assert sum(groups.values()) == len(result.rejected) and "n_heads / n_kv_heads vs tensor" in groups
+    for g, n in groups.items():
+        assert re.search(rf"{re.escape(g)}\s+{n:,}\s", text), g
+    with pytest.raises(ValueError, match="3 divides the device count 24"):
+        result.best
+
+
+def test_pod_scale_tables_stay_aligned():
+    ops = [spmd.hlo.Collective("all-gather", ("data", "fsdp"), 74511, 3 * 2**50 // 74511, 8192),
+           spmd.hlo.Collective("all-reduce", ("tensor",), 981, 12, 8),
+           spmd.hlo.Collective("reduce-scatter", ("fsdp",), 1, 5 * 2**40, 64)]
+    lines = spmd.hlo.format_collectives(ops).splitlines()
+    assert "74,511" in lines[1] and "3.00 PiB" in lines[1] and "5.00 TiB" in lines[3]
+    ends = {line.index(c) + len(c) for line, c in zip(lines, ("count", "74,511", "981", "1"))
+            if c in line}
+    assert len(ends) == 1  # the count column is right-aligned: every cell ends at the same column
+    assert {line.index("B") for line in lines[1:]} == {line.index("bytes/device") + len("bytes/device") - 1
+                                                       for line in lines[:1]}
+    table = spmd.units.format_table([("a", "n"), ("long name", spmd.units.fmt_count(1234567))], "<>")
+    assert table.splitlines() == ["a                  n", "long name  1,234,567"]
+    with pytest.raises(ValueError, match="every row needs 2 cells"):
+        spmd.units.format_table([("a", "b", "c")], "<>")
 
 
 def test_indivisible_dims_are_traced_to_the_parameter_with_a_fix():
@@ -237,7 +319,7 @@ def test_large_replicated_params_and_all_to_alls_and_remat_warnings():
 
 
 def test_plan_cli(capsys):
-    assert main(["gpt-125m", "--devices", "8", "--hardware", "h100", "--top", "3"]) == 0
+    assert main(["gpt-125m", "--devices", "8", "--hardware", "h100", "--top", "3", "--no-compile"]) == 0
     out = capsys.readouterr().out
     assert "layouts of 8 devices fit h100" in out and "dominant cost" in out
     last = out.strip().splitlines()[-1]
@@ -247,6 +329,9 @@ def test_plan_cli(capsys):
     big = custom("h100", hbm_bytes=1e6, name="nothing-fits")
     with pytest.raises(ValueError, match="no layout of 8 devices fits nothing-fits"):
         plan(recipe("gpt-125m"), 8, big).best
+    assert main(["gpt-small", "--tiny", "--devices", "24", "--no-compile"]) == 2  # no layout: the blockers, exit 2
+    captured = capsys.readouterr()
+    assert "3 divides the device count 24" in captured.out and "nearest device counts" in captured.err
 
 
 def _rows(e, kind, axes):

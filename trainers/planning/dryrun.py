@@ -26,7 +26,7 @@ from trainers.planning.traffic import pipeline_schedule
 from trainers.planning.diagnose import capture_stderr, check_activation_split, check_collectives, parse_remat_warnings
 from trainers.planning.fresh_process import call_with_devices, import_root
 from trainers.planning.profile import abstract_batch, profile_task
-from trainers.planning.report import DryRunReport
+from trainers.planning.report import DryRunReport, is_cpu_target
 from trainers.state import create_state
 from trainers.step import make_train_step
 from trainers.task import Task, lm_task, load_task
@@ -131,12 +131,29 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
                                          analytic.grads + analytic.state, rows_per_device(cfg, sizes),
                                          batch_axes(rules, sizes))
     issues += check_collectives(ops) + parse_remat_warnings(log[0] if log else "")
+    state_bytes, batch_bytes = compiled_arg_bytes(compiled, (sharded.abstract, batch))
     return DryRunReport(
-        **common, analytic=analytic, compiled=spmd.inspection.memory(compiled),
-        state_bytes=spmd.inspection.tree_bytes_per_device(sharded.abstract),
-        batch_bytes=spmd.inspection.tree_bytes_per_device(batch), collectives=tuple(ops), traffic=tuple(traffic),
+        **common, analytic=analytic, compiled=spmd.inspection.memory(compiled), state_bytes=state_bytes,
+        batch_bytes=batch_bytes, model_bytes=state_bytes + batch_bytes + analytic.grads + analytic.activations,
+        verdict="compiled" if is_cpu_target(hw) else "accelerator", collectives=tuple(ops), traffic=tuple(traffic),
         analytic_traffic=costs.traffic, roofline=layout_roofline(cfg, sizes, hw, analytic, traffic, profile=profile),
         issues=tuple(issues), compile_s=compile_s, backend=backend, pipe_sent=sent.get("pipeline", 0))
+
+
+def compiled_arg_bytes(compiled, args: tuple) -> list[int]:
+    """Per-device bytes of each of ``args`` (abstract arrays) as the compiled program shards them: their
+    shapes under ``compiled.input_shardings`` (the accelerator holds the same shards; no CPU temporaries)."""
+    shardings = compiled.input_shardings[0]
+    out = []
+    for arg, sharding in zip(args, shardings):
+        leaves, tree = jax.tree.flatten(arg)
+        placed = jax.tree.leaves(sharding, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+        if len(placed) != len(leaves):  # not the structure expected: the shardings the state was built with
+            out.append(spmd.inspection.tree_bytes_per_device(arg))
+            continue
+        out.append(spmd.inspection.tree_bytes_per_device(jax.tree.unflatten(tree, [
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(leaves, placed)])))
+    return out
 
 
 def pipe_sends(compiled, cfg: Config, mesh, ops: list[spmd.hlo.Collective]) -> dict[str, int]:

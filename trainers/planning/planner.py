@@ -1,14 +1,17 @@
 """``spmd-plan TARGET --devices N --hardware H``: which layout to run, decided before the pod.
 
-Enumerates layouts (``data x pipe x fsdp x seq x expert x tensor``, rule sets, remat, schedules), estimates each
-analytically (:mod:`trainers.planning.costs`), drops those that cannot be built or do not fit and ranks
-the rest by estimated step time; ``--verify`` confirms the best with a dry-run compile. See
-docs/planning.md.
+Enumerates layouts (``data x pipe x fsdp x seq x expert x tensor``, rule sets, remat, every schedule of
+``spmd.pipeline.NAMES``), estimates each analytically (:mod:`trainers.planning.costs`), drops those that
+cannot be built or whose accelerator memory model exceeds the budget, ranks the rest by estimated step
+time, and with ``confirm=k`` compiles the top picks (:mod:`trainers.planning.confirm`), keeping the first
+k that fit. With no valid layout it names the blockers and the nearest workable device counts
+(:mod:`trainers.planning.blockers`). See docs/planning.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import warnings
@@ -17,15 +20,18 @@ from collections.abc import Iterator
 import spmd
 from meshes import AXES
 from spmd import remat as remat_lib
-from spmd.pipeline import NAMES as PIPELINE_SCHEDULES
+from spmd import pipeline as pipeline_lib
 from spmd.pipeline import PipelineConfig
-from spmd.units import fmt_bytes, fmt_seconds
-from trainers.config import Config, override
+from spmd.units import fmt_bytes
+from trainers.config import Config
 from trainers.hardware import Hardware, get_hardware
+from trainers.planning.blockers import blockers, device_splits, workable_counts
+from trainers.planning.confirm import confirm_picks
 from trainers.planning.costs import MemoryEstimate, Roofline, Traffic, layout_costs
 from trainers.planning.profile import TaskProfile, profile_task
+from trainers.planning.report import DryRunReport, counts_text, format_plan
 from trainers.task import Task, load_task
-from trainers.validate import Issue
+from trainers.validate import Issue, check_pipeline
 
 # rule set -> (mesh axes it needs > 1, axes it may also use): one candidate per distinct layout. Every
 # rule set also splits the length over seq (context parallelism), so seq is open to each of them.
@@ -60,7 +66,7 @@ class Layout:
         self.pipeline  # validates schedule, microbatches and virtual stages
         if (self.pipe > 1) != (self.schedule != "none"):
             raise ValueError(f"Layout with pipe={self.pipe} and pipeline schedule {self.schedule!r}: a pipe axis > 1 "
-                             f"needs a schedule ({', '.join(PIPELINE_SCHEDULES)}), and schedule 'none' needs pipe=1")
+                             f"needs a schedule ({', '.join(pipeline_lib.NAMES)}), and schedule 'none' needs pipe=1")
 
     @property
     def pipe(self) -> int:
@@ -94,8 +100,16 @@ class Layout:
         return [f"mesh.axes={self.mesh_arg}", f"rules={self.rules}", *remat, *self._pipeline_sets()]
 
     def apply(self, cfg: Config) -> Config:
-        """``cfg`` run with this layout."""
-        return override(cfg, self.overrides())
+        """``cfg`` run with this layout (the config ``override(cfg, self.overrides())`` gives, built directly)."""
+        model = cfg.model
+        if isinstance(self.remat, str):
+            model = dataclasses.replace(model, remat_policy=self.remat)
+        elif self.remat is not None:
+            model = dataclasses.replace(model, remat=self.remat, remat_policy="")
+        return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, axes=self.mesh_arg), rules=self.rules,
+                                   model=model, pipeline=dataclasses.replace(
+                                       cfg.pipeline, schedule=self.schedule, microbatches=self.microbatches,
+                                       virtual_stages=self.virtual_stages))
 
     def command(self, base: Config | None = None) -> str:
         """The ``spmd-train`` flags of this layout (pipeline settings when it pipelines, or when ``base`` does)."""
@@ -153,6 +167,11 @@ def estimate_layout(cfg: Config, layout: Layout, hardware: str | Hardware, *, he
     hw = get_hardware(hardware)
     sizes = {a: layout.sizes.get(a, 1) for a in ("data", "pipe", "fsdp", "seq", "expert", "tensor")}
     budget = headroom * hw.hbm_bytes
+    if layout.pipe > 1:  # the pipeline's own checks, as Issues (the config refuses to build on the first)
+        piped = [i for i in check_pipeline(cfg.model, layout.pipeline, layout.rules, sizes,
+                                           global_batch=cfg.data.global_batch, grad_accum=cfg.run.grad_accum) if i.fatal]
+        if piped:
+            return Estimate(layout, None, (), None, budget, tuple(piped))
     try:
         run = layout.apply(cfg)
     except ValueError as e:  # the config's own checks (e.g. a pipeline microbatch that does not split)
@@ -179,18 +198,31 @@ def _factorisations(n: int, k: int) -> Iterator[tuple[int, ...]]:
                 yield (a,) + rest
 
 
-def pipeline_options(pipe: int, n_layers: int, batch: int) -> list[tuple[str, int, int]]:
-    """``(schedule, M, V)`` tried on a pipe axis of this size: 1f1b, and interleaved V=2 where the layers
-    split into ``2 x pipe`` chunks, each with M in ``{pipe, 2 pipe, 4 pipe}`` dividing ``batch``."""
+@functools.lru_cache(maxsize=4096)
+def _schedule_builds(name: str, S: int, M: int, V: int) -> bool:
+    try:
+        pipeline_lib.get_schedule(name, S, M, V)
+    except ValueError:
+        return False
+    return True
+
+
+def pipeline_options(pipe: int, n_layers: int, batch: int, names: tuple[str, ...] | None = None) -> list[tuple[str, int, int]]:
+    """``(schedule, M, V)`` tried on a pipe axis of this size: every schedule of ``names`` (default
+    ``spmd.pipeline.NAMES``, read when called) with M in ``{pipe, 2 pipe, 4 pipe}`` dividing ``batch``;
+    V=2 for a schedule that accepts two chunks per stage (where the layers split into ``2 x pipe``), else V=1;
+    only the (name, M, V) whose table builds (e.g. interleaved needs M a multiple of pipe)."""
     if pipe == 1:
         return [("none", 1, 1)]
     out = []
     for M in (pipe, 2 * pipe, 4 * pipe):
         if batch % M:
             continue
-        out.append(("1f1b", M, 1))
-        if n_layers % (2 * pipe) == 0:
-            out.append(("interleaved", M, 2))
+        for name in names if names is not None else pipeline_lib.NAMES:
+            multi = _schedule_builds(name, pipe, pipe, 2)  # the schedule runs V > 1 chunks per stage
+            V = 2 if multi else 1
+            if n_layers % (pipe * V) == 0 and _schedule_builds(name, pipe, M, V):
+                out.append((name, M, V))
     return out
 
 
@@ -229,45 +261,67 @@ def candidates(devices: int, *, remat: tuple[bool | str | None, ...] = (False, T
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
+    """Every layout estimated: ``ranked`` (fit the budget, fastest first) and ``rejected``; with compile
+    confirmation, ``compiled`` holds the dry runs of the picks tried in rank order and ``confirmed`` the
+    estimates of those that fit; with nothing valid, ``blockers`` and the nearest workable counts."""
+
     devices: int
     hardware: Hardware
     ranked: tuple[Estimate, ...]  # fitting layouts, fastest first
     rejected: tuple[Estimate, ...]
+    budget: float = 0.0  # bytes per device a layout may use (headroom x HBM)
+    compiled: tuple[DryRunReport, ...] = ()  # the dry runs of the picks tried, in rank order
+    confirmed: tuple[Estimate, ...] = ()  # the picks whose compile fits, in rank order
+    blockers: tuple[str, ...] = ()  # why no factorisation of `devices` is valid (empty when some is)
+    nearest: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # workable device counts (below, above)
+
+    @property
+    def picks(self) -> tuple[Estimate, ...]:
+        """What to print as choices: the compile-confirmed picks when compiles ran, else the analytic ranking."""
+        return self.confirmed if self.compiled else self.ranked
 
     @property
     def best(self) -> Estimate:
-        if not self.ranked:
-            raise ValueError(f"no layout of {self.devices} devices fits {self.hardware.name}; closest: "
-                             + "; ".join(f"{e.layout}: {e.reason}" for e in self.rejected[:3]))
-        return self.ranked[0]
+        if not self.picks:
+            raise ValueError(self.why_none())
+        return self.picks[0]
+
+    def why_none(self) -> str:
+        """One paragraph: why no layout is chosen (blockers, memory, or compiles that did not fit)."""
+        if self.ranked and self.compiled:
+            tried = "; ".join(f"{e.layout}: {fmt_bytes(r.peak_bytes)}" for e, r in zip(self.ranked, self.compiled))
+            return (f"none of the {len(self.compiled)} compiled picks for {self.devices} devices fits "
+                    f"{self.hardware.name} (budget {fmt_bytes(self.budget)}): {tried}")
+        head = f"no layout of {self.devices} devices fits {self.hardware.name} (budget {fmt_bytes(self.budget)})"
+        lines = [f"{head}: " + "; ".join(self.blockers)] if self.blockers else [head]
+        below, above = self.nearest
+        if below or above:
+            lines.append(f"nearest device counts with a layout that fits: {counts_text(below, 'below')}, "
+                         f"{counts_text(above, 'above')}")
+        return "\n".join(lines)
 
     def format(self, top: int = 5) -> str:
-        hw = self.hardware
-        lines = [f"{len(self.ranked)} of {len(self.ranked) + len(self.rejected)} layouts of {self.devices} devices fit "
-                 f"{hw.name} ({fmt_bytes(hw.hbm_bytes)} HBM, budget {fmt_bytes(self.ranked[0].budget if self.ranked else 0)})", "",
-                 f"{'#':>2}  {'layout':<40}{'mem/device':>12}{'fits':>6}{'step':>11}{'overlap':>10}{'MFU':>7}  dominant cost"]
-        for i, e in enumerate(self.ranked[:top], 1):
-            r = e.roofline
-            lines.append(f"{i:>2}  {str(e.layout):<40}{fmt_bytes(e.memory.total):>12}{'yes':>6}{fmt_seconds(r.step_s):>11}"
-                         f"{fmt_seconds(r.step_s_overlap):>10}{r.mfu:>7.1%}  {r.dominant}")
-        shown = [e for e in self.rejected if e.memory is not None][:3] + [e for e in self.rejected if e.memory is None][:3]
-        if shown:
-            lines += ["", "rejected (examples):"] + [f"    {str(e.layout):<40}{e.reason}" for e in shown]
-        if self.ranked:
-            lines += ["", f"chosen: {self.best.layout.command()}"]
-        return "\n".join(lines)
+        """The ranking as text: the picks (compiled ones with their compiled footprint), rejections grouped
+        by reason, blockers and nearest counts when nothing is valid (:func:`report.format_plan`)."""
+        return format_plan(self, top)
 
 
 def plan(cfg: Config, devices: int, hardware: str | Hardware, *, headroom: float = 0.9,
-         task: Task | str | TaskProfile | None = None) -> Plan:
+         task: Task | str | TaskProfile | None = None, confirm: int = 0, task_name: str | None = None,
+         nearest: int = 1) -> Plan:
     """Estimate every candidate layout; the fitting ones ranked by estimated step time.
 
     ``task`` (a Task, its ``"package.module:attribute"`` name or its profile; None: ``cfg``'s
     built-in GPT) is profiled once and estimated on ``data x fsdp x tensor`` layouts (see the
-    module docstring)."""
+    module docstring). ``confirm=k`` compiles the picks in rank order until k fit (at most 3k
+    compiles; a task is compiled from ``task_name``, or ``task`` when it is a Task or a name).
+    With no valid layout (the built-in GPT): ``blockers`` and the ``nearest`` workable device
+    counts below and above whose analytic plan has a fitting layout."""
     hw = get_hardware(hardware)
     if not 0 < headroom <= 1:
         raise ValueError(f"headroom must be in (0, 1], got {headroom!r}")
+    if not isinstance(confirm, int) or confirm < 0:
+        raise ValueError(f"confirm must be an integer >= 0 (picks to compile), got {confirm!r}")
     if task is None:
         profile = None
         layouts = candidates(devices, n_layers=cfg.model.n_layers, batch=cfg.data.global_batch // cfg.run.grad_accum,
@@ -280,4 +334,33 @@ def plan(cfg: Config, devices: int, hardware: str | Hardware, *, headroom: float
     estimates = [estimate_layout(cfg, layout, hw, headroom=headroom, task=profile) for layout in layouts]
     ranked = sorted((e for e in estimates if e.fits), key=lambda e: (e.roofline.step_s, e.memory.total))
     rejected = sorted((e for e in estimates if not e.fits), key=lambda e: e.memory.total if e.memory else math.inf)
-    return Plan(devices, hw, tuple(ranked), tuple(rejected))
+    result = Plan(devices, hw, tuple(ranked), tuple(rejected), headroom * hw.hbm_bytes)
+    if not ranked and task is None and nearest:
+        result = dataclasses.replace(result, **_explain(cfg, devices, hw, headroom, nearest, rejected))
+    if confirm and ranked:
+        result = dataclasses.replace(result, **confirm_picks(cfg, ranked, confirm, devices, hw, headroom,
+                                                        task_name or (task if isinstance(task, (str, Task)) else None)))
+    return result
+
+
+def _explain(cfg: Config, devices: int, hw: Hardware, headroom: float, n: int, rejected: list[Estimate]) -> dict:
+    """The blockers of ``devices`` and the nearest counts (up to 3 tried each way) with a layout that fits.
+    Where every factorisation is ruled out by memory alone, the blocker is the least memory needed, and
+    only larger counts are tried (fewer devices hold more per device)."""
+    splits = device_splits(cfg)
+    found = blockers(cfg, devices, splits)
+    below, above = workable_counts(cfg, devices, splits, n=3 * n)
+    least = next((e for e in rejected if e.buildable), None)
+    if not found and least is not None:
+        found, below = [f"memory: every buildable layout needs more than the budget; the least, {least.layout}, needs "
+                        f"{fmt_bytes(least.memory.total)} per device > {fmt_bytes(least.budget)}"], ()
+    fitting = [tuple(c for c in side if _any_fits(cfg, c, hw, headroom))[:n] for side in (below, above)]
+    return {"blockers": tuple(found), "nearest": tuple(fitting)}
+
+
+def _any_fits(cfg: Config, devices: int, hw: Hardware, headroom: float, tries: int = 24) -> bool:
+    """Whether one of the ``tries`` most sharded layouts of ``devices`` (remat first) fits."""
+    layouts = candidates(devices, n_layers=cfg.model.n_layers, batch=cfg.data.global_batch // cfg.run.grad_accum,
+                         seq_len=cfg.data.seq_len, n_experts=cfg.model.n_experts)
+    order = sorted(layouts, key=lambda x: (-math.prod(n for a, n in x.mesh if a != "data"), not x.remat))
+    return any(estimate_layout(cfg, x, hw, headroom=headroom).fits for x in order[:tries])

@@ -6,10 +6,17 @@ import dataclasses
 
 from spmd.hlo import Collective, format_collectives
 from spmd.inspection import Memory
-from spmd.units import fmt_bytes, fmt_seconds
-from trainers.hardware import Hardware
+from spmd.units import fmt_bytes, fmt_count, fmt_seconds, format_table
+from trainers.hardware import HARDWARE, Hardware
+from trainers.planning.blockers import group_reasons
 from trainers.planning.costs import MemoryEstimate, Roofline, Traffic
 from trainers.validate import Issue
+
+
+def is_cpu_target(hw: Hardware) -> bool:
+    """Whether ``hw`` is the CPU stand-in (or a :func:`trainers.hardware.custom` copy of it): the one target
+    whose memory the CPU compile itself measures."""
+    return getattr(hw, "platform", "") == "cpu" or hw.name == "cpu" or hw.source == HARDWARE["cpu"].source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,8 +34,12 @@ class DryRunReport:
     model_flops: float  # per step, all devices
     analytic: MemoryEstimate | None
     compiled: Memory | None  # of the compiled step, per device
-    state_bytes: int  # params + optimizer + counters, per device, from the abstract shard shapes
+    state_bytes: int  # params + optimizer + counters, per device, under the compiled program's input shardings
     batch_bytes: int
+    # the accelerator memory model on the compiled shapes: state_bytes + batch_bytes + the analytic gradients and
+    # activations in the compute dtype (what a GPU/TPU holds; the CPU's temporaries keep bf16 work in f32)
+    model_bytes: int = 0
+    verdict: str = "accelerator"  # what decides `fits`: "accelerator" (model_bytes) or "compiled" (a CPU target)
     collectives: tuple[Collective, ...] = ()
     traffic: tuple[Traffic, ...] = ()  # from the compiled collectives
     analytic_traffic: tuple[Traffic, ...] = ()
@@ -60,9 +71,12 @@ class DryRunReport:
 
     @property
     def peak_bytes(self) -> int:
-        """Per-device footprint: the compiled one when compiled, else the analytic one."""
+        """Per-device footprint the fit verdict reads (``model_bytes`` for a GPU/TPU target, compiled for a CPU one).
+
+        For a GPU/TPU target the accelerator memory model on the compiled shapes; for a CPU target the
+        compiled program's total; uncompiled, the analytic one."""
         if self.compiled is not None:
-            return self.compiled.total
+            return self.compiled.total if self.verdict == "compiled" else self.model_bytes
         return self.analytic.total if self.analytic is not None else 0
 
     @property
@@ -77,20 +91,7 @@ class DryRunReport:
                f"target {hw.name} x {self.devices}; compiled on {self.backend} in {fmt_seconds(self.compile_s)}", ""]
         a, c = self.analytic, self.compiled
         if a is not None:
-            rows = [("params", a.params, None), ("optimizer", a.optimizer, None)]
-            if a.other:
-                rows.append(("model variables (batch stats, RNG, ...)", a.other, None))
-            state = "state (params + optimizer" + (" + variables)" if a.other else ")")
-            rows += [(state, a.state, c.argument - self.batch_bytes if c else None),
-                     ("grads", a.grads, None), ("activations", a.activations, None),
-                     ("temporaries (grads + activations + ...)", a.grads + a.activations, c.temp if c else None),
-                     ("batch", a.batch, self.batch_bytes if c else None),
-                     ("total", a.total, c.total if c else None)]
-            out.append(f"{'per device':<42}{'analytic':>14}{'compiled':>14}")
-            out += [f"{k:<42}{fmt_bytes(x):>14}{fmt_bytes(y) if y is not None else '':>14}" for k, x, y in rows]
-            verdict = "fits" if self.fits else "does NOT fit" if c is not None else "not compiled"
-            out.append(f"{verdict}: {fmt_bytes(self.peak_bytes)} of {fmt_bytes(hw.hbm_bytes)} HBM (budget {self.headroom:.0%} = "
-                       f"{fmt_bytes(self.budget)})")
+            out += self._memory_table(a, c)
         if self.pipeline:
             sends, compiled = self.pipe_permutes, self.pipe_traffic
             expected = [x for x in self.analytic_traffic if x.kind == "collective-permute" and x.axes == ("pipe",)]
@@ -105,9 +106,10 @@ class DryRunReport:
             out += ["", "collectives (compiled step, per device per step, as an accelerator runs it; the last column "
                         "says where the CPU program emits something else):", format_collectives(list(self.collectives))]
         if self.traffic:
-            out += ["", f"{'communication on ' + hw.name:<42}{'bytes':>14}{'time':>12}"]
-            out += [f"{x.kind + ' ' + ','.join(x.axes) + ' (' + x.network + ')':<42}{fmt_bytes(x.bytes):>14}{fmt_seconds(x.seconds):>12}"
-                    for x in self.traffic]
+            rows = [(f"communication on {hw.name}", "count", "bytes", "time")]
+            rows += [(f"{x.kind} {','.join(x.axes)} ({x.network})", fmt_count(x.count), fmt_bytes(x.bytes),
+                      fmt_seconds(x.seconds)) for x in self.traffic]
+            out += ["", format_table(rows, "<>>>")]
         r = self.roofline
         if r is not None:
             out += ["", f"model FLOPs per step {self.model_flops:.3e}; per device executed {r.flops_per_device:.3e}",
@@ -118,3 +120,76 @@ class DryRunReport:
         if self.issues:
             out += ["", "diagnostics:"] + [f"  - {i}" for i in self.issues]
         return "\n".join(out)
+
+    def _memory_table(self, a: MemoryEstimate, c: Memory | None) -> list[str]:
+        """Per-device memory: analytic, the accelerator model on the compiled shapes, the CPU compile; the verdict."""
+        model = c is not None and self.verdict != "compiled"
+        cpu_state = c.argument - self.batch_bytes if c else None
+        state = "state (params + optimizer" + (" + variables)" if a.other else ")")
+        rows = [("params", a.params, None, None), ("optimizer", a.optimizer, None, None)]
+        if a.other:
+            rows.append(("model variables (batch stats, RNG, ...)", a.other, None, None))
+        rows += [(state, a.state, self.state_bytes if c else None, cpu_state),
+                 ("grads", a.grads, a.grads if c else None, None),
+                 ("activations", a.activations, a.activations if c else None, None),
+                 ("temporaries (grads + activations + ...)", a.grads + a.activations,
+                  a.grads + a.activations if c else None, c.temp if c else None),
+                 ("batch", a.batch, self.batch_bytes if c else None, self.batch_bytes if c else None),
+                 ("total", a.total, self.model_bytes if c else None, c.total if c else None)]
+        cells = [("per device", "analytic", "accelerator", "CPU compile")]
+        cells += [(k, fmt_bytes(x), "" if y is None else fmt_bytes(y), "" if z is None else fmt_bytes(z))
+                  for k, x, y, z in rows]
+        out = [format_table(cells, "<>>>")]
+        if c is None:
+            return out + [f"not compiled: {fmt_bytes(self.peak_bytes)} analytic of {fmt_bytes(self.hardware.hbm_bytes)} "
+                          f"HBM (budget {self.headroom:.0%} = {fmt_bytes(self.budget)})"]
+        how = ("the accelerator memory model on the compiled shapes: compiled state and batch + gradients and "
+               "activations in the compute dtype; the CPU compile's total is a cross-check, not the verdict"
+               if model else "the compiled program's total (a CPU target: the CPU compile is the program that runs)")
+        verdict = "fits" if self.fits else "does NOT fit"
+        return out + [f"{verdict}: {fmt_bytes(self.peak_bytes)} of {fmt_bytes(self.hardware.hbm_bytes)} HBM (budget "
+                      f"{self.headroom:.0%} = {fmt_bytes(self.budget)}); verdict from {how}"]
+
+
+def format_plan(plan, top: int = 5) -> str:
+    """A :class:`trainers.planning.planner.Plan` as text (its ``format``): aligned at pod scale."""
+    hw, total = plan.hardware, len(plan.ranked) + len(plan.rejected)
+    lines = [f"{fmt_count(len(plan.ranked))} of {fmt_count(total)} layouts of {fmt_count(plan.devices)} devices "
+             f"fit {hw.name} ({fmt_bytes(hw.hbm_bytes)} HBM, budget {fmt_bytes(plan.budget)})"]
+    if not plan.ranked:
+        lines += ["", plan.why_none()]
+    picks = plan.picks[:top]
+    if picks:
+        compiled = {id(e): r for e, r in zip(plan.ranked, plan.compiled)}  # compiled in rank order
+        head = ("#", "layout", "mem/device", "compiled", "step", "overlap", "MFU", "dominant cost")
+        rows = [head]
+        for i, e in enumerate(picks, 1):
+            r, c = e.roofline, compiled.get(id(e))
+            rows.append((i, e.layout, fmt_bytes(e.memory.total), fmt_bytes(c.peak_bytes) if c else "-",
+                         fmt_seconds(r.step_s), fmt_seconds(r.step_s_overlap), f"{r.mfu:.1%}", r.dominant))
+        lines += ["", format_table(rows, "><>>>>><")]
+        if plan.compiled:
+            how = ("accelerator memory model on the compiled shapes" if plan.compiled[0].verdict != "compiled"
+                   else "compiled program's footprint (a CPU target)")
+            lines.append(f"compiled (abstract state, {plan.compiled[0].backend}): each pick's {how} fits the budget")
+        else:
+            lines.append("analytic ranking, not compiled (spmd-plan compiles the top picks unless --no-compile)")
+    dropped = [(e, r) for e, r in zip(plan.ranked, plan.compiled) if not r.fits]
+    if dropped:
+        lines += ["", "compiled and dropped (over the budget when compiled):"]
+        lines += [f"    {e.layout}: {fmt_bytes(r.peak_bytes)} > {fmt_bytes(r.budget)}" for e, r in dropped]
+    if plan.rejected:
+        groups = group_reasons(next((i for i in e.issues if i.fatal), None) for e in plan.rejected)
+        rows = [("rejected", "layouts", "e.g.")] + [(g, fmt_count(n), ex) for g, n, ex in groups]
+        lines += ["", format_table(rows, "<><", indent="    ")]
+        over = [e for e in plan.rejected if e.buildable][:3]  # the closest by memory among buildable layouts
+        if over:
+            lines += ["", "closest over the budget:"] + [
+                f"    {e.layout}: needs {fmt_bytes(e.memory.total)} > {fmt_bytes(e.budget)}" for e in over]
+    if picks:
+        lines += ["", f"chosen: {plan.best.layout.command()}"]
+    return "\n".join(lines)
+
+
+def counts_text(counts: tuple[int, ...], where: str) -> str:
+    return f"{', '.join(map(fmt_count, counts))} {where}" if counts else f"none {where}"
