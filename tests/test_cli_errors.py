@@ -150,3 +150,16 @@ def test_print_config_is_a_config_file(capsys, tmp_path):
 def _printed(capsys, *args) -> str:
     assert cli.main([*args, "--print-config"]) == 0
     return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--devices", "0"], "devices must be a positive integer, got 0"),
+    (["--devices", "8", "--top", "0"], "--top must be >= 1, got 0"),
+    (["--devices", "8", "--hardware", "b300"], "unknown hardware 'b300'"),
+])
+def test_plan_errors_are_one_message_and_exit_2(capsys, args, needle):
+    from trainers.launch.plan import main
+
+    code = main(["gpt-small", "--tiny", "--no-compile", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("spmd-plan: error: ") and needle in err and "Traceback" not in err, err
