@@ -32,7 +32,7 @@ SCHEDULES = ("none", *NAMES)
 class PipelineConfig:
     """How to pipeline a block stack: schedule name, microbatches M, virtual stages V, stage remat."""
 
-    schedule: str = "none"  # "none" (plain scan) | "gpipe" | "1f1b" | "interleaved"
+    schedule: str = "none"  # "none" (plain scan) | "gpipe" | "1f1b" | "interleaved" | "zb-h1" | "zb-h2"
     microbatches: int = 1
     virtual_stages: int = 1
     remat: bool = False  # gpipe only: rematerialise each stage in the backward pass
