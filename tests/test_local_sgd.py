@@ -42,14 +42,15 @@ def tiny(run_dir, *sets):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Data parallelism and local SGD with H = 1 over 5 steps (inner SGD with momentum), and H = 2 with
+    """Data parallelism and local SGD with H = 1 over 5 steps (inner SGD with momentum; the groups accumulate
+    2 microbatches, which must not change the result), and H = 2 with
     Nesterov over 5 steps (checkpoints at 3 and 5): each run's result and its LocalSGD."""
     root = tmp_path_factory.mktemp("local_sgd")
     common = ["run.steps=5", "run.eval_every=5", "run.eval_batches=1", "checkpoint.every_steps=3", *SGD]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(loop, "LocalSGD", _Recorded)
         dp = train(tiny(root / "dp", *common), keep_state=True)
-        h1 = train(tiny(root / "h1", *common, *H1), keep_state=True)
+        h1 = train(tiny(root / "h1", *common, *H1, "run.grad_accum=2"), keep_state=True)  # 2 microbatches per group
         h1_local = _made[-1]
         h2 = train(tiny(root / "h2", *common, "local_sgd.every=2"), keep_state=True)
     return {"root": root, "dp": dp, "h1": h1, "h1_local": h1_local, "h2": h2, "h2_local": _made[-1], "common": common}

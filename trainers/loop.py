@@ -264,8 +264,9 @@ def train(
         train_data.set_state(data_state["train"])
     if local is None:  # local SGD keeps each group's window in the checkpointed state
         state = {**state, "guard": guard_lib.window_from_json(data_state.get("guard"), run.spike_window, mesh)}
-    else:  # the one group's state the groups were made from is not used again
-        jax.tree.map(lambda x: x.delete(), stepped.state)
+    else:  # the one group's state the groups were made from is not used again (unless passed through)
+        kept = {id(x) for x in jax.tree.leaves(state)}
+        [x.delete() for x in jax.tree.leaves(stepped.state) if id(x) not in kept]
     skip_batches: set[int] = set(data_state.get("skip_batches", []))
 
     if changes:
