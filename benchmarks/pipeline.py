@@ -12,7 +12,11 @@ Runs only if ``spmd.pipeline`` exists (otherwise the section says "pipeline: not
    column is the measured time at M over the time at the smallest M, against that ideal. On
    simulated CPU devices all stages share the host's cores, so an idle stage frees cores for
    the busy ones and the bubble barely shows in time: the rows are reported, not judged there.
-3. **Comms** (also shown by ``benchmarks.comms``): bytes sent over ``pipe`` per step, summed over
+3. **Zero bubble** (tables, and steps): ZB-H1 / ZB-H2 useful fraction against
+   ``1 - (S-1)/(3M+S-1)`` (every op, F, B or W, one tick), ZB-H1's bubble against 1F1B's, and the
+   measured step time of ZB-H1 against 1F1B on the same setup (reported, not judged: on shared CPU
+   cores time follows total work, 5 chunk forwards per microbatch against 4, not the bubble).
+4. **Comms** (also shown by ``benchmarks.comms``): bytes sent over ``pipe`` per step, summed over
    the stages, against the minimum ``2 M (C-1)`` activations ``[B/M, L, D]`` (C = S V chunks: each
    microbatch's activation crosses every chunk boundary forward once, its gradient backward once).
 
@@ -56,6 +60,63 @@ def schedule_rows(S: int, Ms: Sequence[int]) -> list[Row]:
                             abs(useful / theory - 1) < 1e-9,
                             f"{sched.n_ticks} ticks; max in-flight microbatches per stage {sched.max_in_flight}"))
     return rows
+
+
+def zero_bubble_rows(S: int, Ms: Sequence[int]) -> list[Row]:
+    """ZB-H1 / ZB-H2 tables against the paper's bubble, and ZB-H1's bubble against 1F1B's."""
+    from spmd.pipeline import get_schedule
+
+    rows = []
+    for M in Ms:
+        one = get_schedule("1f1b", S, M)
+        for name in ("zb-h1", "zb-h2"):
+            sched = get_schedule(name, S, M)
+            useful, theory = 1 - sched.bubble_fraction, 1 - (S - 1) / (3 * M + S - 1)
+            rows.append(Row(f"schedule {name} S={S} M={M}", f"{useful:.4f}", f"{theory:.4f} = 1 - (S-1)/(3M+S-1)",
+                            useful / theory, "1.00", abs(useful / theory - 1) < 1e-9,
+                            f"{sched.n_ticks} ticks; max in-flight {sched.max_in_flight} (1f1b {one.max_in_flight}); "
+                            f"bubble with overlapped steps {sched.overlapped_bubble_fraction:.4f}; lockstep time "
+                            f"{sched.lockstep_time():.0f} chunk forwards (1f1b {one.lockstep_time():.0f})"))
+        h1 = get_schedule("zb-h1", S, M)
+        target = (M + S - 1) / (3 * M + S - 1)
+        rows.append(Row(f"bubble zb-h1 vs 1f1b S={S} M={M}", f"{h1.bubble_fraction:.4f}",
+                        f"{one.bubble_fraction:.4f} 1f1b", h1.bubble_fraction / one.bubble_fraction,
+                        f"= (M+S-1)/(3M+S-1) = {target:.3f}", abs(h1.bubble_fraction / one.bubble_fraction - target) < 1e-9,
+                        "from the tables; tends to 1/3 as M grows"))
+    return rows
+
+
+def zero_bubble_step_rows(quick: bool) -> list[Row]:
+    """Measured step time of ZB-H1 against 1F1B (same GPT, pipe = STAGES, same global batch)."""
+    M = STAGES if quick else 2 * STAGES
+    rounds, steps = (1, 2) if quick else (3, 4)
+    setups = {name: pipeline_setup(name, M, quick) for name in ("1f1b", "zb-h1")}
+    states = {name: s.state for name, s in setups.items()}
+
+    def round_of(name):
+        def fn() -> float:
+            s, state = setups[name], states[name]
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                state, _ = s.step(state, s.batch)
+            jax.block_until_ready(state)
+            states[name] = state
+            return (time.perf_counter() - t0) / steps
+        return fn
+
+    for name in setups:  # warm up
+        round_of(name)()
+    times = common.interleaved(rounds, {name: round_of(name) for name in setups})
+    zb, one = (statistics.median(times[n]) for n in ("zb-h1", "1f1b"))
+    from spmd.pipeline import get_schedule
+
+    lock = get_schedule("zb-h1", STAGES, M).lockstep_time() / get_schedule("1f1b", STAGES, M).lockstep_time()
+    temp = {n: spmd.inspection.memory(s.compiled).temp for n, s in setups.items()}
+    return [Row(f"pp{STAGES} zb-h1 vs 1f1b M={M}: step time", f"{zb * 1e3:.1f} ms", f"{one * 1e3:.1f} ms 1f1b",
+                zb / one, "-", None,
+                f"simulated CPU devices share cores, so time follows total work (zb: F 1 + B 2 + W 2 = 5 chunk "
+                f"forwards per microbatch, 1f1b 4: 1.25); one device per stage would follow the lockstep time, "
+                f"ratio {lock:.3f}; temp bytes per device {fmt_bytes(temp['zb-h1'])} vs {fmt_bytes(temp['1f1b'])}")]
 
 
 def pipeline_setup(name: str, M: int, quick: bool) -> common.GPTSetup:
@@ -152,13 +213,15 @@ def run(options: common.Options, command: str = "python -m benchmarks.pipeline")
         line = "pipeline: not available (no spmd.pipeline module)"
         common.report("pipeline", "Pipeline schedules", [], options, command, after=[line], started_load=started)
         return []
-    rows = schedule_rows(STAGES, (STAGES, 2 * STAGES) if options.quick else (STAGES, 2 * STAGES, 4 * STAGES))
+    Ms = (STAGES, 2 * STAGES) if options.quick else (STAGES, 2 * STAGES, 4 * STAGES)
+    rows = schedule_rows(STAGES, Ms) + zero_bubble_rows(STAGES, Ms)
     after = []
     if len(jax.devices()) < STAGES:
         after.append(f"steps: skipped (need {STAGES} devices, {len(jax.devices())} present)")
     else:
         try:
             rows += step_rows(options.quick)
+            rows += zero_bubble_step_rows(options.quick)
         except Exception as exc:  # report the engine's failure next to the schedule rows
             after.append(f"steps: failed: {type(exc).__name__}: {str(exc)[:300]}")
     cfg, batch, length = common.gpt_config(quick=True)
