@@ -15,7 +15,8 @@ import meshes
 from spmd.pipeline import PipelineConfig, get_schedule
 from spmd.pipeline.engine import _build_tables, run_schedule
 from spmd.pipeline.schedules import BACKWARD, FORWARD, IDLE, WEIGHT, Schedule
-from test_pipeline import assert_matches_reference, case
+from spmd.pipeline.sends import hlo_sent_bytes
+from test_pipeline import BATCH, CFG, LENGTH, assert_matches_reference, case
 
 ZB = ("zb-h1", "zb-h2")
 SIZES = [(S, M) for S in (2, 4) for M in (S, 2 * S, 4 * S)]
@@ -202,3 +203,9 @@ def test_gpt_data_pipe_tensor_matches_one_device(schedule):
     spec = c.shardings["blocks"]["block"]["mlp"]["w_gate_up"].spec
     assert spec == jax.sharding.PartitionSpec("pipe", None, None, "tensor")
     assert_matches_reference(*c())
+    # B sends the input gradient, W sends nothing: the compiled step moves 1F1B's minimum over pipe
+    sched = get_schedule(schedule, 2, 4)
+    act = (BATCH // 4 // 2) * LENGTH * CFG.d_model * 4  # one microbatch's rows on one data shard, f32
+    table = sched.sent_bytes(act)
+    assert table.executed == table.minimum == 2 * 4 * (2 - 1) * act
+    assert hlo_sent_bytes(c.compiled, sched, c.mesh) == {"executed": table.executed, "unattributed": 0}
