@@ -1,16 +1,14 @@
 """Local SGD / DiLoCo on the main job: eval loss and bytes sent over ``data`` against synchronous DP.
 
-gpt-small (the README's main job: its model, data, AdamW, schedule and batches) on data=2 x fsdp=4 (8
-simulated devices, two replica groups of 4): synchronous data parallelism, then local SGD with H = 10 and
-H = 50 (DiLoCo's outer Nesterov: lr 0.7, momentum 0.9), the same number of steps. Per run: the eval loss
-over the run and at its end, and the bytes per device sent over ``data`` (every collective whose axes
-include it, from the compiled programs' HLO: DP's train step times the steps; local SGD's run summary,
-which counts its inner steps (none), outer steps and the few metric scalars fetched at log steps).
-H = 10 also runs as 2 processes x 4 devices with ``spmd-launch`` (one replica group per process) against
-its 1-process run. Goals: H = 10 eval loss <= 1.05 x DP's and bytes over data <= 1.1 / H of DP's; H = 50
-as measured. The full run writes benchmarks/local_sgd.json (the curves; notebooks/09_local_sgd.ipynb).
+gpt-small (its model, data, AdamW, schedule, batches) on data=2 x fsdp=4 (8 simulated devices, two groups
+of 4): DP, then local SGD with H = 10 and 50 (DiLoCo's outer Nesterov, lr 0.7, momentum 0.9) and H = 10 as
+plain model averaging (outer SGD, lr 1), the same steps. Per run: eval losses, and bytes per device over
+``data`` (collectives whose axes include it, from the compiled HLO: DP's step x steps; local SGD's run
+summary). H = 10 also runs as 2 processes x 4 devices (``spmd-launch``). Goals: H = 10 eval loss <= 1.05 x
+DP's, bytes <= 1.1 / H of DP's; the rest as measured. Writes benchmarks/local_sgd.json (the curves, for
+notebook 09; ``--reuse`` trains only runs missing there).
 
-    python -m benchmarks.local_sgd [--quick] [--output PATH] [--steps N]
+    python -m benchmarks.local_sgd [--quick] [--output PATH] [--steps N] [--reuse]
 """
 
 from __future__ import annotations
@@ -97,63 +95,98 @@ def two_processes(args: list[str], run_dir: str) -> tuple[int, str, float]:
     return code, out.getvalue()[-3000:], time.perf_counter() - t0
 
 
-def run(options: common.Options, command: str, steps: int | None = None) -> None:
+# name -> (H, extra overrides): DP, DiLoCo's defaults at H = 10 and 50, and H = 10 as plain model averaging
+RUNS: dict[str, tuple[int, tuple[str, ...]]] = {
+    "dp": (0, ()), "H=10": (10, ()), "H=50": (50, ()),
+    "H=10 averaging": (10, ("local_sgd.outer_optimizer=sgd", "local_sgd.outer_lr=1", "local_sgd.outer_momentum=0")),
+}
+
+
+def measure(name: str, steps: int, quick: bool, root: str) -> dict[str, Any]:
+    """Train one of :data:`RUNS` and measure it."""
+    every, sets = RUNS[name]
+    cfg = override(config(steps, quick, os.path.join(root, name.replace(" ", "_")), every), sets)
+    t0 = time.perf_counter()
+    result = train(cfg)
+    per_step = dp_bytes_per_step(cfg) if every == 0 else 0
+    total = per_step * steps if every == 0 else result.summary["data_bytes"]
+    out = {"every": every, "sets": list(sets), "steps": steps, "eval_loss": result.eval_losses[steps],
+           "data_bytes": total, "seconds": time.perf_counter() - t0, "curve": curve(cfg.run.directory, per_step),
+           "data_bytes_outer": result.summary.get("data_bytes_outer", 0.0), "dp_bytes_per_step": per_step}
+    print(f"{name}: eval loss {out['eval_loss']:.4f}, {common.fmt_bytes(total)} over data, {out['seconds']:.0f} s",
+          flush=True)
+    return out
+
+
+def run(options: common.Options, command: str, steps: int | None = None, reuse: bool = False) -> None:
+    """``reuse``: take runs with the same settings from benchmarks/local_sgd.json instead of training them."""
     common.setup_devices(options.real_devices)
     started = common.load()
     steps = steps or (30 if options.quick else 300)
     root = tempfile.mkdtemp(prefix="local_sgd-")
+    stored = json.loads(JSON.read_text()) if reuse and JSON.exists() and not options.quick else {"runs": {}}
+    saved = stored["runs"]
     results: dict[str, Any] = {}
-    for every in (0, *EVERY):
-        name = "dp" if every == 0 else f"H={every}"
-        cfg = config(steps, options.quick, os.path.join(root, name), every)
-        t0 = time.perf_counter()
-        result = train(cfg)
-        per_step = dp_bytes_per_step(cfg) if every == 0 else 0
-        total = per_step * steps if every == 0 else result.summary["data_bytes"]
-        results[name] = {"every": every, "eval_loss": result.eval_losses[steps], "data_bytes": total,
-                         "seconds": time.perf_counter() - t0, "curve": curve(cfg.run.directory, per_step),
-                         "data_bytes_outer": result.summary.get("data_bytes_outer", 0.0), "dp_bytes_per_step": per_step}
-        print(f"{name}: eval loss {results[name]['eval_loss']:.4f}, {common.fmt_bytes(total)} over data, "
-              f"{results[name]['seconds']:.0f} s", flush=True)
+    for name, (every, sets) in RUNS.items():
+        old = saved.get(name, {})
+        if (old.get("steps", stored.get("steps")) == steps and old.get("every") == every
+                and old.get("sets", []) == list(sets)):
+            results[name] = old
+            print(f"{name}: reused from {JSON.name}", flush=True)
+        else:
+            results[name] = measure(name, steps, options.quick, root)
+        if not options.quick:  # written as it goes: a later --reuse run trains only what is missing
+            JSON.write_text(json.dumps({"steps": steps, "mesh": MESH, "runs": {**saved, **results}}, indent=1) + "\n")
     dp = results["dp"]
     rows = []
-    for every in EVERY:
-        r = results[f"H={every}"]
+    for name, r in results.items():
+        if name == "dp":
+            continue
+        every, main = r["every"], name == "H=10"
         ratio = r["eval_loss"] / dp["eval_loss"]
-        rows.append(common.Row(f"H={every} eval loss after {steps} steps", f"{r['eval_loss']:.4f}",
-                               f"DP {dp['eval_loss']:.4f}", ratio, "<= 1.05" if every == 10 else "reported",
-                               ratio <= 1.05 if every == 10 else None, f"{r['seconds']:.0f} s vs DP {dp['seconds']:.0f} s"))
+        outer = ", ".join(r["sets"]) or "outer nesterov lr 0.7 momentum 0.9"
+        rows.append(common.Row(f"{name} eval loss after {steps} steps", f"{r['eval_loss']:.4f}",
+                               f"DP {dp['eval_loss']:.4f}", ratio, "<= 1.05" if main else "reported",
+                               ratio <= 1.05 if main else None, f"{outer}; {r['seconds']:.0f} s vs DP {dp['seconds']:.0f} s"))
         ratio = r["data_bytes"] / dp["data_bytes"]
-        rows.append(common.Row(f"H={every} bytes over data per device, {steps} steps", common.fmt_bytes(r["data_bytes"]),
+        rows.append(common.Row(f"{name} bytes over data per device, {steps} steps", common.fmt_bytes(r["data_bytes"]),
                                f"DP {common.fmt_bytes(dp['data_bytes'])}", ratio, f"<= {1.1 / every:.3f} (1.1/H)",
                                ratio <= 1.1 / every, f"outer all-reduce {common.fmt_bytes(r['data_bytes_outer'])}; "
                                f"DP step {common.fmt_bytes(dp['dp_bytes_per_step'])}"))
     after = []
     if not options.quick:
-        code, tail, seconds = two_processes(base_args(steps, False), os.path.join(root, "H=10-2proc"))
         one = results["H=10"]["eval_loss"]
-        if code == 0:
-            two = [r["loss"] for r in read_metrics(os.path.join(root, "H=10-2proc")) if r["split"] == "eval"][-1]
-            rows.append(common.Row("H=10, 2 processes x 4 devices (spmd-launch): eval loss", f"{two:.4f}",
-                                   f"1 process {one:.4f}", two / one, "1 +- 1e-4", abs(two / one - 1) <= 1e-4,
-                                   f"one replica group per process; {seconds:.0f} s"))
-        else:
-            after.append(f"2-process run failed (exit {code}):\n```\n{tail}\n```")
-        JSON.write_text(json.dumps({"steps": steps, "mesh": MESH, "runs": results}, indent=1) + "\n")
+        two = saved.get("H=10 2 processes") if saved.get("H=10 2 processes", {}).get("one") == one else None
+        if two is None:
+            code, tail, seconds = two_processes(base_args(steps, False), os.path.join(root, "H=10-2proc"))
+            if code == 0:
+                loss = [r["loss"] for r in read_metrics(os.path.join(root, "H=10-2proc")) if r["split"] == "eval"][-1]
+                two = {"one": one, "eval_loss": loss, "seconds": seconds}
+                JSON.write_text(json.dumps({"steps": steps, "mesh": MESH, "runs": {**results, "H=10 2 processes": two}},
+                                           indent=1) + "\n")
+            else:
+                after.append(f"2-process run failed (exit {code}):\n```\n{tail}\n```")
+        if two is not None:
+            rows.append(common.Row("H=10, 2 processes x 4 devices (spmd-launch): eval loss", f"{two['eval_loss']:.4f}",
+                                   f"1 process {one:.4f}", two["eval_loss"] / one, "1 +- 1e-4",
+                                   abs(two["eval_loss"] / one - 1) <= 1e-4,
+                                   f"one replica group per process; {two['seconds']:.0f} s"))
     after.append("Bytes are per device as an accelerator runs the programs (spmd.hlo.collectives), every collective "
-                 "whose axes include data; eval is not counted in any mode.")
+                 "whose axes include data; eval is not counted in any mode. DiLoCo's outer Nesterov (lr 0.7, momentum "
+                 "0.9) amplifies the mean H-step update about lr / (1 - momentum) = 7-fold once its momentum builds up.")
     common.report("local_sgd", "Local SGD / DiLoCo: eval loss and bytes over data against synchronous DP", rows,
                   options, command, after=after, started_load=started)
 
 
 def main(argv: Sequence[str] | None = None, command: str = "python -m benchmarks.local_sgd") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    steps = None
+    steps, reuse = None, "--reuse" in argv
+    argv = [a for a in argv if a != "--reuse"]
     if "--steps" in argv:
         i = argv.index("--steps")
         steps = int(argv[i + 1])
         del argv[i:i + 2]
-    return common.run_main(lambda options, cmd: run(options, cmd, steps), __doc__, command, argv)
+    return common.run_main(lambda options, cmd: run(options, cmd, steps, reuse), __doc__, command, argv)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from trainers.data import ExampleLoader, IterLoader, process_rows, to_global
 from trainers.data.loader import eval_batches
 from trainers.faults.guard import DivergenceError, Guard, GuardEvent
 from trainers.local_sgd import LocalSGD, check_resume, groups_of, inner_rules
-from trainers.logger import RunLogger, read_config, write_config
+from trainers.logger import RunLogger, write_config
 from trainers.metrics import StepMeter, peak_flops_per_device
 from trainers.optim import make_optimizer
 from trainers.faults.preemption import PreemptionWatcher
