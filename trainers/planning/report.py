@@ -161,13 +161,14 @@ def format_plan(plan, top: int = 5) -> str:
     picks = plan.picks[:top]
     if picks:
         compiled = {id(e): r for e, r in zip(plan.ranked, plan.compiled)}  # compiled in rank order
-        head = ("#", "layout", "mem/device", "compiled", "step", "overlap", "MFU", "dominant cost")
+        head = ("#", "layout", "mem/device", "compiled", "CPU compile", "step", "overlap", "MFU", "dominant cost")
         rows = [head]
         for i, e in enumerate(picks, 1):
             r, c = e.roofline, compiled.get(id(e))
-            rows.append((i, e.layout, fmt_bytes(e.memory.total), fmt_bytes(c.peak_bytes) if c else "-",
+            cpu = fmt_bytes(c.compiled.total) if c is not None and c.compiled is not None else "-"
+            rows.append((i, e.layout, fmt_bytes(e.memory.total), fmt_bytes(c.peak_bytes) if c else "-", cpu,
                          fmt_seconds(r.step_s), fmt_seconds(r.step_s_overlap), f"{r.mfu:.1%}", r.dominant))
-        lines += ["", format_table(rows, "><>>>>><")]
+        lines += ["", format_table(rows, "><>>>>>><")]
         if plan.compiled:
             how = ("accelerator memory model on the compiled shapes" if plan.compiled[0].verdict != "compiled"
                    else "compiled program's footprint (a CPU target)")
