@@ -135,7 +135,9 @@ def test_report_roofline_and_format(reports):
     cfg = config("dp2_tp4")
     assert r.model_flops == pytest.approx(spmd.models.flops_per_step(cfg.model, cfg.data.global_batch, cfg.data.seq_len))
     roof = r.roofline
-    assert roof.step_s == pytest.approx(max(roof.compute_s, roof.memory_s) + roof.comm_s)
+    # compute + memory-bound work + the exposed part of the collectives (tensor all-reduces: all exposed)
+    assert roof.step_s == pytest.approx(roof.compute_s + roof.memory_s + roof.exposed_s)
+    assert 0 < roof.exposed_s <= roof.comm_s
     assert roof.step_s_overlap <= roof.step_s and 0 < roof.mfu < 1
     assert sum(t.bytes for t in r.traffic) == sum(op.total_bytes for op in r.collectives)
     text = r.format()

@@ -28,9 +28,11 @@ from trainers.config import Config
 from trainers.hardware import Hardware
 from trainers.optim import make_optimizer
 from trainers.planning.diagnose import ParamInfo, diagnose, param_infos, shard_divisors
+from trainers.planning.perf import Work, step_time
 from trainers.planning.profile import TaskProfile, at
 from trainers.planning.traffic import DTYPE_BYTES as _DTYPE_BYTES
-from trainers.planning.traffic import RECOMPUTES_BLOCK, Traffic, comm_estimate, pipeline_schedule, token_axes
+from trainers.planning.traffic import (RECOMPUTES_BLOCK, Traffic, comm_estimate, pipeline_schedule,
+                                       sharded_params, stash_sizes, token_axes)
 from trainers.validate import Issue, batch_axes
 
 # spmd.remat policies by what a block keeps on the device for the backward pass (else: its input only)
@@ -62,20 +64,23 @@ class MemoryEstimate:
 @dataclasses.dataclass(frozen=True)
 class Roofline:
     flops_per_device: float  # executed (remat recompute included)
-    compute_s: float
-    memory_s: float
-    comm_s: float
-    step_s: float  # no overlap: max(compute, memory) + comm
-    step_s_overlap: float  # perfect overlap: max(compute, memory, comm)
+    compute_s: float  # matmuls and attention at their achievable fractions of peak (stretched by a bubble)
+    memory_s: float  # memory-bound work (norms, activations, loss, optimizer) at the achievable HBM bandwidth
+    comm_s: float  # every collective in series
+    step_s: float  # compute + memory-bound work + the exposed communication (trainers.planning.perf)
+    step_s_overlap: float  # perfect overlap: max(compute + memory, comm)
     mfu: float  # model FLOPs / (step_s x devices x peak)
     dominant: str
+    exposed_s: float = 0.0  # the communication not hidden under compute
+    attention_s: float = 0.0  # the attention part of compute_s
 
 
 def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
     """Analytic per-device bytes of ``cfg``'s train step on a mesh of these axis sizes."""
     m, rules, data = cfg.model, spmd.get_rules(cfg.rules), cfg.data
-    infos = param_infos(m)
-    local = sum(math.ceil(p.size / math.prod(shard_divisors(p, rules, sizes))) * p.itemsize for p in infos)
+    shards = sharded_params(m, cfg.rules, sizes)
+    infos = [x.info for x in shards]
+    local = sum(x.local_ceil * x.info.itemsize for x in shards)
     f32 = {p.path: jax.ShapeDtypeStruct(p.shape, "float32") for p in infos}
     optimizer = int(round(_optimizer_copies(cfg.optimizer, f32) * local))
     grads = local * (2 if cfg.run.grad_accum > 1 else 1)
@@ -85,18 +90,19 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
     s = sizes.get("seq", 1) if "seq" in token_axes(rules, sizes) else 1  # context parallelism: L/seq per device
     L, D, F, H, G, K, V = data.seq_len // s, m.d_model, m.ff, m.n_heads, m.kv_heads, m.k, m.vocab_size
     qkv = (H + 2 * max(G, t)) * K / t  # fused q/k/v per shard: t > G copies each KV head to the shards sharing it
-    # attention keeps the [B, H, L, L] probabilities (f32 scores + compute-dtype probs) unless a blockwise
-    # path runs (spmd.models.attention: "blockwise", or "auto" past one block; context parallelism always):
-    # then one f32 log-sum-exp per row and head, and one block of scores in flight while a block is computed
+    # as the accelerator holds them (compute dtype, fused attention): a block keeps its input and the two
+    # norms' inputs and outputs [4 D], q/k/v, the attention output and its f32 log-sum-exp per head, the
+    # MLP's gate, up and product [3 F] (the activation is recomputed from the gate); the [B, H, L, L] probabilities only where no blockwise
+    # path runs (spmd.models.attention: "naive" at L <= one block; context parallelism always blocks)
     blockwise = s > 1 or m.attention == "blockwise" or (m.attention in ("auto", "cudnn") and L > m.attention_block)
     scores = 4 * H / t if blockwise else (4 + dt) * H * L / t
-    mlp = 4 * F / t
+    mlp = 3 * F / t
     if m.n_experts:  # MoE layers: x[E, C, D] dispatched and combined, the experts' [E, C, 2F] and [E, C, F] per slot
         slots = m.n_experts * capacity(b * L, m.n_experts, m.experts_per_token, m.capacity_factor) / max(b * L, 1)
         moe = slots * (2 * D + 3 * m.expert_ff / t) + 4 * m.n_shared_experts * m.expert_ff / t + 8 * m.n_experts
         n_moe = m.n_layers // m.moe_every
         mlp = ((m.n_layers - n_moe) * mlp + n_moe * moe) / m.n_layers  # the mean over the layers
-    per_token_layer = dt * (6 * D + 2 * qkv + H * K / t + mlp) + 4 * (qkv + 3 * D) + scores
+    per_token_layer = dt * (4 * D + qkv + H * K / t + mlp) + scores
     in_flight = (4 + dt) * H / t * min(L, m.attention_block) ** 2 * max(b, 1) if blockwise else 0
     if s > 1 and m.context_exchange == "allgather":  # the whole K and V of one layer
         in_flight += 2 * b * data.seq_len * max(G // t, 1) * K * dt
@@ -112,8 +118,8 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
             per_layer += rows * L * dt * (qkv + 2 * D + 2 * F / t)
         return n_layers * per_layer + block  # + one block's worth while it is recomputed
 
-    def logits(rows: float) -> float:
-        return 3 * rows * positions * V / vt * 4 + 2 * rows * L * D * 4 + in_flight
+    def logits(rows: float) -> float:  # f32 logits and their gradient (one loss chunk), the head's input and grad
+        return 2 * rows * positions * V / vt * 4 + 2 * rows * L * D * dt + in_flight
 
     S, pipe = sizes.get("pipe", 1), cfg.pipeline
     if S > 1 and pipe.enabled:
@@ -122,7 +128,7 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
             layers = M * x_in + kept(b / M, m.n_layers // S) if pipe.remat else kept(b, m.n_layers // S)
             acts = layers + 2 * M * x_in + logits(b)
         else:  # stash + gradient slots of the table, one chunk's recompute, dx[M, B/M, L, D], one head
-            n_x, n_g = pipeline_schedule(cfg, S).stash_sizes()
+            n_x, n_g = stash_sizes(cfg, S)
             acts = (n_x + n_g + 2 + M) * x_in + kept(b / M, m.n_layers // (S * pipe.virtual_stages)) + logits(b / M)
     else:
         acts = kept(b, m.n_layers) + logits(b)
@@ -134,8 +140,8 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
         gathered = sum(n * dt for n in unsharded)
         grads = local + sum(n * p.itemsize for n, p in zip(unsharded, infos))
     elif sizes.get("fsdp", 1) > 1:
-        gathered = 2 * sum(p.size // p.shape[0] * dt // math.prod(shard_divisors(p, rules, sizes, "activations"))
-                           for p in infos if p.dims and p.dims[0] == "layers")
+        gathered = 2 * sum(x.info.size // x.info.shape[0] * dt // x.compute_divisor
+                           for x in shards if x.info.dims and x.info.dims[0] == "layers")
     batch = 2 * b * cfg.run.grad_accum * data.seq_len * 4
     return MemoryEstimate(local, optimizer, grads, int(acts + gathered), batch)
 
@@ -149,45 +155,79 @@ def pipeline_bubble(cfg: Config, pipe: int) -> float:
 
 def _optimizer_copies(opt_cfg, params) -> float:
     """Bytes of the optimizer state's parameter-shaped leaves per parameter byte (abstract ``params``; 2 for
-    Adam's moments), from ``jax.eval_shape(tx.init)``."""
+    Adam's moments), from ``jax.eval_shape(tx.init)`` (once per optimizer config and parameter shapes)."""
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    key = (opt_cfg, tuple((jax.tree_util.keystr(k), tuple(x.shape), str(x.dtype)) for k, x in leaves))
+    try:
+        hit = _COPIES.get(key)
+    except TypeError:  # an unhashable optimizer config: no cache
+        hit, key = None, None
+    if hit is None:
+        hit = _optimizer_copies_traced(opt_cfg, params)
+        if key is not None:
+            _COPIES[key] = hit
+    return hit
+
+
+_COPIES: dict = {}
+
+
+def _optimizer_copies_traced(opt_cfg, params) -> float:
     state = jax.eval_shape(make_optimizer(opt_cfg, 1e-3).init, params)
     big = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state) if len(x.shape) >= 1)
     return big / max(sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params)), 1)
 
 
-def roofline(cfg: Config, n_devices: int, hw: Hardware, mem: MemoryEstimate, traffic: list[Traffic], *,
-             pipe: int = 1) -> Roofline:
-    """Step time and MFU of ``cfg`` from its memory estimate and collectives (see module docstring);
-    on a ``pipe`` axis > 1 the compute time is stretched by ``1 / (1 - bubble)`` of the schedule."""
-    m, piped = cfg.model, pipe > 1 and cfg.pipeline.enabled
-    model_flops = flops_per_step(m, cfg.data.global_batch, cfg.data.seq_len)
+def gpt_work(cfg: Config, sizes: dict[str, int]) -> Work:
+    """What one device of this layout executes per step (:class:`trainers.planning.perf.Work`): matmul
+    FLOPs (x (1 + 1/3) per recomputed forward), causal fused attention (forward 2, backward 5 matmuls of
+    half an ``L x L`` each, + 2 when recomputed), and the HBM bytes of the memory-bound work."""
+    m, rules, data, run = cfg.model, spmd.get_rules(cfg.rules), cfg.data, cfg.run
+    n = math.prod(sizes.values())
+    S, t = sizes.get("pipe", 1), sizes.get("tensor", 1)
+    piped = S > 1 and cfg.pipeline.enabled
     whole = m.policy in RECOMPUTES_BLOCK or (piped and cfg.pipeline.remat)
     recompute = (1 if whole else 0) + (1 if piped and cfg.pipeline.schedule != "gpipe" else 0)
-    extra = recompute / 3
-    if not whole and m.policy in RECOMPUTES_ATTENTION:
-        extra += 4 * m.n_layers * m.n_heads * m.k * cfg.data.seq_len / flops_per_token(m, cfg.data.seq_len)
-    executed = model_flops / n_devices * (1 + extra)
-    return _roofline(model_flops, executed, m.dtype, n_devices, hw, mem, traffic, pipeline_bubble(cfg, pipe))
+    tokens = data.global_batch * data.seq_len
+    model_flops = flops_per_step(m, data.global_batch, data.seq_len)
+    attn_model = 12 * m.n_layers * m.n_heads * m.k * data.seq_len * tokens
+    matmul = (model_flops - attn_model) / n * (1 + recompute / 3)
+    again = 2 * (recompute + (1 if not whole and m.policy in RECOMPUTES_ATTENTION else 0))
+    attention = (7 + again) / 12 * attn_model / n
+    # memory-bound bytes per token per layer, forward: 2 norms and 2 residual adds over D, RoPE on q and k,
+    # SwiGLU over F (columns split over tensor); the backward twice that, a recomputed forward once more
+    s = sizes.get("seq", 1) if "seq" in token_axes(rules, sizes) else 1
+    local_tokens = rows_per_device(cfg, sizes) * run.grad_accum * data.seq_len // s
+    qkv = (m.n_heads + 2 * m.kv_heads) * m.k / t
+    fwd = _DTYPE_BYTES[m.dtype] * (12 * m.d_model + 2 * qkv + 3 * m.ff / t)
+    vt = t if any(a == "vocab" for a, _ in rules.activations) else 1
+    layers = m.n_layers // (S if piped else 1)
+    hbm = local_tokens * (layers * fwd * (3 + recompute) + 6 * 4 * m.vocab_size / vt)
+    local_params = sum(x.local for x in sharded_params(m, cfg.rules, sizes))
+    hbm += local_params * (32 + 8 * (run.grad_accum - 1))  # AdamW update; accumulator reads and writes
+    once = run.grad_accum > 1 and run.fsdp_gather == "per_step"
+    passes = 1 if once or piped else (2 if m.policy == "none" else 3)  # as comm_estimate counts the gathers
+    return Work(matmul, attention, hbm, model_flops, layers, passes, 1 if once else run.grad_accum,
+                pipeline_bubble(cfg, S))
 
 
-def _roofline(model_flops: float, executed: float, dtype: str, n_devices: int, hw: Hardware, mem: MemoryEstimate,
-              traffic: list[Traffic], bubble: float = 0.0) -> Roofline:
-    """compute = executed FLOPs per device / peak (/ (1 - bubble)); memory = HBM traffic / bandwidth;
-    communication = the collectives' times; see the module docstring."""
+def roofline(cfg: Config, n_devices: int, hw: Hardware, mem: MemoryEstimate, traffic: list[Traffic], *,
+             pipe: int = 1, sizes: dict[str, int] | None = None) -> Roofline:
+    """Step time and MFU of ``cfg`` (:mod:`trainers.planning.perf`) on a mesh of these axis ``sizes``
+    (default: ``n_devices`` over data, ``pipe`` over pipe); a pipeline's bubble stretches the compute."""
+    if sizes is None:
+        sizes = {"data": n_devices // pipe, "pipe": pipe}
+    return _roofline(gpt_work(cfg, sizes), cfg.model.dtype, n_devices, hw, traffic)
+
+
+def _roofline(work: Work, dtype: str, n_devices: int, hw: Hardware, traffic: list[Traffic]) -> Roofline:
+    """:class:`Roofline` of ``work`` from :func:`trainers.planning.perf.step_time`."""
+    t = step_time(work, hw, dtype, traffic)
     peak = hw.peak(dtype)
-    compute = executed / peak / (1 - bubble)
-    weights = 3 * mem.params * _DTYPE_BYTES[dtype] / 4
-    hbm = weights + mem.params * (3 + 2 * mem.optimizer / max(mem.params, 1)) + 2 * mem.activations
-    memory = hbm / hw.hbm_bw
-    comm = sum(x.seconds for x in traffic)
-    step = max(compute, memory) + comm
-    costs = {"compute": compute, "memory": memory}
-    for x in traffic:
-        key = f"{x.kind} {','.join(x.axes)} ({x.network})"
-        costs[key] = costs.get(key, 0.0) + x.seconds
-    dominant = max(costs, key=costs.get)
-    return Roofline(executed, compute, memory, comm, step, max(compute, memory, comm),
-                    model_flops / (step * n_devices * peak) if step > 0 else 0.0, dominant)
+    return Roofline(work.matmul_flops + work.attention_flops, t.compute_s,
+                    t.elementwise_s, t.comm_s, t.step_s, t.overlap_s,
+                    work.model_flops / (t.step_s * n_devices * peak) if t.step_s > 0 else 0.0, t.dominant,
+                    t.exposed_s, t.attention_s)
 
 
 # Any task (trainers.planning.profile.TaskProfile): the same three estimates, read off its variables and jaxpr
@@ -305,7 +345,9 @@ def task_roofline(profile: TaskProfile, cfg: Config, sizes: dict[str, int], hw: 
                 for mm, _, _, axes in _tensor_matmuls(profile, decided, sizes, batch))
     model_flops = profile.model_flops(rows)
     executed = model_flops / math.prod(sizes[a] for a in batch) * (1 - saved / total if total else 1)
-    return _roofline(model_flops, executed, profile.compute_dtype, math.prod(sizes.values()), hw, mem, traffic)
+    # memory-bound work: the kept activations written and read back, the AdamW update over f32 state
+    work = Work(executed, 0.0, 2 * mem.activations + 8 * mem.params, model_flops)
+    return _roofline(work, profile.compute_dtype, math.prod(sizes.values()), hw, traffic)
 
 
 # One layout, the built-in GPT or any task: what the planner ranks and the dry run prints
@@ -341,5 +383,5 @@ def layout_roofline(cfg: Config, sizes: dict[str, int], hw: Hardware, mem: Memor
     """:func:`roofline` (the built-in GPT) or :func:`task_roofline` of ``cfg`` on these axis sizes, timing
     ``traffic`` (the analytic collectives, or the compiled step's)."""
     if profile is None:
-        return roofline(cfg, math.prod(sizes.values()), hw, mem, traffic, pipe=sizes.get("pipe", 1))
+        return roofline(cfg, math.prod(sizes.values()), hw, mem, traffic, pipe=sizes.get("pipe", 1), sizes=sizes)
     return task_roofline(profile, cfg, sizes, hw, mem, traffic)

@@ -12,6 +12,7 @@ stage); context parallelism's K/V exchange over ``seq``; MoE's dispatch/combine 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import spmd
@@ -21,7 +22,7 @@ from spmd.pipeline import Schedule, get_schedule
 from spmd.rules import axes_of
 from spmd.sharding import fit_spec
 from trainers.config import Config
-from trainers.hardware import Hardware, collective_seconds, networks
+from trainers.hardware import Hardware, axis_levels, collective_seconds, networks
 from trainers.planning.diagnose import ParamInfo, param_infos, shard_divisors
 from trainers.validate import batch_axes
 
@@ -43,26 +44,51 @@ class Traffic:
     @classmethod
     def timed(cls, kind: str, axes: tuple[str, ...], count: int, nbytes: float, sizes: dict[str, int], hw: Hardware,
               dcn_axes: tuple[str, ...] = ()) -> Traffic:
-        """``count`` collectives of ``nbytes`` in all over ``axes``, timed on the slow network if one crosses it."""
+        """``count`` collectives of ``nbytes`` in all over ``axes``, timed as hierarchical rings over the
+        network levels they cross (:func:`trainers.hardware.axis_levels`; "dcn" when one leaves the fast network)."""
         dcn = any(networks(sizes, hw, dcn_axes).get(a) == "dcn" for a in axes)
+        levels = axis_levels(sizes, axes, hw, dcn_axes)
         return cls(kind, axes, int(count), int(nbytes), "dcn" if dcn else "ici",
-                   collective_seconds(hw, kind, nbytes, math.prod(sizes.get(a, 1) for a in axes), dcn=dcn))
+                   collective_seconds(hw, kind, nbytes, math.prod(sizes.get(a, 1) for a in axes), dcn=dcn,
+                                      levels=levels, count=count))
 
 
 def pipeline_schedule(cfg: Config, pipe: int) -> Schedule:
-    """The schedule table ``cfg.pipeline`` runs on a pipe axis of this size."""
+    """The schedule table ``cfg.pipeline`` runs on a pipe axis of this size (built once per shape)."""
     p = cfg.pipeline
-    return get_schedule(p.schedule, pipe, p.microbatches, p.virtual_stages)
+    return _schedule(p.schedule, pipe, p.microbatches, p.virtual_stages)
+
+
+@functools.lru_cache(maxsize=1024)
+def _schedule(name: str, pipe: int, microbatches: int, virtual_stages: int) -> Schedule:
+    return get_schedule(name, pipe, microbatches, virtual_stages)
 
 
 def pipeline_sends(cfg: Config, pipe: int) -> int:
     """Activations ``x[B/M, L, D]`` the busiest stage sends over ``pipe`` per pipeline run: the table
     engine's sends (:meth:`spmd.pipeline.Schedule.sent_bytes` per stage); GPipe's scan and its
     transpose send on every tick from every stage but the last, ``2 (M + S - 1)``."""
-    schedule = pipeline_schedule(cfg, pipe)
+    p = cfg.pipeline
+    return _sends(p.schedule, pipe, p.microbatches, p.virtual_stages)
+
+
+@functools.lru_cache(maxsize=1024)
+def _sends(name: str, pipe: int, microbatches: int, virtual_stages: int) -> int:
+    schedule = _schedule(name, pipe, microbatches, virtual_stages)
     if schedule.name == "gpipe":
         return 2 * (schedule.n_microbatches + pipe - 1)
     return max(schedule.sent_bytes(1).per_stage)
+
+
+def stash_sizes(cfg: Config, pipe: int) -> tuple[int, int]:
+    """The schedule table's stash and gradient slots per stage (:meth:`spmd.pipeline.Schedule.stash_sizes`)."""
+    p = cfg.pipeline
+    return _stash(p.schedule, pipe, p.microbatches, p.virtual_stages)
+
+
+@functools.lru_cache(maxsize=1024)
+def _stash(name: str, pipe: int, microbatches: int, virtual_stages: int) -> tuple[int, int]:
+    return _schedule(name, pipe, microbatches, virtual_stages).stash_sizes()
 
 
 def token_axes(rules: spmd.Rules, sizes: dict[str, int]) -> tuple[str, ...]:
@@ -78,6 +104,34 @@ def param_axes(info: ParamInfo, rules: spmd.Rules, sizes: dict[str, int]) -> tup
         return ()
     spec = fit_spec(rules.spec(info.dims, kind="params", mesh_sizes=sizes, what=info.path), info.shape, info.dims, sizes)
     return tuple(a for e in spec for a in axes_of(e) if sizes.get(a, 1) > 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharded:
+    """One parameter of the built-in GPT on a layout: elements per device and the axes it is sharded over."""
+
+    info: ParamInfo
+    local: int  # elements per device (rounded down, as the collectives move them)
+    local_ceil: int  # elements per device of the largest shard (what memory holds)
+    axes: tuple[str, ...]
+    compute_divisor: int  # the activations rule set's split (the weight as a layer's compute lays it out)
+
+
+def sharded_params(model, rules_name: str, sizes: dict[str, int]) -> tuple[Sharded, ...]:
+    """:class:`Sharded` for every parameter of ``model`` (a GPTConfig) under rule set ``rules_name`` (cached:
+    the planner asks for the same layout's parameters from the memory, traffic and time models)."""
+    return _sharded(model, rules_name, tuple(sizes.items()))
+
+
+@functools.lru_cache(maxsize=256)
+def _sharded(model, rules_name: str, items: tuple[tuple[str, int], ...]) -> tuple[Sharded, ...]:
+    rules, sizes = spmd.get_rules(rules_name), dict(items)
+    out = []
+    for p in param_infos(model):
+        div = math.prod(shard_divisors(p, rules, sizes))
+        compute = math.prod(shard_divisors(p, rules, sizes, "activations")) if p.dims else 1
+        out.append(Sharded(p, p.size // div, math.ceil(p.size / div), param_axes(p, rules, sizes), compute))
+    return tuple(out)
 
 
 def comm_estimate(cfg: Config, sizes: dict[str, int], hw: Hardware, dcn_axes: tuple[str, ...] = ()) -> list[Traffic]:
@@ -100,9 +154,8 @@ def comm_estimate(cfg: Config, sizes: dict[str, int], hw: Hardware, dcn_axes: tu
     passes = 1 if once or piped else (2 if m.policy == "none" else 3)  # the pipeline gathers before its loop
     micro = 1 if once else k
     grads: dict[tuple[str, tuple[str, ...]], list[float]] = {}  # all parameters' bytes per collective, as XLA combines them
-    for p in param_infos(m):
-        on = param_axes(p, rules, sizes)
-        local = p.size // math.prod(shard_divisors(p, rules, sizes))
+    for x in sharded_params(m, cfg.rules, sizes):
+        p, on, local = x.info, x.axes, x.local
         gather = tuple(a for a in tokens if a in on and a != "expert")  # experts stay put: tokens travel
         if gather:
             full = local * math.prod(sizes[a] for a in gather)
