@@ -128,11 +128,13 @@ def run(options: common.Options, command: str, steps: int | None = None, reuse: 
     stored = json.loads(JSON.read_text()) if reuse and JSON.exists() and not options.quick else {"runs": {}}
     saved = stored["runs"]
     results: dict[str, Any] = {}
+    reused: list[str] = []
     for name, (every, sets) in RUNS.items():
         old = saved.get(name, {})
         if (old.get("steps", stored.get("steps")) == steps and old.get("every") == every
                 and old.get("sets", []) == list(sets)):
             results[name] = old
+            reused.append(name)
             print(f"{name}: reused from {JSON.name}", flush=True)
         else:
             results[name] = measure(name, steps, options.quick, root)
@@ -143,7 +145,8 @@ def run(options: common.Options, command: str, steps: int | None = None, reuse: 
     for name, r in results.items():
         if name == "dp":
             continue
-        every, main = r["every"], every == 10  # the goal: H = 10 within 5 %, with each outer optimizer tried
+        every = r["every"]
+        main = every == 10  # the goal: H = 10 within 5 %, with each outer optimizer tried
         ratio = r["eval_loss"] / dp["eval_loss"]
         outer = ", ".join(r.get("sets", [])) or "outer nesterov lr 0.7 momentum 0.9"
         rows.append(common.Row(f"{name} eval loss after {steps} steps", f"{r['eval_loss']:.4f}",
@@ -170,12 +173,16 @@ def run(options: common.Options, command: str, steps: int | None = None, reuse: 
             ones, twos = ({s: l for s, l, _ in run["curve"]} for run in (results["H=10"], two))
             early = [s for s in ones if s <= 100 and s in twos]
             diff = max(abs(twos[s] / ones[s] - 1) for s in early)
+            reused += ["H=10 2 processes"] if "H=10 2 processes" in saved and two is saved["H=10 2 processes"] else []
             rows.append(common.Row(f"H=10, 2 processes x 4 devices (spmd-launch): eval loss at steps {early}",
                                    f"max rel. diff {diff:.1e}", "1 process", math.nan, "<= 1e-5", diff <= 1e-5,
                                    "one replica group per process"))
             rows.append(common.Row(f"H=10, 2 processes: eval loss after {steps} steps", f"{twos[steps]:.4f}",
                                    f"1 process {one:.4f}", twos[steps] / one, "reported", None,
                                    f"float-order differences grow after ~100 steps; {two['seconds']:.0f} s"))
+    if reused:
+        after.append(f"Runs {', '.join(reused)}: taken from benchmarks/local_sgd.json (--reuse), trained by an earlier "
+                     "run of this benchmark with the same settings; their seconds are that run's.")
     after.append("Bytes are per device as an accelerator runs the programs (spmd.hlo.collectives), every collective "
                  "whose axes include data; eval is not counted in any mode. DiLoCo's outer Nesterov (lr 0.7, momentum "
                  "0.9) amplifies the mean H-step update about lr / (1 - momentum) = 7-fold once its momentum builds up.")
