@@ -102,7 +102,9 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
         moe = slots * (2 * D + 3 * m.expert_ff / t) + 4 * m.n_shared_experts * m.expert_ff / t + 8 * m.n_experts
         n_moe = m.n_layers // m.moe_every
         mlp = ((m.n_layers - n_moe) * mlp + n_moe * moe) / m.n_layers  # the mean over the layers
-    per_token_layer = dt * (4 * D + qkv + H * K / t + mlp) + scores
+    residual = rules.spec(("residual_length",), kind="activations", mesh_sizes=sizes)
+    r = sizes.get("tensor", 1) if len(residual) and "tensor" in axes_of(residual[0]) else 1  # *_sp: D split too
+    per_token_layer = dt * (4 * D / r + qkv + H * K / t + mlp) + scores
     in_flight = (4 + dt) * H / t * min(L, m.attention_block) ** 2 * max(b, 1) if blockwise else 0
     if s > 1 and m.context_exchange == "allgather":  # the whole K and V of one layer
         in_flight += 2 * b * data.seq_len * max(G // t, 1) * K * dt
@@ -113,9 +115,9 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
         block = rows * L * per_token_layer
         if m.policy in KEEPS_ALL:
             return n_layers * block
-        per_layer = rows * L * D * dt  # the block input
+        per_layer = rows * L * D / r * dt  # the block input
         if m.policy in KEEPS_DOTS:  # + q, k, v, attention out, gate, up, down
-            per_layer += rows * L * dt * (qkv + 2 * D + 2 * F / t)
+            per_layer += rows * L * dt * (qkv + 2 * D / r + 2 * F / t)
         return n_layers * per_layer + block  # + one block's worth while it is recomputed
 
     def logits(rows: float) -> float:  # f32 logits and their gradient (one loss chunk), the head's input and grad
