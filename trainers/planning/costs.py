@@ -116,8 +116,8 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
         if m.policy in KEEPS_ALL:
             return n_layers * block
         per_layer = rows * L * D / r * dt  # the block input
-        if m.policy in KEEPS_DOTS:  # + q, k, v, attention out, gate, up, down
-            per_layer += rows * L * dt * (qkv + 2 * D / r + 2 * F / t)
+        if m.policy in KEEPS_DOTS:  # + q, k, v, the output projection, gate, up: the down projection's output
+            per_layer += rows * L * dt * (qkv + D / r + 2 * F / t)  # only feeds the residual add (no residual)
         return n_layers * per_layer + block  # + one block's worth while it is recomputed
 
     def logits(rows: float) -> float:  # f32 logits and their gradient (one loss chunk), the head's input and grad
