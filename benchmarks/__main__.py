@@ -13,7 +13,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 
-from benchmarks import (attention, checkpoint, comms, common, context, gpu, local_sgd, loss, memory, mfu, overhead,
+from benchmarks import (attention, calibration, checkpoint, comms, common, context, gpu, local_sgd, loss, memory, mfu, overhead,
                         pipeline, remat, scaling, steptime)
 
 BENCHMARKS: dict[str, Callable[..., int]] = {
@@ -31,6 +31,7 @@ BENCHMARKS: dict[str, Callable[..., int]] = {
     "scaling": scaling.main,
     "local_sgd": local_sgd.main,
     "gpu": gpu.main,
+    "calibration": calibration.main,
 }
 assert tuple(BENCHMARKS) == common.ORDER
 
