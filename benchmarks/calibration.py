@@ -51,6 +51,7 @@ def run_rows(run: cal.PublishedRun, point: cal.Point, ranked: tuple[int, float] 
 
 
 def run(options: common.Options, command: str = "python -m benchmarks.calibration") -> list[Row]:
+    common.setup_devices(options.real_devices)  # the machine line alike across sections (nothing runs on them)
     started = common.load()
     rows: list[Row] = []
     for r in cal.RUNS:
