@@ -37,10 +37,9 @@ def run_rows(run: cal.PublishedRun, point: cal.Point, ranked: tuple[int, float] 
         Row(f"{run.name}: tokens/s/device", f"{point.tokens_per_device:,.0f}",
             f"published {run.tokens_per_device:,.0f} ({fig})", point.ratio, f"[{lo}, {hi}]",
             lo <= point.ratio <= hi, f"{run.devices} {run.hardware}, {layout}, batch {run.batch_per_device}/device"),
-        Row(f"{run.name}: memory per device", f"{mem / 1e9:.1f} GB", f"HBM {point.hbm / 1e9:.1f} GB",
-            mem / point.hbm, "<= 1", point.fits,
-            f"{'within' if point.within_budget else 'over'} the planner's {cal.HEADROOM:.0%} budget "
-            f"({point.budget / 1e9:.1f} GB)"),
+        Row(f"{run.name}: memory per device", f"{mem / 1e9:.1f} GB",
+            f"budget {point.budget / 1e9:.1f} GB ({point.budget / point.hbm:.0%} of HBM {point.hbm / 1e9:.1f} GB)",
+            mem / point.budget, "<= 1", point.fits, "the planner's default budget for this hardware"),
     ]
     if ranked is not None:
         k, rel = ranked

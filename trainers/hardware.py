@@ -20,10 +20,8 @@ TB = 1e12
 SUPPORTED_DTYPES = ("bfloat16", "float32")
 
 
-# ---------------------------------------------------------------------------------------------
 # Dense peak FLOP/s per accelerator, matched against jax.Device.device_kind: the one peak table
 # (MFU in trainers.metrics and the planner's Hardware records both read it)
-# ---------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class PeakSpec:
@@ -135,6 +133,7 @@ class Hardware:
     overlap_cost: float = 0.0  # fraction of a hidden collective's time it still slows compute (GPU: NCCL's SMs)
     ici_latency: float = 5e-6  # seconds per ring step on the fast network
     dcn_latency: float = 15e-6  # seconds per ring step across nodes / slices
+    headroom: float = 0.9  # share of HBM a layout may plan to use (the rest: allocator, workspaces, runtime)
 
     def __post_init__(self) -> None:
         if not self.name.strip():
@@ -144,9 +143,9 @@ class Hardware:
             value = getattr(self, field)
             if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
                 raise ValueError(f"Hardware {self.name!r}: {field} must be a positive finite number, got {value!r}")
-        for field in ("matmul_eff", "attention_eff", "hbm_eff"):
-            if getattr(self, field) > 1:
-                raise ValueError(f"Hardware {self.name!r}: {field} is a fraction of peak in (0, 1], got {getattr(self, field)!r}")
+        for field in ("matmul_eff", "attention_eff", "hbm_eff", "headroom"):
+            if not 0 < getattr(self, field) <= 1:
+                raise ValueError(f"Hardware {self.name!r}: {field} is a fraction in (0, 1], got {getattr(self, field)!r}")
         if self.torus not in (0, 2, 3) or min(self.ici_latency, self.dcn_latency, self.overlap_cost) < 0:
             raise ValueError(f"Hardware {self.name!r}: torus must be 0 (GPU), 2 or 3 and latencies >= 0, got "
                              f"torus={self.torus!r}, ici_latency={self.ici_latency!r}, dcn_latency={self.dcn_latency!r}")
@@ -182,7 +181,9 @@ _HOPPER = dict(matmul_eff=0.65, attention_eff=0.4, **_GPU)
 # TPU MXUs run large bf16 matmuls near peak: MaxText's v5e 32B run (full remat: 4/3 of the model FLOPs
 # executed) reports 66.9% MFU, i.e. >= 89% of peak in its matmuls; Pallas flash attention ~50%; ICI hops
 # ~1 us, DCN ~10 us (the JAX scaling book, "How to think about TPUs").
-_TPU = dict(matmul_eff=0.9, attention_eff=0.5, hbm_eff=0.8, ici_latency=1e-6, dcn_latency=10e-6)
+# headroom 0.98: XLA plans a TPU program's memory statically (no allocator fragmentation, no NCCL/cuBLAS
+# workspaces; GPUs keep 0.9 for those and the CUDA context): docs/calibration.md.
+_TPU = dict(matmul_eff=0.9, attention_eff=0.5, hbm_eff=0.8, ici_latency=1e-6, dcn_latency=10e-6, headroom=0.98)
 _GCP = "Google Cloud TPU docs, {} system architecture page"
 
 HARDWARE: dict[str, Hardware] = {
@@ -304,9 +305,7 @@ def custom(base: str | Hardware = "h100", **changes: float | int | str) -> Hardw
     return dataclasses.replace(hw, **changes)
 
 
-# ---------------------------------------------------------------------------------------------
 # Roofline pieces: how long a collective takes on this hardware
-# ---------------------------------------------------------------------------------------------
 
 def wire_factor(kind: str, group_size: int) -> float:
     """Bytes each device sends per byte of the full buffer, for a bandwidth-optimal ring algorithm.

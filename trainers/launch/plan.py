@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="how many picks to compile and show (default 3); a pick that does not fit is dropped and "
                         "the next one compiled")
     p.add_argument("--no-compile", action="store_true", help="rank analytically only: compile nothing")
-    p.add_argument("--headroom", type=float, default=0.9, help="fraction of HBM a layout may use")
+    p.add_argument("--headroom", type=float, default=None,
+                   help="fraction of HBM a layout may use (default: the hardware's, 0.9 on GPUs, 0.98 on TPUs)")
     p.add_argument("--verify", action="store_true", help="also print the chosen pick's full dry-run report")
     args = p.parse_args(argv)
     if args.top < 1:

@@ -20,7 +20,6 @@ from trainers.hardware import get_hardware
 from trainers.planning.costs import Costs, layout_costs
 
 RATIO_BOUNDS = (0.8, 1.25)  # estimated / published tokens/s per device
-HEADROOM = 0.9  # the planner's default budget: 90% of HBM (a published run must fit the HBM itself)
 # runs whose published per-device batch is the largest that fit (the config lowered it when the model grew):
 # one more row per device must not fit (docs/calibration.md)
 LARGEST_BATCH = ("maxtext-32b v5p-128", "maxtext-64b v5p-128")
@@ -120,7 +119,7 @@ class Point:
 
     run: PublishedRun
     costs: Costs
-    budget: float  # the planner's default budget (HEADROOM x HBM)
+    budget: float  # the planner's default budget (the hardware's headroom x HBM)
     hbm: float
 
     @property
@@ -134,12 +133,7 @@ class Point:
 
     @property
     def fits(self) -> bool:
-        """The estimate fits the device's HBM (the published run did run)."""
-        return self.costs.memory is not None and self.costs.memory.total <= self.hbm
-
-    @property
-    def within_budget(self) -> bool:
-        """The estimate also leaves the planner's default headroom."""
+        """The estimate fits the planner's default budget: the planner would propose the layout."""
         return self.costs.memory is not None and self.costs.memory.total <= self.budget
 
 
@@ -149,19 +143,24 @@ def estimate(run: PublishedRun) -> Point:
     costs = layout_costs(run.config(), run.sizes, hw)
     if costs.roofline is None:
         raise ValueError(f"published run {run.name!r} does not build: {[str(i) for i in costs.issues if i.fatal]}")
-    return Point(run, costs, HEADROOM * hw.hbm_bytes, hw.hbm_bytes)
+    return Point(run, costs, hw.headroom * hw.hbm_bytes, hw.hbm_bytes)
 
 
 def rank(run: PublishedRun) -> tuple[int, float]:
-    """``(rank, step / best step)`` of the published layout among :func:`trainers.planning.planner.plan`'s
-    fitting candidates (rank 0: no candidate is faster)."""
+    """``(rank, step / best step)`` of the published layout (its mesh and rule set) among
+    :func:`trainers.planning.planner.plan`'s fitting layouts, each at its fastest remat policy and
+    schedule (rank 0: no layout is faster). The published remat policy is the run's own choice; the
+    planner proposes a policy per layout, so layouts are compared at their best."""
     from trainers.planning.planner import plan  # the planner imports the costs this module also reads
 
-    point = estimate(run)
-    result = plan(run.config(), run.devices, run.hardware, headroom=HEADROOM, nearest=0)
-    steps = [e.roofline.step_s for e in result.ranked]
-    step = point.costs.roofline.step_s
-    return sum(s < step for s in steps), step / min(steps + [step])
+    result = plan(run.config(), run.devices, run.hardware, nearest=0)
+    best: dict[tuple, float] = {}
+    for e in result.ranked:
+        key = (tuple((a, n) for a, n in e.layout.mesh if n > 1), e.layout.rules)
+        best[key] = min(best.get(key, float("inf")), e.roofline.step_s)
+    mine = (tuple((a, n) for a, n in run.mesh if n > 1), run.rules)
+    step = min(best.get(mine, float("inf")), estimate(run).costs.roofline.step_s)
+    return sum(s < step for k, s in best.items() if k != mine), step / min([*best.values(), step])
 
 
 def table(points: list[Point] | None = None, ranks: dict[str, tuple[int, float]] | None = None) -> str:

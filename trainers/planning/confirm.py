@@ -25,7 +25,7 @@ from trainers.task import Task
 
 
 def compile_layouts(cfg: Config, layouts: Sequence, devices: int, hardware: str | Hardware = "h100", *,
-                    headroom: float = 0.9, task: Task | str | None = None) -> list[DryRunReport]:
+                    headroom: float | None = None, task: Task | str | None = None) -> list[DryRunReport]:
     """The dry run of ``cfg`` under each of ``layouts`` (:class:`trainers.planning.planner.Layout`), in order."""
     hw = get_hardware(hardware)
     configs = [layout.apply(cfg) for layout in layouts]

@@ -34,10 +34,11 @@ from trainers.validate import Issue, batch_axes
 
 
 def dry_run(cfg: Config, task: Task | str | None = None, *, devices: int | None = None,
-            hardware: str | Hardware = "h100", headroom: float = 0.9) -> DryRunReport:
+            hardware: str | Hardware = "h100", headroom: float | None = None) -> DryRunReport:
     """Compile the train step of ``task`` (default: ``cfg``'s built-in GPT) under ``cfg`` for ``devices``
-    devices (default: this backend's) and report."""
+    devices (default: this backend's) and report; ``headroom`` defaults to the hardware's."""
     hw = get_hardware(hardware)
+    headroom = hw.headroom if headroom is None else headroom
     if not 0 < headroom <= 1:
         raise ValueError(f"headroom must be in (0, 1], got {headroom!r}")
     if devices is not None and (not isinstance(devices, int) or isinstance(devices, bool) or devices < 1):

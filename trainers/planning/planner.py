@@ -160,11 +160,12 @@ class Estimate:
         return f"dominant cost: {self.roofline.dominant}"
 
 
-def estimate_layout(cfg: Config, layout: Layout, hardware: str | Hardware, *, headroom: float = 0.9,
+def estimate_layout(cfg: Config, layout: Layout, hardware: str | Hardware, *, headroom: float | None = None,
                     task: Task | TaskProfile | None = None) -> Estimate:
     """The analytic estimate of ``cfg`` run with ``layout`` on ``hardware``: the built-in GPT's
     formulas, or with ``task`` (a Task or its :class:`~trainers.planning.profile.TaskProfile`) any model's."""
     hw = get_hardware(hardware)
+    headroom = hw.headroom if headroom is None else headroom
     sizes = {a: layout.sizes.get(a, 1) for a in ("data", "pipe", "fsdp", "seq", "expert", "tensor")}
     budget = headroom * hw.hbm_bytes
     if layout.pipe > 1:  # the pipeline's own checks, as Issues (the config refuses to build on the first)
@@ -306,7 +307,7 @@ class Plan:
         return format_plan(self, top)
 
 
-def plan(cfg: Config, devices: int, hardware: str | Hardware, *, headroom: float = 0.9,
+def plan(cfg: Config, devices: int, hardware: str | Hardware, *, headroom: float | None = None,
          task: Task | str | TaskProfile | None = None, confirm: int = 0, task_name: str | None = None,
          nearest: int = 1) -> Plan:
     """Estimate every candidate layout; the fitting ones ranked by estimated step time.
@@ -316,8 +317,10 @@ def plan(cfg: Config, devices: int, hardware: str | Hardware, *, headroom: float
     module docstring). ``confirm=k`` compiles the picks in rank order until k fit (at most 3k
     compiles; a task is compiled from ``task_name``, or ``task`` when it is a Task or a name).
     With no valid layout (the built-in GPT): ``blockers`` and the ``nearest`` workable device
-    counts below and above whose analytic plan has a fitting layout."""
+    counts below and above whose analytic plan has a fitting layout. ``headroom``: the share of HBM a
+    layout may use (default the hardware's :attr:`~trainers.hardware.Hardware.headroom`)."""
     hw = get_hardware(hardware)
+    headroom = hw.headroom if headroom is None else headroom
     if not 0 < headroom <= 1:
         raise ValueError(f"headroom must be in (0, 1], got {headroom!r}")
     if not isinstance(confirm, int) or confirm < 0:
