@@ -241,7 +241,8 @@ def run(options: common.Options, command: str = "python -m benchmarks.comms") ->
         after.append(f"skipped: the layouts need {need} devices, {len(jax.devices())} present")
     else:
         reference: dict[str, float] = {}
-        for name in common.LAYOUTS:
+        # quick (the test suite's smoke run): data parallelism and the layout that has every role (fsdp, tensor)
+        for name in ("dp8", "fsdp_tp") if options.quick else common.LAYOUTS:
             rows += layout_rows(name, cfg, batch, length, reference=reference)
             print(f"{name}: done", flush=True)
         for name, (mesh_of, rules, dtype) in ({} if options.quick else EXTRA).items():  # quick: the base layouts

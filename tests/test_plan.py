@@ -128,12 +128,15 @@ def test_pipe_layouts_carry_their_bubble_and_permutes():
         if not e.buildable:  # tensor > 1 with one head
             continue
         S, M, V = layout.pipe, layout.microbatches, layout.virtual_stages
-        table = get_schedule(layout.schedule, S, M, V).bubble_fraction
-        # any schedule: compute is stretched by 1 / (1 - the table's bubble), the only thing M changes
+        sched = get_schedule(layout.schedule, S, M, V)
+        # the engine advances tick by tick, each tick as long as its slowest op: the idle share of that time
+        table = 1 - M * V * sum(sched.op_costs().values()) / sched.lockstep_time()
+        assert table >= sched.bubble_fraction - 1e-12  # never below the table's idle slots
+        # any schedule: compute is stretched by 1 / (1 - the engine's bubble), the only thing M changes
         unstretched[(layout.schedule, S, layout.sizes["fsdp"])].add(round(e.roofline.compute_s * (1 - table), 18))
         if layout.schedule not in ("1f1b", "interleaved"):
             continue
-        bubble = (S - 1) / (V * M + S - 1)
+        bubble = table
         # compute = matmul FLOPs x4/3 (each chunk recomputed in its backward) / (peak x matmul_eff), causal fused
         # attention (7/12 of the counted 12, + 2/12 recomputed) at attention_eff, / (1 - bubble)
         hw, m = get_hardware("h100"), cfg.model
@@ -403,3 +406,18 @@ def test_planner_lists_seq_layouts_for_a_long_sequence():
     moe = candidates(8, n_experts=4)
     assert {x.rules for x in moe if x.sizes.get("expert", 1) > 1} == {"dp_ep", "fsdp_ep", "fsdp_tp_ep"}
     assert {x.sizes.get("expert", 1) for x in moe} == {1, 2, 4}  # 4 experts do not split 8 ways
+
+
+def test_zero_bubble_layouts_hold_the_weight_stash_and_pay_the_second_recompute():
+    cfg = deep_model()
+    mesh, sizes = (("data", 2), ("pipe", 4)), {"data": 2, "pipe": 4}
+    one, zb = (estimate_layout(cfg, Layout(mesh, "dp", False, name, 8), "h100") for name in ("1f1b", "zb-h1"))
+    zb_cfg = Layout(mesh, "dp", False, "zb-h1", 8).apply(cfg)
+    stash = get_schedule("zb-h1", 4, 8).weight_stash_size()
+    x_in = 32 // 2 // 8 * zb_cfg.data.seq_len * zb_cfg.model.d_model * 4  # x[B/M, L, D] per device, f32
+    # the per-layer output gradients of `stash` microbatches, for the 16 / 4 layers of a chunk
+    assert stash > 0 and zb.memory.activations - one.memory.activations == stash * 4 * x_in
+    # each op as the engine runs it (F 1, B 2, W 2 chunk forwards) tick by tick: ZB-H1 is faster than
+    # 1F1B's lockstep (every tick with a backward costs 3) although it recomputes the chunk twice
+    assert zb.roofline.compute_s < one.roofline.compute_s
+    assert get_schedule("zb-h1", 4, 8).lockstep_time() < get_schedule("1f1b", 4, 8).lockstep_time()

@@ -131,7 +131,9 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
             acts = layers + 2 * M * x_in + logits(b)
         else:  # stash + gradient slots of the table, one chunk's recompute, dx[M, B/M, L, D], one head
             n_x, n_g = stash_sizes(cfg, S)
-            acts = (n_x + n_g + 2 + M) * x_in + kept(b / M, m.n_layers // (S * pipe.virtual_stages)) + logits(b / M)
+            chunk = m.n_layers // (S * pipe.virtual_stages)
+            acts = (n_x + n_g + 2 + M) * x_in + kept(b / M, chunk) + logits(b / M)
+            acts += pipeline_schedule(cfg, S).weight_stash_size() * chunk * x_in  # zero bubble: dy per layer for W
     else:
         acts = kept(b, m.n_layers) + logits(b)
     # FSDP/TP: one layer's weights gathered in the compute dtype (two in flight when prefetched); gradient
@@ -141,6 +143,10 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
         unsharded = [p.size // math.prod(shard_divisors(p, rules, {**sizes, "fsdp": 1})) for p in infos]
         gathered = sum(n * dt for n in unsharded)
         grads = local + sum(n * p.itemsize for n, p in zip(unsharded, infos))
+    elif sizes.get("fsdp", 1) > 1 and S > 1 and pipe.enabled:  # the stage's layers gathered once before the
+        # tick loop in their own dtype, and their gradient accumulated unsharded until after it (spmd/pipeline/layout.py)
+        gathered = 2 * sum(x.info.size // S * x.info.itemsize // x.compute_divisor
+                           for x in shards if x.info.dims and x.info.dims[0] == "layers")
     elif sizes.get("fsdp", 1) > 1:
         gathered = 2 * sum(x.info.size // x.info.shape[0] * dt // x.compute_divisor
                            for x in shards if x.info.dims and x.info.dims[0] == "layers")
@@ -149,10 +155,14 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
 
 
 def pipeline_bubble(cfg: Config, pipe: int) -> float:
-    """Idle fraction of the pipeline's schedule table (0 without a pipeline or with pipe=1)."""
+    """Idle share of the pipeline's step as the engine runs it (0 without a pipeline or with pipe=1): the
+    table advances tick by tick, each tick as long as its slowest op (``Schedule.lockstep_time`` with the
+    ops' costs in chunk forwards), against the work of one stage."""
     if pipe <= 1 or not cfg.pipeline.enabled:
         return 0.0
-    return pipeline_schedule(cfg, pipe).bubble_fraction
+    table = pipeline_schedule(cfg, pipe)
+    work = table.n_microbatches * table.n_virtual * sum(table.op_costs().values())
+    return 1 - work / table.lockstep_time()
 
 
 def _optimizer_copies(opt_cfg, params) -> float:
@@ -189,7 +199,8 @@ def gpt_work(cfg: Config, sizes: dict[str, int]) -> Work:
     S, t = sizes.get("pipe", 1), sizes.get("tensor", 1)
     piped = S > 1 and cfg.pipeline.enabled
     whole = m.policy in RECOMPUTES_BLOCK or (piped and cfg.pipeline.remat)
-    recompute = (1 if whole else 0) + (1 if piped and cfg.pipeline.schedule != "gpipe" else 0)
+    table = pipeline_schedule(cfg, S) if piped else None  # the table engine recomputes in B (and in W, split)
+    recompute = (1 if whole else 0) + (0 if table is None or table.name == "gpipe" else 2 if table.split_backward else 1)
     tokens = data.global_batch * data.seq_len
     model_flops = flops_per_step(m, data.global_batch, data.seq_len)
     attn_model = 12 * m.n_layers * m.n_heads * m.k * data.seq_len * tokens

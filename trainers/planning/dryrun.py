@@ -21,12 +21,12 @@ from trainers.config import Config
 from trainers.hardware import Hardware, get_hardware
 from trainers.lr import make_lr_schedule
 from trainers.optim import make_optimizer
-from trainers.planning.costs import Traffic, layout_costs, layout_roofline, pipeline_bubble, rows_per_device
-from trainers.planning.traffic import pipeline_schedule
+from trainers.planning.costs import Traffic, layout_costs, layout_roofline, rows_per_device
 from trainers.planning.diagnose import capture_stderr, check_activation_split, check_collectives, parse_remat_warnings
 from trainers.planning.fresh_process import call_with_devices, import_root
 from trainers.planning.profile import abstract_batch, profile_task
 from trainers.planning.report import DryRunReport, is_cpu_target
+from trainers.planning.traffic import pipeline_schedule
 from trainers.state import create_state
 from trainers.step import make_train_step
 from trainers.task import Task, lm_task, load_task
@@ -88,7 +88,7 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
     common = dict(name=name, devices=devices, mesh=tuple(sizes.items()), dcn_axes=dcn_axes, rules=rules.name,
                   hardware=hw, headroom=headroom, params=n_params, model_flops=flops,
                   pipeline=f"{p.schedule} S={pipe} M={p.microbatches} V={p.virtual_stages}" if piped else "",
-                  bubble=pipeline_bubble(cfg, pipe))
+                  bubble=pipeline_schedule(cfg, pipe).bubble_fraction if piped else 0.0)
     backend = f"{jax.devices()[0].platform} ({devices} {'simulated ' if jax.devices()[0].platform == 'cpu' else ''}devices)"
     if any(i.fatal for i in issues):
         return DryRunReport(**common, analytic=None, compiled=None, state_bytes=0, batch_bytes=0, issues=tuple(issues),
