@@ -42,6 +42,20 @@ from benchmarks.common import Row, fmt_bytes
 STAGES = 4
 
 
+def timed_round(setups: dict, states: dict, key, steps: int):
+    """A timing round for :func:`common.interleaved`: ``steps`` steps of ``setups[key]`` from
+    ``states[key]`` (updated in place), seconds per step."""
+    def fn() -> float:
+        s, state = setups[key], states[key]
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            state, _ = s.step(state, s.batch)
+        jax.block_until_ready(state)
+        states[key] = state
+        return (time.perf_counter() - t0) / steps
+    return fn
+
+
 def available() -> bool:
     return importlib.util.find_spec("spmd.pipeline") is not None
 
@@ -94,15 +108,7 @@ def zero_bubble_step_rows(quick: bool) -> list[Row]:
     states = {name: s.state for name, s in setups.items()}
 
     def round_of(name):
-        def fn() -> float:
-            s, state = setups[name], states[name]
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                state, _ = s.step(state, s.batch)
-            jax.block_until_ready(state)
-            states[name] = state
-            return (time.perf_counter() - t0) / steps
-        return fn
+        return timed_round(setups, states, name, steps)
 
     for name in setups:  # warm up
         round_of(name)()
@@ -166,16 +172,7 @@ def step_rows(quick: bool) -> list[Row]:
     states = {case: s.state for case, s in setups.items()}
 
     def round_of(case):
-        def fn() -> float:
-            s = setups[case]
-            state = states[case]
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                state, _ = s.step(state, s.batch)
-            jax.block_until_ready(state)
-            states[case] = state
-            return (time.perf_counter() - t0) / steps
-        return fn
+        return timed_round(setups, states, case, steps)
 
     for case in cases:  # warm up
         round_of(case)()
