@@ -109,15 +109,24 @@ def _perm(S: int, step: int) -> list[tuple[int, int]]:
     return [(i, i + step) for i in range(S) if 0 <= i + step < S]
 
 
-def _sender(patterns: tuple, axis: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
-    """``send(k, x)``: branch 0 sends nothing (zeros), branch k runs ``ppermute`` with the pairs of
-    ``patterns[k-1]`` only. ``k`` comes from the table's tick, so every device takes the same branch."""
-    def none(x):
-        return jnp.zeros_like(x)
+def _sender(branches: tuple, axis: str) -> Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+    """``send(k, y, dx) -> (recv_f, recv_b)``: branch 0 sends nothing (zeros), branch k runs the
+    ``ppermute`` s of ``branches[k-1]`` (forward pairs for ``y``, backward pairs for ``dx``; an empty
+    set sends nothing). ``k`` comes from the table's tick, so every device takes the same branch.
 
-    branches = [none] + [functools.partial(lambda x, pairs: jax.lax.ppermute(x, axis, pairs), pairs=list(p))
-                         for p in patterns]
-    return lambda k, x: jax.lax.switch(k, branches, x) if patterns else none(x)
+    Both directions live in one branch: two conditionals, one per direction, would be independent
+    ops that the CPU runtime may run concurrently, and XLA gives their permutes the same channel id;
+    a program loaded from the persistent compile cache then mixes the two exchanges (docs/pipelines.md).
+    """
+    def permute(x, pairs):
+        return jax.lax.ppermute(x, axis, list(pairs)) if pairs else jnp.zeros_like(x)
+
+    def none(y, dx):
+        return jnp.zeros_like(y), jnp.zeros_like(dx)
+
+    fns = [none] + [functools.partial(lambda y, dx, f, b: (permute(y, f), permute(dx, b)), f=f, b=b)
+                    for f, b in branches]
+    return lambda k, y, dx: jax.lax.switch(k, fns, y, dx) if branches else none(y, dx)
 
 
 def _tree_zeros(tree: Any) -> Any:
@@ -191,8 +200,8 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
     S, M, V = schedule.n_stages, schedule.n_microbatches, schedule.n_virtual
     table_np, n_x, n_g, n_w = _build_tables(schedule)
     plan = send_plan(schedule)
-    (f_pats, f_idx), (b_pats, b_idx) = plan.patterns("forward"), plan.patterns("backward")
-    send_f, send_b = _sender(f_pats, axis), _sender(b_pats, axis)
+    send_branches, send_idx = plan.branches()
+    send = _sender(send_branches, axis)
 
     def stage(leaves, x):
         return stage_fn(jax.tree.unflatten(trees[0], leaves), x)
@@ -220,7 +229,7 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
             return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, v, keepdims=False), params)
 
         def tick(c, xs):
-            row_all, kf, kb = xs
+            row_all, k_send = xs
             row = jax.lax.dynamic_index_in_dim(row_all, s, keepdims=False)
             kind, m, v, first = row[_KIND], row[_M], row[_V], row[_FIRST]
             xs, gs, rf, rb, ws = (jnp.maximum(row[i], 0) for i in (_XSLOT, _GSLOT, _RECV_F, _RECV_B, _WSLOT))
@@ -290,10 +299,10 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
             else:
                 branches = [idle, fwd, fwd_last, bwd_input, weight] if n_w else [idle, fwd, fwd_last, bwd]
             c, y, dx = jax.lax.switch(jnp.minimum(kind, len(branches) - 1), branches, c)
-            c["recv_f"], c["recv_b"] = send_f(kf, y), send_b(kb, dx)
+            c["recv_f"], c["recv_b"] = send(k_send, y, dx)
             return c, None
 
-        c, _ = jax.lax.scan(tick, carry, (table, jnp.asarray(f_idx), jnp.asarray(b_idx)))
+        c, _ = jax.lax.scan(tick, carry, (table, jnp.asarray(send_idx)))
         mean = (lambda a: jax.lax.pmean(a, batch_axes)) if batch_axes else (lambda a: a)
         out = (mean(c["loss"])[None], jax.tree.map(lambda a: mean(a)[None], c["aux"]))
         if not train:

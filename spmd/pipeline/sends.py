@@ -3,8 +3,8 @@
 A forward of chunk c < C-1 (C = S*V) sends its output ``x[B/M, L, D]`` to device ``(c+1) % S``,
 a backward of chunk c > 0 its input gradient to ``(c-1) % S``: M*(C-1) activations each way, the
 minimum. :func:`send_plan` lists each tick's (source, target) stage pairs; the engine runs a tick's
-``ppermute`` with exactly those pairs, picked by a ``lax.switch`` on the tick (the same branch on
-every device), and none on a tick without sends. :func:`sent_bytes` counts that from the table;
+``ppermute`` s with exactly those pairs, both directions in one ``lax.switch`` branch picked by the
+tick (the same branch on every device), and none on a tick without sends. :func:`sent_bytes` counts that from the table;
 :func:`hlo_sent_bytes` reads the compiled program and weighs each switch branch by how often the
 table takes it. See docs/pipelines.md.
 """
@@ -22,7 +22,6 @@ from spmd import hlo
 from spmd.pipeline.schedules import BACKWARD, FORWARD, Schedule
 
 Pairs = tuple[tuple[int, int], ...]  # (source stage, target stage)
-DIRECTIONS = ("forward", "backward")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,19 +32,20 @@ class SendPlan:
     forward: tuple[Pairs, ...]
     backward: tuple[Pairs, ...]
 
-    def patterns(self, direction: str) -> tuple[tuple[Pairs, ...], np.ndarray]:
-        """The distinct non-empty pair sets of one direction, in order of first use, and per tick the
-        switch branch: 0 for no send, k for ``patterns[k - 1]``."""
-        if direction not in DIRECTIONS:
-            raise ValueError(f"direction {direction!r} is not one of {DIRECTIONS}")
-        pats: list[Pairs] = []
+    def branches(self) -> tuple[tuple[tuple[Pairs, Pairs], ...], np.ndarray]:
+        """The distinct non-empty ``(forward pairs, backward pairs)`` of the ticks, in order of first use,
+        and per tick the switch branch: 0 for no send, k for ``branches[k - 1]``.
+
+        The engine sends both directions of a tick from one branch of one conditional, so that the two
+        ``ppermute`` s of a tick are ordered on every device (see :func:`spmd.pipeline.engine.run_schedule`)."""
+        found: list[tuple[Pairs, Pairs]] = []
         index = np.zeros(len(self.forward), np.int32)
-        for t, pairs in enumerate(getattr(self, direction)):
-            if pairs:
-                if pairs not in pats:
-                    pats.append(pairs)
-                index[t] = pats.index(pairs) + 1
-        return tuple(pats), index
+        for t, pairs in enumerate(zip(self.forward, self.backward)):
+            if any(pairs):
+                if pairs not in found:
+                    found.append(pairs)
+                index[t] = found.index(pairs) + 1
+        return tuple(found), index
 
     @property
     def count(self) -> int:
@@ -135,13 +135,11 @@ def hlo_sent_bytes(compiled: Any, schedule: Schedule, mesh: Mesh, axis: str = "p
     names = list(mesh.axis_names)
     pipe_dim, n_pipes = names.index(axis), mesh.devices.size // mesh.shape[axis]
     coords = np.array(np.unravel_index(np.arange(mesh.devices.size), mesh.devices.shape)).T
-    plan = send_plan(schedule)
-    patterns = {d: plan.patterns(d) for d in DIRECTIONS}
+    branches, index = send_plan(schedule).branches()
     comps = hlo.computations(compiled)
     branch_of = _branches(comps)
     nbytes = {op.name: op.bytes for op in hlo.collectives(compiled, mesh) if op.kind == "collective-permute"}
-    found: dict[str, list[tuple[int, Pairs, int, int]]] = {}  # conditional -> (branch, pairs, bytes, count)
-    unattributed = 0
+    executed = unattributed = 0
     for comp in comps:
         for line in comp.lines:
             m = _PERMUTE.match(line)
@@ -149,22 +147,15 @@ def hlo_sent_bytes(compiled: Any, schedule: Schedule, mesh: Mesh, axis: str = "p
                 continue
             raw = [(int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", _PAIRS.search(line).group(1))]
             pairs = tuple(sorted({(int(coords[a][pipe_dim]), int(coords[b][pipe_dim])) for a, b in raw}))
-            if comp.name in branch_of:
-                instr, k = branch_of[comp.name]
-                found.setdefault(instr, []).append((k, pairs, nbytes[m.group(1)], comp.count))
-            else:
+            if comp.name not in branch_of:
                 unattributed += comp.count * len(raw) // n_pipes * nbytes[m.group(1)]
-    executed = 0
-    for instr, ops in found.items():
-        fits = [d for d in DIRECTIONS if all(0 < k <= len(patterns[d][0]) and patterns[d][0][k - 1] == p
-                                             for k, p, _, _ in ops)]
-        freqs = {tuple(int((patterns[d][1] == k).sum()) for k, _, _, _ in ops) for d in fits}
-        if len(freqs) != 1:
-            raise ValueError(f"collective-permutes in conditional {instr} ({[(k, p) for k, p, _, _ in ops]}) match "
-                             f"{len(fits)} directions of the send plan; cannot attribute them")
-        for f, (_, p, b, count) in zip(freqs.pop(), ops):
-            if count % schedule.n_ticks:
-                raise ValueError(f"conditional {instr} runs {count} times per step, not a multiple of the "
+                continue
+            instr, k = branch_of[comp.name]
+            if not 0 < k <= len(branches) or pairs not in branches[k - 1]:
+                raise ValueError(f"collective-permute {m.group(1)} in branch {k} of conditional {instr} sends {pairs}, "
+                                 f"which the send plan's branch {k} does not send; cannot attribute it")
+            if comp.count % schedule.n_ticks:
+                raise ValueError(f"conditional {instr} runs {comp.count} times per step, not a multiple of the "
                                  f"schedule's {schedule.n_ticks} ticks: it is not the engine's tick loop")
-            executed += f * (count // schedule.n_ticks) * len(p) * b
+            executed += int((index == k).sum()) * (comp.count // schedule.n_ticks) * len(pairs) * nbytes[m.group(1)]
     return {"executed": executed, "unattributed": unattributed}
