@@ -74,3 +74,23 @@ def shift(x: jax.Array, axis: str, size: int, *, offset: int = 1, wrap: bool = T
 def axis_index(axis: str) -> jax.Array:
     """This device's position along ``axis`` (0 .. |axis|-1)."""
     return lax.axis_index(axis)
+
+
+def varying_like(x: jax.Array, *like: jax.Array) -> jax.Array:
+    """``x`` typed as varying over every manual axis any of ``like`` varies over (``pcast(..., to="varying")``).
+
+    A loop carry that starts as a constant (zeros, ``-inf``) is invariant; once the body mixes in an
+    input that varies over a manual axis (inside ``shard_map``: a batch split over ``data``) the
+    carry's type changes and the loop is refused. Starting the carry with its final type avoids that.
+    Outside ``shard_map`` (no manual axes), or when ``x`` already varies as ``like``, it returns ``x``.
+    """
+    missing = tuple(sorted(set().union(*map(_vma, like)) - set(_vma(x))))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _vma(x: jax.Array) -> frozenset:
+    """The manual axes ``x`` varies over (jax >= 0.10 keeps them in ``manual_axis_type.varying``,
+    earlier releases in ``vma``)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))

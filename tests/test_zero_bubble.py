@@ -209,3 +209,12 @@ def test_gpt_data_pipe_tensor_matches_one_device(schedule):
     table = sched.sent_bytes(act)
     assert table.executed == table.minimum == 2 * 4 * (2 - 1) * act
     assert hlo_sent_bytes(c.compiled, sched, c.mesh) == {"executed": table.executed, "unattributed": 0}
+
+
+def test_engine_refuses_an_invalid_table_before_tracing():
+    """A zero-bubble table with one W op removed would train with wrong gradients: the engine validates it."""
+    bad = _moved(get_schedule("zb-h1", 2, 4), WEIGHT, 1, 0, -1)
+    x = np.zeros((4, 2, 8), np.float32)
+    with pytest.raises(ValueError, match=r"W1 of chunk 0 is missing from the schedule"):
+        run_schedule(lambda p, x: x, lambda h, y, t: (y.mean(), {}), {"w": np.zeros((2, 1))}, {}, x, x[..., 0],
+                     schedule=bad, mesh=meshes.make_mesh({"pipe": 2}, devices=jax.devices()[:2]))

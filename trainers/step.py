@@ -113,12 +113,15 @@ def make_train_step(
             axes = accumulate.reduction_axes(mesh, rules, batch, grad_accum, fsdp_gather)
             if grad_accum == 1:
                 (loss, (aux, new_other)), grads = grad_fn(params, other, batch, step_key)
-            elif axes and not jax.tree.leaves(other) and not pipelined:  # one reduction per step (trainers/accumulate.py)
+            elif axes and not jax.tree.leaves(other) and not pipelined and not _opens_manual_region(model_vars, params,
+                                                                                                      other):
+                # one reduction per step (trainers/accumulate.py)
                 grads, loss, aux = accumulate.accumulate(grad_fn, params, batch, step_key, grad_accum=grad_accum,
                                                          mesh=mesh, rules=rules, param_shardings=param_shardings,
                                                          axes=axes)
                 new_other = other
-            else:  # batch statistics, RNG streams or a pipeline: the loop under GSPMD reduces every microbatch
+            else:  # batch statistics, RNG streams, a pipeline or a layer with its own shard_map (MoE): the loop
+                # under GSPMD reduces every microbatch
                 grads, new_other, loss, aux = accumulate.accumulate_gspmd(grad_fn, params, other, batch, step_key,
                                                                           grad_accum=grad_accum,
                                                                           param_shardings=param_shardings)
@@ -160,6 +163,13 @@ def make_train_step(
         out_shardings=(sharded.shardings, spmd.sharding.replicated(mesh)),
         donate_argnums=(0,) if donate else (),
     )
+
+
+def _opens_manual_region(model_vars: Any, params: Any, other: Any) -> bool:
+    """Whether a module of the model runs its own ``shard_map`` (class attribute ``opens_manual_region``,
+    e.g. :class:`spmd.models.MoE`): nested inside the accumulation loop's manual region it does not
+    lower (its region sits in the layer scan's body, outside the enclosing one)."""
+    return any(getattr(node, "opens_manual_region", False) for _, node in nnx.iter_graph(model_vars.merge(params, other)))
 
 
 EVAL_KEYS = ("params", "model_state")

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from spmd.collectives import varying_like
+
 IMPLS = ("auto", "naive", "xla", "cudnn", "blockwise")
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 CUDNN_MAX_HEAD_DIM = 128
@@ -127,13 +129,14 @@ def block_forward(q_BLGRK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, size
 
         init = (jnp.full((b, g, r, size), low, jnp.float32), jnp.zeros((b, g, r, size), jnp.float32),
                 jnp.zeros((b, g, r, size, k), jnp.float32))
+        init = tuple(varying_like(a, q_BLGRK, k_BLGK, v_BLGK) for a in init)  # inside a shard_map: vary as q/k/v
         m_BGRQ, sum_BGRQ, o_BGRQK = lax.fori_loop(0, i + 1 if causal else n, key_block, init)  # causal: j <= i
         o_BQGRK = jnp.transpose(o_BGRQK / sum_BGRQ[..., None], (0, 3, 1, 2, 4))
         lse_BGRQ = m_BGRQ + jnp.log(sum_BGRQ)
         return _put(out_BLGRK, o_BQGRK, i, size), lax.dynamic_update_slice_in_dim(lse_BGRL, lse_BGRQ, i * size, axis=3)
 
     init = (jnp.zeros(q_BLGRK.shape, q_BLGRK.dtype), jnp.zeros((b, g, r, l), jnp.float32))
-    return lax.fori_loop(0, n, query_block, init)
+    return lax.fori_loop(0, n, query_block, tuple(varying_like(a, q_BLGRK, k_BLGK, v_BLGK) for a in init))
 
 
 def block_backward(size: int, residuals: tuple, dout_BLGRK: jax.Array,
@@ -167,13 +170,13 @@ def block_backward(size: int, residuals: tuple, dout_BLGRK: jax.Array,
             dk_SGK = dk_SGK + jnp.einsum("bgrqs,bqgrk->bsgk", ds, q_i, preferred_element_type=jnp.float32)
             return dq_BLGRK, dk_SGK, dv_SGK
 
-        zeros = jnp.zeros(k_j.shape, jnp.float32)
+        zeros = varying_like(jnp.zeros(k_j.shape, jnp.float32), *residuals, dout_BLGRK)
         dq_BLGRK, dk_j, dv_j = lax.fori_loop(j if causal else 0, n, query_block, (dq_BLGRK, zeros, zeros))
         return dq_BLGRK, _put(dk_BLGK, dk_j, j, size), _put(dv_BLGK, dv_j, j, size)
 
     init = (jnp.zeros(q_BLGRK.shape, jnp.float32), jnp.zeros(k_BLGK.shape, jnp.float32),
             jnp.zeros(v_BLGK.shape, jnp.float32))
-    dq, dk, dv = lax.fori_loop(0, n, key_block, init)
+    dq, dk, dv = lax.fori_loop(0, n, key_block, tuple(varying_like(a, *residuals, dout_BLGRK) for a in init))
     return dq.astype(q_BLGRK.dtype), dk.astype(k_BLGK.dtype), dv.astype(v_BLGK.dtype)
 
 

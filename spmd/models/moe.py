@@ -113,6 +113,8 @@ class MoE(nnx.Module):
     model adds ``w_aux * aux_loss + w_z * z_loss`` to its loss.
     """
 
+    opens_manual_region = True  # runs its own shard_map: callers must not wrap it in another one
+
     def __init__(self, d_model: int, d_ff: int, n_experts: int, k: int = 2, *, rngs: nnx.Rngs,
                  capacity_factor: float = 0.0, router: str = "softmax", n_shared: int = 0,
                  dtype: jnp.dtype = jnp.float32):

@@ -342,6 +342,7 @@ def run_schedule(
     follow (None: plain code), re-targeted inside the ``shard_map``.
     """
     S, M, V = schedule.n_stages, schedule.n_microbatches, schedule.n_virtual
+    schedule.validate()  # every table the engine runs: each op once, every dependency met
     if axis not in mesh.shape or mesh.shape[axis] != S:
         raise ValueError(f"schedule has S={S} stages but mesh axis {axis!r} has size {dict(mesh.shape).get(axis)}; "
                          f"they must be equal")

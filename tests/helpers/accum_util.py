@@ -25,7 +25,8 @@ from trainers.step import lm_loss_fn, make_train_step
 ROWS = 32  # global batch: 4 microbatches of 8 rows, one row per device at 8-way data parallelism
 TX = optax.sgd(1.0)
 PIPELINE = PipelineConfig(schedule="1f1b", microbatches=2)
-PIPELINED = {"dp4_pipe2": ({"data": 4, "pipe": 2}, "dp")}  # the GPT's blocks run as a 1F1B pipeline
+# the GPT's blocks run as a 1F1B pipeline
+PIPELINED = {"dp4_pipe2": ({"data": 4, "pipe": 2}, "dp"), "dp2_pipe2_tp2": ({"data": 2, "pipe": 2, "tensor": 2}, "dp_tp")}
 
 
 def tokens(seed: int = 0) -> np.ndarray:
