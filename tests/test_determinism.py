@@ -91,7 +91,9 @@ def test_negative_control_a_perturbed_call_is_caught():
         assert_deterministic(outs, repeat(gpt_grad(), 1)[0])
 
 
-SLOW_CASES = [(sizes, schedule, 4) for sizes in (DPT, FPT, DP) for schedule in SCHEDULES]
+# every schedule on data x pipe x tensor; each also on one of the other two layouts (the slow tier's budget)
+SLOW_CASES = ([(DPT, schedule, 4) for schedule in SCHEDULES] + [(FPT, s, 4) for s in ("1f1b", "interleaved", "zb-h2")]
+              + [(DP, s, 4) for s in ("gpipe", "1f1b", "zb-h1")])
 
 
 @pytest.mark.slow
