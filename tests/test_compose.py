@@ -43,7 +43,7 @@ def one_step(cfg: GPTConfig, sizes: tuple = (), rules: str = "none", k: int = 1)
 
 def test_accumulation_with_blockwise_attention_equals_one_device():
     """Used to crash: the blockwise loop's carry was not typed varying inside the accumulation shard_map."""
-    params, loss = one_step(BLOCKWISE, (("data", 2), ("fsdp", 2), ("tensor", 2)), "fsdp_tp", 2)
+    params, loss = one_step(BLOCKWISE, (("data", 4), ("tensor", 2)), "dp_tp", 2)
     ref_params, ref_loss = one_step(BLOCKWISE)
     assert loss == pytest.approx(ref_loss, rel=TOL)
     assert rel_err(params, ref_params) < TOL
