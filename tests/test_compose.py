@@ -57,3 +57,59 @@ def test_accumulation_with_moe_over_expert_equals_one_device():
     assert loss == pytest.approx(ref_loss, rel=TOL)
     assert rel_err(params, ref_params) < TOL
     assert rel_err(params, one_step(MOE)[0]) > TOL  # negative control: the whole batch at once differs (router losses)
+
+
+# ------------------------------------------------------------------------------------ the matrix
+def test_the_design_covers_every_pair_of_factor_levels():
+    from helpers import matrix
+
+    cells = matrix.design()
+    covered, possible = matrix.coverage(cells)
+    print(f"pairs covered / pairs possible = {covered}/{possible} = {covered / possible:.3f} in {len(cells)} cells")
+    assert covered == possible and possible > 250
+    assert all(matrix.applicable(c) for c in cells) and matrix.design() == cells  # deterministic
+
+
+REPRESENTATIVE = {  # a few cells of the design that cross the most loop-and-collective features
+    "pipe_zb-moe-refused": dict(layout="pipe_zb", model="moe"),
+    "seq_ring-blockwise-accum": dict(layout="seq_ring", model="gpt", length="blockwise", grad_accum=2),
+    "expert-moe-accum-resume": dict(layout="expert", model="moe", grad_accum=2, resume="other_mesh"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", REPRESENTATIVE)
+def test_representative_cells(name, tmp_path):
+    from helpers import matrix
+
+    base = dict(layout="dp", model="gpt", length="short", grad_accum=1, fsdp_gather="per_microbatch", remat="none",
+                dtype="float32", loss_chunk=0, local_sgd=0, resume="no")
+    cell = {**base, **REPRESENTATIVE[name]}
+    outcome = matrix.run_cell(cell, matrix.run_reference(cell, str(tmp_path / "ref")), str(tmp_path / "cell"))
+    assert outcome.ok, (outcome.status, outcome.detail)
+
+
+# ------------------------------------------------------------------------------------ who is blamed
+def _raised(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return e
+    raise AssertionError("no exception")
+
+
+def test_errors_are_blamed_on_whoever_raised_them():
+    from spmd.models import attention
+    from trainers.blame import InternalError, TaskError, attribute
+
+    def users_loss():
+        return {}["x"]
+
+    user = _raised(users_loss)
+    assert isinstance(attribute(user, "t", "the loss", "{}"), TaskError)
+    refusal = _raised(lambda: attention.block_layout(16, 0))  # the toolkit refuses, in its own words
+    assert attribute(refusal, "t", "the loss", "{}") is refusal
+    q = np.zeros((1, 4, 2, 8), np.float32)
+    bug = _raised(lambda: attention.naive(q, q[:, :, :, :3], q))  # jax raises inside toolkit code: a bug
+    internal = attribute(bug, "t", "the loss", "{}")
+    assert isinstance(internal, InternalError) and "bug in spmd" in str(internal)

@@ -170,6 +170,11 @@ class Config:
         if self.pipeline.enabled:
             raise ValueError(f"local_sgd.every={every} cannot run with pipeline.schedule={self.pipeline.schedule!r}: "
                              "the pipeline's shard_map is not mapped over replica groups; use one or the other")
+        seq = dict(self.mesh.spec.ici).get("seq", 1) * dict(self.mesh.spec.dcn).get("seq", 1)
+        if seq != 1:
+            raise ValueError(f"local_sgd.every={every} cannot run with context parallelism (mesh seq={seq}): the "
+                             "attention's K/V exchange is a shard_map that is not mapped over replica groups yet; "
+                             "use seq=1 (e.g. give the seq devices to data or tensor) or set local_sgd.every=0")
         ici, dcn = dict(self.mesh.spec.ici).get("data", 1), dict(self.mesh.spec.dcn).get("data", 1)
         data = ici * dcn
         if ici > 0 and dcn > 0 and data < 2:  # an inferred (-1) size is checked on the mesh

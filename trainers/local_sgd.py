@@ -97,7 +97,7 @@ def check_resume(stored: Any, groups: int | None, step: int) -> None:
         return
     if groups is None:
         raise ValueError(f"checkpoint step {step} was written by local SGD with {written} replica groups; resume it "
-                         "with local_sgd.every >= 1 on a mesh with data={written}")
+                         f"with local_sgd.every >= 1 on a mesh with data={written}")
     if written is None:
         raise ValueError(f"checkpoint step {step} was written without local SGD; local_sgd.every={groups and 'H'} "
                          "cannot resume it: start from its params with checkpoint.init_from and a new run.run_dir")

@@ -23,6 +23,7 @@ import meshes
 import spmd
 from spmd.rules import RulesError
 from trainers.faults import guard as guard_lib
+from trainers.blame import InternalError, TaskError, attribute
 from trainers.checkpoint import Checkpointer, NoUsableCheckpointError, resolve_init_from
 from trainers.config import Config, changes_since_last_run
 from trainers.data import ExampleLoader, IterLoader, process_rows, to_global
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 BatchHook = Callable[[int, dict[str, np.ndarray]], dict[str, np.ndarray]]
 StepHook = Callable[[int], None]
 
-__all__ = ["DivergenceError", "Result", "TaskError", "describe_batch", "evaluate", "train"]
+__all__ = ["DivergenceError", "InternalError", "Result", "TaskError", "describe_batch", "evaluate", "train"]
 
 
 @dataclasses.dataclass
@@ -94,10 +95,6 @@ def _loader(source, global_batch: int, seed: int, batch_sharding) -> ExampleLoad
     return IterLoader(source)
 
 
-class TaskError(ValueError):
-    """The task's model, loss or metrics failed on the first batch (a contract violation)."""
-
-
 def describe_batch(batch: Any) -> str:
     """``{'image': float32[64, 8, 8, 1], 'label': int32[64]}``: a batch's structure, shapes and dtypes."""
     leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
@@ -107,14 +104,14 @@ def describe_batch(batch: Any) -> str:
 
 @contextlib.contextmanager
 def _first_batch(task: Task, batch: Any, what: str):
-    """Errors raised while tracing the task on its first batch name the task, the batch and the contract."""
+    """Errors raised while tracing the task on its first batch say whose they are (:mod:`trainers.blame`)."""
     try:
         yield
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
-        raise TaskError(f"task {task.name!r}: {what} failed on the first batch {describe_batch(batch)}: "
-                        f"{type(exc).__name__}: {exc}. The contract: loss(model, batch, rngs) -> scalar or "
-                        "(scalar, {name: scalar}); eval metrics (model, batch) -> one value per example; every "
-                        "batch leaf has the batch as its leading dim") from exc
+        blamed = attribute(exc, task.name, what, describe_batch(batch))  # the task, a refusal, or a toolkit bug
+        if blamed is exc:
+            raise
+        raise blamed from exc
 
 
 def _check_pipelined(cfg: Config, task: Task) -> None:

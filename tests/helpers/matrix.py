@@ -1,0 +1,268 @@
+"""The cross-feature matrix as data: factors, an all-pairs design over them, and one cell's run against one device.
+
+Each cell is a tiny training run (``trainers.train`` through the same config keys a user sets) on 8
+simulated devices. It passes when it equals the same run on one device (the loss of every step and the
+final parameters, relative to the update they took: 1e-5 in f32, 1e-3 / 5e-3 in bf16), or when it is
+refused before compiling with a message that names both features. ``python tests/helpers/matrix.py``
+runs every cell and writes the table in docs/compose.md; tests/test_compose.py checks the design's
+coverage and runs the cells.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import random
+import sys
+import tempfile
+
+LAYOUTS = {  # name -> overrides: mesh, rules and what the layout turns on
+    "dp": ["mesh.axes=data=8", "rules=dp"],
+    "fsdp": ["mesh.axes=fsdp=8", "rules=fsdp"],
+    "tp_sp": ["mesh.axes=data=2,tensor=4", "rules=dp_tp_sp"],
+    "seq_ring": ["mesh.axes=data=2,seq=2,tensor=2", "rules=dp_tp", "model.context_exchange=ring"],
+    "seq_allgather": ["mesh.axes=data=2,seq=2,tensor=2", "rules=dp_tp", "model.context_exchange=allgather"],
+    "expert": ["mesh.axes=data=2,expert=2,tensor=2", "rules=fsdp_tp_ep"],
+    "pipe_1f1b": ["mesh.axes=data=2,pipe=2,tensor=2", "rules=dp_tp", "pipeline.schedule=1f1b", "pipeline.microbatches=2"],
+    "pipe_zb": ["mesh.axes=data=2,pipe=2,tensor=2", "rules=dp_tp", "pipeline.schedule=zb-h1", "pipeline.microbatches=2"],
+}
+FACTORS: dict[str, tuple] = {
+    "layout": tuple(LAYOUTS),
+    "model": ("gpt", "moe", "user"),  # user: a Task with BatchNorm and dropout (tests/helpers/byom_task.py)
+    "length": ("short", "blockwise"),  # blockwise: seq_len 32 > model.attention_block 8
+    "grad_accum": (1, 2),
+    "fsdp_gather": ("per_microbatch", "per_step"),
+    "remat": ("none", "full"),
+    "dtype": ("float32", "bfloat16"),
+    "loss_chunk": (0, 8),
+    "local_sgd": (0, 1),  # H = 1 with a plain outer step (outer lr 1, no momentum): equals data parallelism
+    "resume": ("no", "other_mesh"),  # one step here, the next resumed on data=2 x fsdp=2 x tensor=2
+}
+GPT_ONLY = {"length": "short", "dtype": "float32", "loss_chunk": 0}  # the user task has no such settings
+RESUME_MESH = ["mesh.axes=data=2,fsdp=2,tensor=2", "rules=fsdp_tp", "pipeline.schedule=none"]
+STEPS = 2
+TOL = {"float32": (1e-5, 1e-5), "bfloat16": (1e-3, 5e-3)}  # (loss, parameter update)
+
+
+def applicable(cell: dict) -> bool:
+    """False for combinations without meaning (the user task has no attention, dtype or chunked loss)."""
+    return cell.get("model") != "user" or all(cell.get(k, v) == v for k, v in GPT_ONLY.items())
+
+
+def pairs_of(cell: dict) -> set:
+    items = sorted(cell.items())
+    return {(a, b) for a, b in itertools.combinations(items, 2)}
+
+
+def possible_pairs() -> set:
+    """Every pair of factor levels that some applicable cell can hold."""
+    out = set()
+    for (f1, l1), (f2, l2) in itertools.combinations([(f, lvl) for f in FACTORS for lvl in FACTORS[f]], 2):
+        if f1 != f2 and applicable({f1: l1, f2: l2}):
+            out.add(tuple(sorted(((f1, l1), (f2, l2)))))
+    return out
+
+
+def design(seed: int = 0, candidates: int = 60) -> list[dict]:
+    """A greedy all-pairs design: each new cell, the best of ``candidates`` random completions, covers the
+    most pairs not yet covered; stops when every possible pair is covered. Deterministic for a seed."""
+    rng, todo, cells = random.Random(seed), possible_pairs(), []
+    while todo:
+        (f1, l1), (f2, l2) = min(todo, key=lambda p: (str(p[0]), str(p[1])))  # seed each cell with an uncovered pair
+        best, gain = None, -1
+        for _ in range(candidates):
+            cell = {f: rng.choice(levels) for f, levels in FACTORS.items()}
+            cell.update({f1: l1, f2: l2})
+            if cell["model"] == "user":
+                cell.update(GPT_ONLY)
+            if not applicable(cell):
+                continue
+            g = len(pairs_of(cell) & todo)
+            if g > gain:
+                best, gain = cell, g
+        cells.append(best)
+        todo -= pairs_of(best)
+    return cells
+
+
+def coverage(cells: list[dict]) -> tuple[int, int]:
+    """(pairs covered, pairs possible)."""
+    possible = possible_pairs()
+    return len(set().union(*map(pairs_of, cells)) & possible), len(possible)
+
+
+@dataclasses.dataclass
+class Outcome:
+    cell: dict
+    status: str  # "equal" | "refused" | "differs" | "crashed"
+    detail: str  # the errors, or the refusal / crash message
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "equal" or (self.status == "refused" and names_both(self.cell, self.detail))
+
+
+def names_both(cell: dict, message: str) -> bool:
+    """A refusal names the features it is about: at least two config keys or values of the cell."""
+    words = {"pipeline", "pipe", "seq", "context", "local_sgd", "expert", "MoE", "n_experts", "grad_accum",
+             "fsdp_gather", "remat", "bfloat16", "loss_chunk", "attention", "task", "resume", "checkpoint"}
+    return sum(w in message for w in words) >= 2
+
+
+def overrides(cell: dict, *, one_device: bool = False) -> list[str]:
+    sets = ["run.steps=1", "run.eval_every=100", "run.progress=false", "run.tensorboard=false", "run.log_every=1",
+            "checkpoint.every_steps=1", "optimizer.name=sgd", "optimizer.clip_norm=null", "optimizer.weight_decay=0",
+            "lr.kind=constant", "lr.peak_lr=0.1", "lr.warmup_steps=0", "data.global_batch=16",
+            f"run.grad_accum={cell['grad_accum']}", f"run.fsdp_gather={cell['fsdp_gather']}"]
+    if cell["model"] != "user":
+        sets += ["model.n_layers=4", f"model.dtype={cell['dtype']}", f"model.loss_chunk={cell['loss_chunk']}",
+                 f"model.remat_policy={cell['remat']}", "data.corpus=synthetic"]
+        sets += ["data.seq_len=32", "model.attention_block=8"] if cell["length"] == "blockwise" else ["data.seq_len=16"]
+    if one_device:
+        return sets + ["mesh.axes=data=1", "rules=none"]
+    sets += LAYOUTS[cell["layout"]]
+    if cell["local_sgd"]:
+        sets += ["local_sgd.every=1", "local_sgd.outer_optimizer=sgd", "local_sgd.outer_lr=1", "local_sgd.outer_momentum=0"]
+    return sets
+
+
+def _config_and_task(cell: dict, sets: list[str]):
+    from trainers.config import override
+    from trainers.recipes import recipe
+
+    if cell["model"] == "user":
+        from helpers.byom_task import make_task
+
+        task = make_task()
+        return override(task.config, sets), task
+    base = recipe("gpt-moe" if cell["model"] == "moe" else "gpt-small", tiny=True)
+    return override(base, sets), None
+
+
+def _train(cell: dict, sets: list[str], run_dir: str, steps: int):
+    import meshes
+    from trainers.loop import train
+
+    cfg, task = _config_and_task(cell, [*sets, f"run.run_dir={run_dir}", f"run.steps={steps}"])
+    one = cfg.mesh.axes == "data=1"
+    return train(cfg, task, mesh=meshes.single_device_mesh() if one else None, keep_state=True)
+
+
+def _params(result):
+    import jax
+    import numpy as np
+
+    state = result.state
+    params = state["params"] if isinstance(state, dict) else state.params
+    return jax.tree.map(np.asarray, params)
+
+
+def run_cell(cell: dict, reference, workdir: str) -> Outcome:
+    """Run ``cell`` (two steps, or one plus one resumed on another mesh) and compare it with ``reference``:
+    ``(losses, params before, params after)`` of the same run on one device."""
+    import jax
+    import numpy as np
+
+    run_dir = os.path.join(workdir, "cell")
+    try:
+        result = _train(cell, overrides(cell), run_dir, 1 if cell["resume"] == "other_mesh" else STEPS)
+        if cell["resume"] == "other_mesh":
+            sets = [s for s in overrides(cell) if not s.startswith(("mesh.", "rules=", "pipeline."))]
+            result2 = _train(cell, sets + RESUME_MESH, run_dir, STEPS)
+            result = dataclasses.replace(result2, losses={**result.losses, **result2.losses})
+    except ValueError as e:  # a refusal: before compiling, with its message
+        return Outcome(cell, "refused", str(e).splitlines()[0][:300])
+    except Exception as e:  # noqa: BLE001 - a crash is this cell's result
+        return Outcome(cell, "crashed", f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+    losses, p0, p1 = reference
+    tol_loss, tol_update = TOL[cell["dtype"]]
+    loss_err = max(abs(result.losses[s] - losses[s]) / max(abs(losses[s]), 1e-30) for s in losses)
+    update = np.sqrt(sum(float(np.sum((a.astype(np.float64) - b) ** 2)) for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p0))))
+    diff = np.sqrt(sum(float(np.sum((a.astype(np.float64) - b) ** 2))
+                       for a, b in zip(jax.tree.leaves(_params(result)), jax.tree.leaves(p1))))
+    detail = f"loss {loss_err:.1e}, update {diff / max(update, 1e-30):.1e}"
+    ok = loss_err <= tol_loss and diff <= tol_update * update
+    return Outcome(cell, "equal" if ok else "differs", detail)
+
+
+def _initial_params(cell: dict):
+    """The parameters every run of ``cell`` starts from, built as the loop builds them, on one device."""
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import meshes
+    from trainers.state import create_state
+    from trainers.task import lm_task
+
+    cfg, task = _config_and_task(cell, overrides(cell, one_device=True))
+    task = task or lm_task(cfg)
+    seed = cfg.run.seed
+    sharded = create_state(lambda: task.model(nnx.Rngs(seed)), optax.sgd(0.1), "none", meshes.single_device_mesh(),
+                           seed=seed, path_rules=task.path_rules)
+    return jax.tree.map(np.asarray, sharded.state["params"])
+
+
+def reference_key(cell: dict) -> tuple:
+    """What the one-device run depends on: remat and the loss chunk change no number beyond rounding, and
+    accumulation changes none for the plain GPT (the MoE's router losses and BatchNorm are per microbatch)."""
+    return cell["model"], cell["length"], cell["dtype"], cell["grad_accum"] if cell["model"] != "gpt" else 1
+
+
+def run_reference(cell: dict, workdir: str):
+    """(losses, params before the first step, params after the last) on one device."""
+    steps = STEPS
+    before = _initial_params(cell)
+    result = _train(cell, overrides(cell, one_device=True), os.path.join(workdir, "ref"), steps)
+    return result.losses, before, _params(result)
+
+
+def table(outcomes: list[Outcome]) -> str:
+    head = "| " + " | ".join(FACTORS) + " | result | detail |\n|" + "---|" * (len(FACTORS) + 2) + "\n"
+    return head + "".join("| " + " | ".join(str(o.cell[f]) for f in FACTORS) + f" | {o.status} | {o.detail} |\n"
+                          for o in outcomes)
+
+
+DOC = """# Features together: the cross-feature matrix
+
+Generated by `python tests/helpers/matrix.py` (tests/helpers/matrix.py holds the factors and the design;
+tests/test_compose.py checks the coverage and runs representative cells). Each row is one cell: a tiny
+training run on 8 simulated CPU devices, two steps (or one, then one more resumed on
+`data=2 x fsdp=2 x tensor=2`), compared with the same run on one device. `equal`: the losses of both steps
+and the final parameters agree (the detail gives the loss error and the parameter error relative to the
+update the parameters took; tolerances 1e-5 in f32, 1e-3 / 5e-3 in bf16). `refused`: the run stopped
+before compiling with the message shown.
+
+"""
+
+
+def main() -> None:
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax is first imported (by the first cell)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import logging
+
+    logging.disable(logging.WARNING)
+    cells = design()
+    refs, outcomes = {}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, cell in enumerate(cells):
+            key = reference_key(cell)
+            if key not in refs:
+                refs[key] = run_reference(cell, os.path.join(tmp, f"ref{len(refs)}"))
+            outcomes.append(run_cell(cell, refs[key], os.path.join(tmp, f"cell{i}")))
+            print(i, outcomes[-1].status, outcomes[-1].detail, cell, flush=True)
+    covered, possible = coverage(cells)
+    summary = (f"Pairs of factor levels covered / possible: {covered} / {possible} = {covered / possible:.3f} "
+               f"({len(cells)} cells; {sum(o.status == 'equal' for o in outcomes)} equal, "
+               f"{sum(o.status == 'refused' for o in outcomes)} refused, {sum(not o.ok for o in outcomes)} failing).\n\n")
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "compose.md")
+    with open(path, "w") as f:
+        f.write(DOC + summary + table(outcomes))
+    print(summary)
+
+
+if __name__ == "__main__":
+    main()
