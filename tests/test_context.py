@@ -92,3 +92,34 @@ def test_exchange_collectives(exchange):
         assert gathered == 2 * n * local, summary  # K and V at full length
         assert scattered == 2 * n * local, summary  # dK and dV at full length, reduced to the shard
         assert not any(op.kind == "collective-permute" for op in ops), summary
+
+
+@pytest.mark.parametrize("exchange", ["ring", "allgather"])
+def test_exchange_moves_only_this_devices_rows_and_heads(exchange):
+    """With the batch over data and heads over tensor (dp_tp on data=2 x seq=2 x tensor=2, GQA), each device
+    exchanges its own rows' and K/V heads' blocks over seq: nothing gathered over data or tensor first, and the
+    all-gather's bytes are those of the local ``[B/data, L/seq, G/tensor, K]`` shard; still equal to one device."""
+    import meshes
+    import spmd
+
+    n, mesh, rules = 2, meshes.make_mesh({"data": 2, "seq": 2, "tensor": 2}), spmd.get_rules("dp_tp")
+    perm, q, k, v, w = balanced_positions(L, n), *_inputs()
+    inverse = np.argsort(perm)
+
+    def loss(q, k, v):
+        with spmd.use_rules(rules, mesh):
+            out = context_attend(q[:, perm], k[:, perm], v[:, perm], mesh=mesh, exchange=exchange, block=4)
+        return jnp.sum(out[:, inverse] * w)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    ops = collectives(step.lower(q, k, v).compile(), mesh)
+    exchanged = [op for op in ops if op.kind in ("all-gather", "reduce-scatter", "collective-permute")]
+    assert {op.axes for op in exchanged} == {("seq",)}, [(op.kind, op.axes, op.bytes) for op in exchanged]
+    local = (B // 2) * (L // n) * (G // 2) * K * F32
+    if exchange == "allgather":
+        assert sum(op.total_bytes for op in exchanged if op.kind == "all-gather") == 2 * n * local
+    ref_loss, ref_grads = jax.value_and_grad(lambda q, k, v: jnp.sum(naive(q, k, v) * w), argnums=(0, 1, 2))(q, k, v)
+    loss_, grads = step(q, k, v)
+    np.testing.assert_allclose(loss_, ref_loss, rtol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        assert float(jnp.max(jnp.abs(g - r)) / jnp.max(jnp.abs(r))) < 1e-5

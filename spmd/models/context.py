@@ -237,10 +237,31 @@ def context_attend(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, *, m
     # the local span, so per-device temporaries fall as 1/seq even where a chunk is only a few blocks long
     size = _block_size(span, min(block, max(1, span // 4)))
 
-    def local(q, k, v):
-        out = _attend_local(q.reshape(*q.shape[:2], g, h // g, kd), k, v, axis, n, size, exchange)
+    def local(q, k, v):  # this device's rows and heads: q[b, 2c, h, K], k, v[b, 2c, g, K]
+        gl = k.shape[2]
+        out = _attend_local(q.reshape(*q.shape[:2], gl, q.shape[2] // gl, kd), k, v, axis, n, size, exchange)
         return out.reshape(q.shape)
 
-    spec = P(None, axis)
-    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, axis_names={axis},
-                         check_vma=False)(q_BLHK, k_BLGK, v_BLGK)
+    rows, heads = _manual_dims(mesh, axis, b, h, g)
+    spec = P(rows or None, axis, heads or None)
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
+                         axis_names={axis, *rows, *heads}, check_vma=False)(q_BLHK, k_BLGK, v_BLGK)
+
+
+def _manual_dims(mesh: Mesh, axis: str, b: int, h: int, g: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The axes the active rules split the batch and the heads over, taken manual beside ``axis``: each
+    device then exchanges only its own rows' and heads' K/V over ``axis`` (left automatic, GSPMD gathers
+    them over those axes first). Heads only when q's and the K/V heads split alike (groups stay local)."""
+    layout = active_layout()
+    if layout is None:
+        return (), ()
+    rules, sizes = layout[1], dict(mesh.shape)
+    q_spec, k_spec = ((*rules.spec(("batch", "length", d), kind="activations", mesh_sizes=sizes), None, None, None)
+                      for d in ("heads", "kv_heads"))  # a spec may drop its trailing None dims
+    size = lambda axes: int(np.prod([sizes[a] for a in axes], dtype=int))
+    rows = tuple(a for a in axes_of(q_spec[0]) if a != axis)
+    rows = rows if rows and b % size(rows) == 0 else ()
+    heads = axes_of(q_spec[2])
+    heads = heads if heads and heads == axes_of(k_spec[2]) and axis not in heads and not set(heads) & set(rows) \
+        and h % size(heads) == 0 and g % size(heads) == 0 else ()
+    return rows, heads
