@@ -113,3 +113,29 @@ def test_errors_are_blamed_on_whoever_raised_them():
     bug = _raised(lambda: attention.naive(q, q[:, :, :, :3], q))  # jax raises inside toolkit code: a bug
     internal = attribute(bug, "t", "the loss", "{}")
     assert isinstance(internal, InternalError) and "bug in spmd" in str(internal)
+
+
+# ------------------------------------------------------------------------------------ eval with padding
+def test_eval_over_a_padded_last_batch_counts_real_rows_only(tmp_path):
+    """10 eval examples in batches of 8 (run.eval_batches=-1): the loss's own metric (accuracy computed in the
+    loss) equals the exact per-example eval metric; it used to be averaged over the 6 padding rows too."""
+    import dataclasses as dc
+
+    import optax as ox
+
+    from helpers import byom_task
+    from trainers.config import override
+    from trainers.loop import train
+
+    def loss(model, batch, rngs):
+        logits = model(batch["x"])
+        ce = ox.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+        return ce, {"loss_accuracy": (logits.argmax(-1) == batch["label"]).mean()}
+
+    task = dc.replace(byom_task.make_task(), loss=loss, eval_data=byom_task.examples(10, 1))
+    cfg = override(task.config, [f"run.run_dir={tmp_path}", "run.steps=1", "run.eval_every=1", "run.eval_batches=-1",
+                                 "data.global_batch=8", "run.progress=false", "run.tensorboard=false",
+                                 "lr.warmup_steps=0"])
+    metrics = train(cfg, task).eval_metrics[1]
+    assert metrics["loss_accuracy"] == pytest.approx(metrics["accuracy"], abs=1e-6)
+    assert metrics["accuracy"] * 10 == pytest.approx(round(metrics["accuracy"] * 10), abs=1e-6)  # k of 10 examples

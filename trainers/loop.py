@@ -74,9 +74,12 @@ def evaluate(eval_step, view, source, batch_sharding, global_batch: int, n_batch
     the loss, its metrics and the task's eval metrics, aggregated over batches and processes."""
     block, n_blocks = process_rows(batch_sharding, global_batch)
     sums = []
-    for local, mask in eval_batches(source, global_batch, n_batches, process_index=block, process_count=n_blocks):
+    rows = len(source) if n_batches == -1 and hasattr(source, "__len__") else None
+    for k, (local, mask) in enumerate(eval_batches(source, global_batch, n_batches, process_index=block,
+                                                   process_count=n_blocks)):
+        padded = rows is not None and (k + 1) * global_batch > rows  # the same answer on every process
         sums.append(eval_step(view, to_global(local, batch_sharding, global_batch),
-                              to_global(mask, batch_sharding, global_batch)))
+                              to_global(mask, batch_sharding, global_batch), padded))
     if not sums:
         raise ValueError("the eval data yielded no batch")
     totals = jax.tree.map(lambda *xs: float(np.sum(np.asarray(xs, np.float64))), *jax.device_get(sums))

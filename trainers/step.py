@@ -184,7 +184,10 @@ def make_eval_step(
     sharded: ShardedState, rules: spmd.Rules | str, mesh: Mesh, batch_sharding: NamedSharding, *,
     loss_fn: LossFn | None = None, metrics: Mapping[str, MetricFn] | None = None,
 ) -> Callable[[State, Batch, jax.Array], dict[str, jax.Array]]:
-    """``eval_step(eval_view(state), batch, mask) -> sums`` (see the module docstring).
+    """``eval_step(eval_view(state), batch, mask, padded=False) -> sums`` (see the module docstring).
+
+    With ``padded=True`` (a batch whose mask has zeros) the loss and its metrics are summed over the
+    real rows only, each row's loss computed alone; a second program, compiled for the padded batch.
 
     ``metrics`` maps a name to ``fn(model, batch) -> per-example values [B]`` (e.g. accuracy as
     ``argmax == label``); they are summed over real rows here and averaged over all eval rows of
@@ -195,13 +198,17 @@ def make_eval_step(
     metrics = dict(metrics or {})
     rules = spmd.get_rules(rules)
 
-    def step(view, batch, mask_B):
+    def step(view, batch, mask_B, padded=False):
         with spmd.use_rules(rules, mesh):
             model = model_vars.merge(view["params"], view.get("model_state", {}))
             model.eval()
-            loss, aux = loss_and_metrics(loss_fn(model, batch, nnx.Rngs(0)))
             count = jnp.sum(mask_B)
-            out = {"count": count, "loss": loss * count, **{k: v * count for k, v in aux.items()}}
+            if padded and not getattr(loss_fn, "pipelined", False):  # each row's loss alone: padding weighs nothing
+                out = _per_row_sums(loss_fn, model, batch, mask_B)
+            else:
+                loss, aux = loss_and_metrics(loss_fn(model, batch, nnx.Rngs(0)))
+                out = {"loss": loss * count, **{k: v * count for k, v in aux.items()}}
+            out["count"] = count
             for name, fn in metrics.items():
                 values = jnp.asarray(fn(model, batch))
                 if values.shape != mask_B.shape:
@@ -211,4 +218,15 @@ def make_eval_step(
         return out
 
     shardings = {k: sharded.shardings[k] for k in EVAL_KEYS if k in sharded.shardings}
-    return jax.jit(step, in_shardings=(shardings, batch_sharding, batch_sharding), out_shardings=spmd.sharding.replicated(mesh))
+    return jax.jit(step, in_shardings=(shardings, batch_sharding, batch_sharding), out_shardings=spmd.sharding.replicated(mesh),
+                   static_argnums=3)
+
+
+def _per_row_sums(loss_fn: LossFn, model: nnx.Module, batch: Batch, mask_B: jax.Array) -> dict[str, jax.Array]:
+    """``{"loss": sum over real rows of the loss of that row alone, name: the same for each loss metric}``:
+    the loss runs on one row at a time (``lax.map``), so rows that only pad the batch (mask 0) weigh nothing."""
+    def one(row):
+        return loss_and_metrics(loss_fn(model, jax.tree.map(lambda a: a[None], row), nnx.Rngs(0)))
+
+    losses_B, aux_B = jax.lax.map(one, batch)
+    return {"loss": jnp.sum(losses_B * mask_B), **{k: jnp.sum(v * mask_B) for k, v in aux_B.items()}}

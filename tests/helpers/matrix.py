@@ -42,12 +42,27 @@ FACTORS: dict[str, tuple] = {
 GPT_ONLY = {"length": "short", "dtype": "float32", "loss_chunk": 0}  # the user task has no such settings
 RESUME_MESH = ["mesh.axes=data=2,fsdp=2,tensor=2", "rules=fsdp_tp", "pipeline.schedule=none"]
 STEPS = 2
-TOL = {"float32": (1e-5, 1e-5), "bfloat16": (1e-3, 5e-3)}  # (loss, parameter update)
+# (loss, parameter update). bf16: the weight-gradient dots round their per-device, per-microbatch partial sums
+# to bf16 before the f32 reduction, and partials cancel: 8 devices x 2 microbatches measured 1.1e-2 (docs/compose.md)
+TOL = {"float32": (1e-5, 1e-5), "bfloat16": (1e-3, 2e-2)}
+
+
+PIPES, SEQS = ("pipe_1f1b", "pipe_zb"), ("seq_ring", "seq_allgather")
+# pairs the toolkit refuses before compiling (docs/compose.md says why): each is one refusal cell of its own;
+# every other cell avoids them, so a refusal never hides the pairs a cell was meant to cover
+REFUSED = ({(("layout", p), ("local_sgd", 1)) for p in (*PIPES, *SEQS, "fsdp")}
+           | {(("layout", p), ("model", m)) for p in PIPES for m in ("moe", "user")})
+BASE = dict(layout="dp", model="gpt", length="short", grad_accum=1, fsdp_gather="per_microbatch", remat="none",
+            dtype="float32", loss_chunk=0, local_sgd=0, resume="no")
 
 
 def applicable(cell: dict) -> bool:
     """False for combinations without meaning (the user task has no attention, dtype or chunked loss)."""
     return cell.get("model") != "user" or all(cell.get(k, v) == v for k, v in GPT_ONLY.items())
+
+
+def refused(cell: dict) -> bool:
+    return bool(pairs_of(cell) & REFUSED)
 
 
 def pairs_of(cell: dict) -> set:
@@ -65,9 +80,11 @@ def possible_pairs() -> set:
 
 
 def design(seed: int = 0, candidates: int = 60) -> list[dict]:
-    """A greedy all-pairs design: each new cell, the best of ``candidates`` random completions, covers the
-    most pairs not yet covered; stops when every possible pair is covered. Deterministic for a seed."""
-    rng, todo, cells = random.Random(seed), possible_pairs(), []
+    """The refusal cells (one per refused pair, the rest of the cell at :data:`BASE`), then a greedy all-pairs
+    design over the rest: each new cell, the best of ``candidates`` random completions that hold no refused
+    pair, covers the most pairs not yet covered, until every possible pair is. Deterministic for a seed."""
+    cells = [{**BASE, **dict(pair), **(GPT_ONLY if ("model", "user") in pair else {})} for pair in sorted(REFUSED)]
+    rng, todo = random.Random(seed), possible_pairs() - set().union(*map(pairs_of, cells))
     while todo:
         (f1, l1), (f2, l2) = min(todo, key=lambda p: (str(p[0]), str(p[1])))  # seed each cell with an uncovered pair
         best, gain = None, -1
@@ -76,7 +93,7 @@ def design(seed: int = 0, candidates: int = 60) -> list[dict]:
             cell.update({f1: l1, f2: l2})
             if cell["model"] == "user":
                 cell.update(GPT_ONLY)
-            if not applicable(cell):
+            if not applicable(cell) or refused(cell):
                 continue
             g = len(pairs_of(cell) & todo)
             if g > gain:
@@ -100,12 +117,14 @@ class Outcome:
 
     @property
     def ok(self) -> bool:
-        return self.status == "equal" or (self.status == "refused" and names_both(self.cell, self.detail))
+        if refused(self.cell):
+            return self.status == "refused" and names_both(self.cell, self.detail)
+        return self.status == "equal"
 
 
 def names_both(cell: dict, message: str) -> bool:
     """A refusal names the features it is about: at least two config keys or values of the cell."""
-    words = {"pipeline", "pipe", "seq", "context", "local_sgd", "expert", "MoE", "n_experts", "grad_accum",
+    words = {"pipeline", "pipe", "seq", "context", "local_sgd", "expert", "MoE", "n_experts", "grad_accum", "mesh",
              "fsdp_gather", "remat", "bfloat16", "loss_chunk", "attention", "task", "resume", "checkpoint"}
     return sum(w in message for w in words) >= 2
 
