@@ -110,14 +110,10 @@ def _perm(S: int, step: int) -> list[tuple[int, int]]:
 
 
 def _sender(branches: tuple, axis: str) -> Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
-    """``send(k, y, dx) -> (recv_f, recv_b)``: branch 0 sends nothing (zeros), branch k runs the
-    ``ppermute`` s of ``branches[k-1]`` (forward pairs for ``y``, backward pairs for ``dx``; an empty
-    set sends nothing). ``k`` comes from the table's tick, so every device takes the same branch.
-
-    Both directions live in one branch: two conditionals, one per direction, would be independent
-    ops that the CPU runtime may run concurrently, and XLA gives their permutes the same channel id;
-    a program loaded from the persistent compile cache then mixes the two exchanges (docs/pipelines.md).
-    """
+    """``send(k, y, dx) -> (recv_f, recv_b)``: branch 0 sends nothing, branch k the ``ppermute`` s of
+    ``branches[k-1]`` (forward pairs for ``y``, backward for ``dx``), k from the tick: the same on every
+    device. Both directions in one branch: as two independent conditionals, a program loaded back from
+    the compile cache ran them concurrently and mixed the two exchanges (docs/pipelines.md)."""
     def permute(x, pairs):
         return jax.lax.ppermute(x, axis, list(pairs)) if pairs else jnp.zeros_like(x)
 

@@ -254,6 +254,17 @@ and the final parameters agree (the detail gives the loss error and the paramete
 update the parameters took; tolerances 1e-5 in f32, 1e-3 / 5e-3 in bf16). `refused`: the run stopped
 before compiling with the message shown.
 
+The combinations refused today, and why:
+
+- local SGD with a pipeline or with context parallelism: local SGD maps the train step over replica groups
+  (`jax.vmap(..., spmd_axis_name="data")`); the pipeline's and the K/V exchange's `shard_map` s are not
+  mapped over groups yet;
+- local SGD on a mesh without a `data` axis of size >= 2 (`fsdp=8`): there are no replica groups;
+- MoE blocks under a pipeline: the expert dispatch is a `shard_map` of its own, not yet nested in the
+  pipeline's per-tick branches;
+- a user task under a pipeline: its loss must run its `spmd.Stack` through
+  `spmd.pipeline.pipelined_loss` and say so (`Task(pipelined=True)`), as the GPT's does.
+
 """
 
 
