@@ -58,12 +58,14 @@ def sequence_order(length: int) -> np.ndarray | None:
 
 
 def attend(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, *, impl: str = "auto", block: int = 512,
-           exchange: str = "ring") -> jax.Array:
+           exchange: str = "ring", **segments) -> jax.Array:
     """Causal attention under the active layout: :func:`context_attend` when the length is split
-    over ``seq`` (inputs in :func:`sequence_order`), else ``spmd.models.attention.attend``."""
+    over ``seq`` (inputs in :func:`sequence_order`), else ``spmd.models.attention.attend``.
+    ``segment_ids=[B, L]`` (packed documents) is passed on to either."""
     if seq_shards() == 1:
-        return attention.attend(q_BLHK, k_BLGK, v_BLGK, impl=impl, block=block)
-    return context_attend(q_BLHK, k_BLGK, v_BLGK, mesh=active_layout()[0], exchange=exchange, block=block)
+        return attention.attend(q_BLHK, k_BLGK, v_BLGK, impl=impl, block=block, **segments)
+    return context_attend(q_BLHK, k_BLGK, v_BLGK, mesh=active_layout()[0], exchange=exchange, block=block,
+                          **segments)
 
 
 def _block_size(span: int, block: int) -> int:
@@ -221,14 +223,17 @@ _attend_local.defvjp(_attend_fwd, _attend_bwd)
 
 
 def context_attend(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, *, mesh: Mesh, axis: str = "seq",
-                   exchange: str = "ring", block: int = 512) -> jax.Array:
+                   exchange: str = "ring", block: int = 512, segment_ids: jax.Array | None = None) -> jax.Array:
     """Causal attention of ``q[B, L_seq, H, K]`` over ``k, v[B, L_seq, G, K]`` whose length is in
     :func:`balanced_positions` order and sharded over ``axis`` (other axes stay automatic)."""
     if exchange not in EXCHANGES:
         raise ValueError(f"context exchange {exchange!r} is not one of {EXCHANGES}")
     n = mesh.shape[axis]
     if n == 1:
-        return blockwise(q_BLHK, k_BLGK, v_BLGK, block)
+        return blockwise(q_BLHK, k_BLGK, v_BLGK, block, segment_ids)
+    if segment_ids is not None:
+        raise ValueError(f"packed documents (segment ids) do not run under context parallelism yet ({axis}={n}); "
+                         f"use {axis}=1, or data.packing='concat'")
     b, length, h, kd = q_BLHK.shape
     g = k_BLGK.shape[2]
     balanced_positions(length, n)  # the divisibility check, with its message
