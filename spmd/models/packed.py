@@ -56,10 +56,26 @@ def packed_loss(model, tokens_BL: jax.Array, targets_BL: jax.Array, *, z_loss: f
     return _with_moe_losses(model.cfg, *out, stats)
 
 
-def document_losses(model, batch: dict) -> tuple[jax.Array, jax.Array]:
-    """``(loss_sum[B], documents[B])``: per row, the sum over its documents of each document's mean
-    weighted loss, and how many documents (with any weight) it holds. Their ratio over an eval set is
-    the loss per document (every document counts once, whatever its length)."""
+def _per_document(values_BL: jax.Array, seg_BL: jax.Array) -> jax.Array:
+    """``sums[B, L + 2]``: values summed per segment id (ids 0..L+1; padding has its own id)."""
+    n = seg_BL.shape[1] + 2
+    return jax.vmap(lambda v, s: jax.ops.segment_sum(v, s, num_segments=n))(values_BL, seg_BL)
+
+
+def _weights(batch: dict) -> jax.Array:
+    return batch.get("weights", jnp.ones(batch["inputs"].shape, jnp.float32)).astype(jnp.float32)
+
+
+def document_count(model, batch: dict) -> jax.Array:
+    """``documents[B]``: how many documents (segments with any loss weight) each row holds."""
+    del model
+    return jnp.sum(_per_document(_weights(batch), batch["segment_ids"]) > 0, -1).astype(jnp.float32)
+
+
+def document_losses(model, batch: dict) -> jax.Array:
+    """``loss_sum[B]``: per row, the sum over its documents of each document's mean weighted loss.
+    Over an eval set, ``sum(loss_sum) / sum(document_count)`` is the loss per document (every
+    document counts once, whatever its length)."""
     tokens_BL, seg_BL = batch["inputs"], batch["segment_ids"]
     x_BLD, _ = model.hidden_and_stats(tokens_BL, seg_BL, batch["positions"])
     logits_BLV = model.logits(x_BLD).astype(jnp.float32)
@@ -67,9 +83,7 @@ def document_losses(model, batch: dict) -> tuple[jax.Array, jax.Array]:
     if order is not None:
         logits_BLV = logits_BLV[:, jnp.argsort(jnp.asarray(order))]
     ce_BL = jax.nn.logsumexp(logits_BLV, -1) - jnp.take_along_axis(logits_BLV, batch["targets"][..., None], -1)[..., 0]
-    w_BL = batch.get("weights", jnp.ones(tokens_BL.shape, jnp.float32)).astype(jnp.float32)
-    n = tokens_BL.shape[1] + 2  # ids 0..L+1 (padding: its own segment, weight 0, not counted)
-    per_doc = jax.vmap(lambda v, s: jax.ops.segment_sum(v, s, num_segments=n))
-    loss_BS, w_BS = per_doc(w_BL * ce_BL, seg_BL), per_doc(w_BL, seg_BL)
+    w_BL = _weights(batch)
+    loss_BS, w_BS = _per_document(w_BL * ce_BL, seg_BL), _per_document(w_BL, seg_BL)
     has = w_BS > 0
-    return jnp.sum(jnp.where(has, loss_BS / jnp.where(has, w_BS, 1.0), 0.0), -1), jnp.sum(has, -1).astype(jnp.float32)
+    return jnp.sum(jnp.where(has, loss_BS / jnp.where(has, w_BS, 1.0), 0.0), -1)
