@@ -149,11 +149,11 @@ def block_forward(q_BLGRK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, size
                             preferred_element_type=jnp.float32)
             return m_new, sum_BGRQ * rescale + p.sum(axis=-1), o_BGRQK * rescale[..., None] + pv
 
-        if seg is not None:
-            key_block = segments.skipping(key_block, seg[2], i)
-
         init = (jnp.full((b, g, r, size), low, jnp.float32), jnp.zeros((b, g, r, size), jnp.float32),
                 jnp.zeros((b, g, r, size, k), jnp.float32))
+        if seg is not None:
+            key_block = segments.skipping(key_block, seg[2], i)
+            init = segments.vary(init, q_BLGRK, k_BLGK, v_BLGK)
         m_BGRQ, sum_BGRQ, o_BGRQK = lax.fori_loop(0, i + 1 if causal else nk, key_block, init)  # causal: j <= i
         if seg is None:
             o_BQGRK = jnp.transpose(o_BGRQK / sum_BGRQ[..., None], (0, 3, 1, 2, 4))
@@ -165,6 +165,8 @@ def block_forward(q_BLGRK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, size
         return _put(out_BLGRK, o_BQGRK, i, size), lax.dynamic_update_slice_in_dim(lse_BGRL, lse_BGRQ, i * size, axis=3)
 
     init = (jnp.zeros(q_BLGRK.shape, q_BLGRK.dtype), jnp.zeros((b, g, r, l), jnp.float32))
+    if seg is not None:
+        init = segments.vary(init, q_BLGRK, k_BLGK, v_BLGK)
     return lax.fori_loop(0, n, query_block, init)
 
 
@@ -200,14 +202,18 @@ def block_backward(size: int, residuals: tuple, dout_BLGRK: jax.Array,
             dk_SGK = dk_SGK + jnp.einsum("bgrqs,bqgrk->bsgk", ds, q_i, preferred_element_type=jnp.float32)
             return dq_BLGRK, dk_SGK, dv_SGK
 
+        zeros = jnp.zeros(k_j.shape, jnp.float32)
+        acc = (dq_BLGRK, zeros, zeros)
         if seg is not None:
             query_block = segments.skipping(query_block, seg[2].T, j)
-        zeros = jnp.zeros(k_j.shape, jnp.float32)
-        dq_BLGRK, dk_j, dv_j = lax.fori_loop(j if causal else 0, n, query_block, (dq_BLGRK, zeros, zeros))
+            acc = segments.vary(acc, q_BLGRK, k_BLGK, v_BLGK, dout_BLGRK)
+        dq_BLGRK, dk_j, dv_j = lax.fori_loop(j if causal else 0, n, query_block, acc)
         return dq_BLGRK, _put(dk_BLGK, dk_j, j, size), _put(dv_BLGK, dv_j, j, size)
 
     init = (jnp.zeros(q_BLGRK.shape, jnp.float32), jnp.zeros(k_BLGK.shape, jnp.float32),
             jnp.zeros(v_BLGK.shape, jnp.float32))
+    if seg is not None:
+        init = segments.vary(init, q_BLGRK, k_BLGK, v_BLGK, dout_BLGRK)
     dq, dk, dv = lax.fori_loop(0, nk, key_block, init)
     return dq.astype(q_BLGRK.dtype), dk.astype(k_BLGK.dtype), dv.astype(v_BLGK.dtype)
 

@@ -46,9 +46,22 @@ def skipping(body: Callable, needed: jax.Array, i: jax.Array) -> Callable:
     """A ``fori_loop`` body over ``j`` that runs ``body`` only where ``needed[i, j]``."""
 
     def run(j, acc):
-        return lax.cond(needed[i, j], body, lambda j, acc: acc, j, acc)
+        types = jax.eval_shape(body, j, acc)  # inside shard_map the body's outputs may vary over more axes
+        skip = lambda j, acc: jax.tree.map(_vary_like, acc, types)
+        return lax.cond(needed[i, j], body, skip, j, acc)
 
     return run
+
+
+def _varying(t) -> frozenset:
+    mat = getattr(t, "manual_axis_type", None)
+    return frozenset(getattr(mat, "varying", None) or getattr(t, "vma", None) or ())
+
+
+def _vary_like(a: jax.Array, t) -> jax.Array:
+    """``a`` cast to vary over the manual axes ``t`` (an output type) varies over."""
+    missing = tuple(sorted(_varying(t) - _varying(jax.typeof(a))))
+    return lax.pcast(a, missing, to="varying") if missing else a
 
 
 def skipped_fraction(segment_ids: np.ndarray, block: int) -> float:
@@ -72,3 +85,15 @@ def document_positions(segment_ids: np.ndarray) -> np.ndarray:
     start = np.concatenate([np.ones((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
     first = np.maximum.accumulate(np.where(start, idx, 0), axis=1)
     return (idx - first).astype(np.int32)
+
+
+def vary(tree, *refs: jax.Array):
+    """Every leaf of ``tree`` cast to vary over the manual axes any of ``refs`` varies over (a loop's
+    initial carry inside ``shard_map``: zeros start invariant, the body's outputs do not)."""
+    axes = frozenset().union(*(_varying(jax.typeof(r)) for r in refs))
+    return jax.tree.map(lambda a: _vary_like(a, _Varying(axes)), tree)
+
+
+class _Varying:
+    def __init__(self, axes: frozenset):
+        self.vma = axes
