@@ -1,0 +1,157 @@
+"""Document corpora (JSONL, Parquet, saved Hugging Face datasets) stream into packed rows that resume exactly, split across processes, and refuse bad input with one message naming the file and the field."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from trainers.data import DataConfig
+from trainers.data import documents as docs_lib
+from trainers.data.documents import Documents, Encoder
+from trainers.data.packing import PackedStream, packed_stream
+from trainers.launch import cli
+
+L = 32
+
+
+def write_jsonl(path, n=200, seed=0):
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"text": f"doc {i} " + "ab" * int(rng.integers(0, 20)), "id": i}) + "\n")
+    return path
+
+
+def write_chat(path, n=120, row_group=16):
+    table = pa.table({"prompt": [f"Q{i}: what is {i} + {i}?" for i in range(n)],
+                      "response": [f"It is {2 * i}." for i in range(n)]})
+    pq.write_table(table, path, row_group_size=row_group)
+    return path
+
+
+def batches(stream, n):
+    it = iter(stream)
+    return [next(it) for _ in range(n)]
+
+
+def test_segments_rows_hold_whole_documents_with_positions_and_weights(tmp_path):
+    path = write_chat(tmp_path / "chat.parquet")
+    stream = packed_stream(DataConfig(corpus="parquet", path=str(path), fields="prompt,response", seq_len=L,
+                                      global_batch=4), "train")
+    batch = batches(stream, 1)[0]
+    assert set(batch) == {"inputs", "targets", "segment_ids", "positions", "weights"}
+    for r in range(4):
+        seg, pos, w = batch["segment_ids"][r], batch["positions"][r], batch["weights"][r]
+        assert np.all(np.diff(seg) >= 0) and seg[0] == 1
+        for s in np.unique(seg):
+            idx = np.flatnonzero(seg == s)
+            assert np.array_equal(pos[idx], np.arange(idx.size))  # positions restart per document
+        text = bytes(batch["inputs"][r][seg == 1].astype(np.uint8)).decode()
+        assert text.startswith("Q") and "It is" in text
+        # the prompt's targets weigh 0, the response's and its end token's 1; padding 0
+        first = batch["targets"][r][seg == 1]
+        w1 = w[seg == 1]
+        prompt_len = text.index("It is")  # targets shifted by one: target t is input t + 1
+        assert np.all(w1[: prompt_len - 1] == 0) and np.all(w1[prompt_len - 1:] == 1) and first[-1] == 0
+    it = iter(stream)
+    next(it)
+    assert 0 <= it.padding_fraction < 0.5
+
+
+@pytest.mark.parametrize("packing", ["segments", "concat"])
+def test_resume_is_exact_and_processes_read_disjoint_documents(tmp_path, packing, monkeypatch):
+    monkeypatch.setattr(docs_lib, "BLOCK_BYTES", 512)  # many small blocks
+    path = write_jsonl(tmp_path / "a.jsonl")
+    docs = Documents("jsonl", str(path), ("text",))
+    assert len(docs.blocks) > 4
+    stream = PackedStream(docs, Encoder(), "train", seq_len=L, global_batch=4, seed=3, packing=packing)
+    it = iter(stream)
+    for _ in range(7):  # past the first epoch's blocks for this corpus size
+        next(it)
+    state = json.loads(json.dumps(it.get_state()))  # JSON round trip, as the checkpoint stores it
+    expected = [next(it) for _ in range(5)]
+    resumed = iter(stream)
+    resumed.set_state(state)
+    for a in expected:
+        b = next(resumed)
+        assert all(np.array_equal(a[k], b[k]) for k in a)
+    # two processes: disjoint documents, both busy
+    p0, p1 = (iter(stream.for_process(p, 2)) for p in (0, 1))
+    seen = [set(), set()]
+    for p, itp in enumerate((p0, p1)):
+        for _ in range(3):
+            batch = next(itp)
+            assert batch["inputs"].shape == (2, L)
+            text = bytes(batch["inputs"].reshape(-1).astype(np.uint8)).decode(errors="replace")
+            seen[p] |= {int(t.split()[0]) for t in text.split("doc ")[1:] if t.split() and t.split()[0].isdigit()}
+    assert seen[0] and seen[1] and not (seen[0] & seen[1])
+    with pytest.raises(ValueError, match="seq_len"):
+        PackedStream(docs, Encoder(), "train", seq_len=L + 1, global_batch=4, seed=3,
+                     packing=packing).__iter__().set_state(state)
+
+
+def test_train_and_validation_are_disjoint_and_eval_is_one_finite_pass(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", n=400)
+    cfg = DataConfig(corpus="jsonl", path=str(path), seq_len=L, global_batch=2, validation_fraction=0.2)
+    val = packed_stream(cfg, "validation", train=False)
+    val_docs = {rid for rid, _ in val.docs.records(val.blocks[0])
+                if docs_lib.corpus_lib.split_of(rid, 0.2) == "validation"}
+    assert 40 < len(val_docs) < 130
+    n = sum(int(b["weights"].sum() > 0) for b in val)  # a finite pass
+    assert n > 0
+    assert len(list(val)) == len(list(val))  # iterating again starts over
+
+
+def test_saved_hugging_face_dataset(tmp_path):
+    datasets = pytest.importorskip("datasets", reason="data.corpus=hf needs the optional datasets library")
+    ds = datasets.DatasetDict({
+        "train": datasets.Dataset.from_dict({"text": [f"train document {i}" for i in range(50)]}),
+        "validation": datasets.Dataset.from_dict({"text": [f"held out {i}" for i in range(10)]})})
+    ds.save_to_disk(str(tmp_path / "ds"))
+    cfg = DataConfig(corpus="hf", path=str(tmp_path / "ds"), seq_len=L, global_batch=2)
+    train = bytes(batches(packed_stream(cfg, "train"), 1)[0]["inputs"].reshape(-1).astype(np.uint8))
+    val = bytes(next(iter(packed_stream(cfg, "validation", train=False)))["inputs"].reshape(-1).astype(np.uint8))
+    assert b"train document" in train and b"held out" not in train and b"held out" in val
+
+
+def _bad_inputs(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "fake.parquet").write_text("not parquet at all")
+    (tmp_path / "int.jsonl").write_text(json.dumps({"text": 3}) + "\n")
+    (tmp_path / "long.jsonl").write_text(json.dumps({"text": "y" * 100}) + "\n")
+    chat = write_chat(tmp_path / "chat.parquet")
+    return [
+        (dict(corpus="jsonl", path=str(tmp_path / "a.jsonl"), text_field="body"), ["a.jsonl", "no field 'body'"]),
+        (dict(corpus="parquet", path=str(chat), fields="prompt,answer"), ["chat.parquet", "'answer'"]),
+        (dict(corpus="jsonl", path=str(tmp_path / "int.jsonl")), ["int.jsonl", "'text'", "not a string"]),
+        (dict(corpus="jsonl", path=str(tmp_path / "empty.jsonl")), ["empty.jsonl", "empty file"]),
+        (dict(corpus="jsonl", path=str(tmp_path / "long.jsonl"), truncate=False), ["long.jsonl", "data.truncate",
+                                                                                   "data.seq_len=32"]),
+        (dict(corpus="parquet", path=str(tmp_path / "fake.parquet")), ["fake.parquet", "not a Parquet file"]),
+        (dict(corpus="jsonl", path=str(tmp_path / "none*.jsonl")), ["none*.jsonl", "matches no file"]),
+        (dict(corpus="stdlib", packing="segments"), ["data.packing='segments'", "document corpus"]),
+    ]
+
+
+def test_bad_inputs_are_one_message_naming_file_and_field(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl")
+    for kw, needles in _bad_inputs(tmp_path):
+        with pytest.raises(ValueError) as e:
+            DataConfig(**{"seq_len": L, **kw})
+        assert all(n in str(e.value) for n in needles), (kw, str(e.value))
+        assert "\n" not in str(e.value)
+
+
+def test_cli_refuses_bad_documents_with_exit_2_and_writes_nothing(tmp_path, capsys):
+    write_jsonl(tmp_path / "a.jsonl")
+    for i, (kw, needles) in enumerate(_bad_inputs(tmp_path)[:6]):
+        run_dir = tmp_path / f"run{i}"
+        sets = [a for k, v in {**kw, "seq_len": L}.items() for a in ("--set", f"data.{k}={v}")]
+        code = cli.main(["gpt-small", "--tiny", "--run-dir", str(run_dir), *sets])
+        err = capsys.readouterr().err
+        assert code == cli.EXIT_USAGE and err.startswith("spmd-train: error: "), err
+        assert needles[0] in err and not run_dir.exists(), err
