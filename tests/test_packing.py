@@ -139,3 +139,38 @@ def test_weighted_loss_sharded_and_accumulated_equals_numpy_over_the_global_batc
     # negative control: a mean of per-device means (each device's rows normalised alone) is another number
     per_row = rows["weights"].sum(-1)
     assert np.ptp(per_row) > 0  # rows carry different weight, so the two means differ for generic losses
+
+
+def sharded_grad(sizes: dict, rules: str, exchange: str):
+    """Packed loss and gradients with the GPT's length split over ``seq`` (context parallelism)."""
+    _, rows = corpus()
+    mesh = meshes.make_mesh(sizes)
+    cfg = GPTConfig(**{**CFG.__dict__, "attention": "blockwise", "context_exchange": exchange})
+    rules = spmd.get_rules(rules)
+    graphdef, params, _ = spmd.init_params(lambda: GPT(cfg, rngs=nnx.Rngs(0)), rules, mesh)
+    bs = spmd.batch_sharding(rules, mesh, dims=("batch",))
+
+    @jax.jit
+    def f(params, batch):
+        def loss(p):
+            with spmd.use_rules(rules, mesh):
+                b = normalize_weights(batch)
+                return nnx.merge(graphdef, p).loss(b["inputs"], b["targets"], segment_ids=b["segment_ids"],
+                                                   positions=b["positions"], weights=b["weights"])[0]
+        return jax.value_and_grad(loss)(params)
+
+    loss, grads = f(params, {k: jax.device_put(v, bs) for k, v in rows.items()})
+    return float(loss), jax.tree.map(np.asarray, grads)
+
+
+@pytest.mark.parametrize("sizes, rules, exchange", [
+    ({"data": 2, "seq": 2, "tensor": 2}, "dp_tp", "ring"),
+    pytest.param({"fsdp": 2, "seq": 4}, "fsdp", "allgather", marks=pytest.mark.slow),
+    pytest.param({"fsdp": 2, "seq": 4}, "fsdp", "ring", marks=pytest.mark.slow),
+    pytest.param({"data": 2, "seq": 2, "tensor": 2}, "dp_tp", "allgather", marks=pytest.mark.slow),
+])
+def test_context_parallel_packed_rows_equal_each_document_alone(sizes, rules, exchange):
+    ref_loss, ref_grads = reference()
+    loss, grads = sharded_grad(sizes, rules, exchange)
+    assert loss == pytest.approx(ref_loss, rel=TOL)
+    assert rel(grads, ref_grads) < TOL
