@@ -4,7 +4,8 @@ A source is a list of *blocks* (a JSONL byte range of about ``BLOCK_BYTES`` cut 
 Parquet row group, ``HF_BLOCK_ROWS`` rows of a saved dataset); a block is read and tokenized only
 when the stream reaches it, so memory holds one block whatever the corpus size. A record is one
 document: ``text_field`` (default ``"text"``), or ``fields`` (e.g. ``("prompt", "response")``)
-concatenated, every field but the last with loss weight 0. Records are split train/validation by a
+concatenated, every field but the last with loss weight 0; a field is text, or a list of token
+ids (pre-tokenized: used as they are). Records are split train/validation by a
 stable hash of ``file@offset`` (:func:`trainers.data.corpus.split_of`); a saved ``DatasetDict``
 uses its own ``train`` and ``validation`` (or ``test``) splits. Bad input is a one-line ValueError
 naming the file, the record and the field. See docs/data.md.
@@ -130,8 +131,10 @@ class Documents:
                 raise ValueError(f"data.path: {f!r} has no field {field!r} (it has {schema.names}); set "
                                  f"data.text_field or data.fields to fields it has")
             t = schema.field(field).type
-            if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
-                raise ValueError(f"data.path: {f!r} field {field!r} has type {t}, not string; documents are text")
+            ids = (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)
+            if not (pa.types.is_string(t) or pa.types.is_large_string(t) or ids):
+                raise ValueError(f"data.path: {f!r} field {field!r} has type {t}, not string (text) or a list of "
+                                 "integers (token ids)")
 
     def hf_split(self, split: str):
         """The saved dataset's split (a ``DatasetDict``'s own; a plain ``Dataset`` serves both)."""
@@ -171,7 +174,7 @@ class Documents:
             split = block.file.rsplit("#", 1)[1]
             table = self.hf_split(split).data.slice(block.start, block.stop - block.start).select(list(self.fields))
             ids = [f"{block.file}@{block.start + r}" for r in range(table.num_rows)]
-        columns = [table.column(f).to_pylist() for f in self.fields]
+        columns = [_column(table.column(f)) for f in self.fields]
         out = []
         for r, rid in enumerate(ids):
             values = tuple(c[r] for c in columns)
@@ -212,11 +215,29 @@ class Documents:
             if field not in record:
                 raise ValueError(f"data.path: {where} has no field {field!r} (it has {sorted(record)}); set "
                                  "data.text_field or data.fields to fields it has")
-            if not isinstance(record[field], str):
-                raise ValueError(f"data.path: {where} field {field!r} is a {type(record[field]).__name__}, not a "
-                                 "string; documents are text")
-            values.append(record[field])
+            value = record[field]
+            if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+                value = np.asarray(value, np.int64)  # token ids
+            elif not isinstance(value, str):
+                raise ValueError(f"data.path: {where} field {field!r} is a {type(value).__name__}, not a "
+                                 "string (text) or a list of integers (token ids)")
+            values.append(value)
         return tuple(values)
+
+
+def _column(chunked) -> list:
+    """A column's values: str for text, int64 arrays (views of the column's buffer) for token-id lists."""
+    import pyarrow as pa
+
+    if not (pa.types.is_list(chunked.type) or pa.types.is_large_list(chunked.type)):
+        return chunked.to_pylist()
+    out = []
+    for chunk in chunked.chunks:
+        offsets = chunk.offsets.to_numpy()
+        values = chunk.values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        nulls = chunk.is_null().to_numpy(zero_copy_only=False)
+        out += [None if nulls[r] else values[offsets[r]:offsets[r + 1]] for r in range(len(chunk))]
+    return out
 
 
 class Encoder:
@@ -234,7 +255,9 @@ class Encoder:
             _, sep = tok_lib.separator_id(self.tok, separator)
             self.end = sep
 
-    def ids(self, text: str) -> np.ndarray:
+    def ids(self, text: str | np.ndarray) -> np.ndarray:
+        if isinstance(text, np.ndarray):  # pre-tokenized
+            return text.astype(np.int32, copy=False)
         if self.tok is None:
             return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
         return np.asarray(self.tok.encode(text, add_special_tokens=False).ids, np.int32)
