@@ -1,21 +1,14 @@
 """Packing documents into rows: segment ids, per-document positions and loss weights.
 
-    stream = PackedStream(documents, encoder, "train", seq_len=L, global_batch=B, seed=0)
-    it = iter(stream.for_process(p, P))       # this process's rows of every global batch
-    batch = next(it)                           # {"inputs", "targets", "segment_ids", "positions", "weights"}: [B/P, L]
+    it = iter(packed_stream(cfg.data, "train").for_process(p, P))   # this process's rows of each global batch
+    next(it)   # {"inputs", "targets", "segment_ids", "positions", "weights"}: int32/f32 [B/P, L]
 
-A document of n tokens gives n - 1 (input, target) pairs. ``packing="segments"``: a row takes whole
-documents in stream order while they fit (a document longer than L is cut to its first L pairs, or
-refused with ``truncate=False``), numbered 1, 2, ... in ``segment_ids``, ``positions`` restarting at
-0 in each; the rest of the row is padding (one more segment id, weight 0). ``packing="concat"``:
-the documents' tokens end to end cut into windows of L + 1 (no segments: attention crosses
-documents, as the token corpora do). ``weights`` is the weight of each target token (0 on prompt
-fields, on padding).
-
-Epoch e reads the split's blocks in a permutation seeded by (seed, e) and each block's documents in
-one seeded by (seed, e, block); process p of P reads blocks p, p + P, ... (or, with fewer blocks
-than processes, every block and documents p, p + P, ...). The position (epoch, block, document,
-offset) is the iterator's state: resuming is exact and reads only the block it resumes in.
+``packing="segments"``: whole documents in stream order while they fit a row of L (a longer one is
+cut, or refused with ``truncate=False``), numbered 1, 2, ..., positions restarting at 0, the rest
+padding (one more id, weight 0). ``packing="concat"``: the documents end to end in windows of L + 1.
+Epoch e reads the blocks in an order seeded by (seed, e), each block's documents in one seeded by
+(seed, e, block); process p reads blocks p, p + P, ... The position (epoch, block, document, offset)
+is the iterator's state: resuming is exact and reads only the block it resumes in. See docs/data.md.
 """
 
 from __future__ import annotations
