@@ -155,3 +155,39 @@ def test_cli_refuses_bad_documents_with_exit_2_and_writes_nothing(tmp_path, caps
         err = capsys.readouterr().err
         assert code == cli.EXIT_USAGE and err.startswith("spmd-train: error: "), err
         assert needles[0] in err and not run_dir.exists(), err
+
+
+def test_spmd_tokenize_writes_token_id_parquet_that_trains_as_stored(tmp_path, capsys):
+    from test_tokenize import _bpe  # tests/ is on the path, as for helpers/
+    from tokenizers import Tokenizer
+
+    from trainers.launch import tokenize as tokenize_cli
+
+    chat = write_chat(tmp_path / "chat.parquet")
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(pq.read_table(chat).column("prompt").to_pylist() + pq.read_table(chat).column(
+        "response").to_pylist()))
+    tok = _bpe([text], tmp_path / "tokenizer.json")
+    out = tmp_path / "tok"
+    argv = [str(chat), "--format", "parquet", "--fields", "prompt,response", "--tokenizer", str(tok), "--out",
+            str(out), "--no-progress", "--validation-fraction", "0.2"]
+    assert tokenize_cli.main(argv) == 0
+    assert "train with: --set data.corpus=parquet" in capsys.readouterr().out
+    assert tokenize_cli.main(argv) == 2 and "--overwrite" in capsys.readouterr().err  # never replaced silently
+    train, val = (pq.read_table(out / f"{s}.parquet") for s in ("train", "validation"))
+    assert train.num_rows + val.num_rows == 120 and val.num_rows > 5
+    t = Tokenizer.from_file(str(tok))
+    first = train.column("prompt").to_pylist()[0]
+    assert t.decode(first).startswith("Q")
+    # the prepared folder trains with its own splits, the ids as stored (end token included)
+    cfg = DataConfig(corpus="parquet", path=str(out), fields="prompt,response", seq_len=L, global_batch=2,
+                     vocab_size=t.get_vocab_size())
+    stream = packed_stream(cfg, "validation", train=False)
+    assert stream.docs.hash_split is False
+    batch = next(iter(stream))
+    seg = batch["segment_ids"][0]
+    doc = np.concatenate([batch["inputs"][0][seg == 1], batch["targets"][0][seg == 1][-1:]])
+    row = val.to_pylist()[0]
+    assert doc.tolist() == row["prompt"] + row["response"]
+    assert tokenize_cli.main([str(tmp_path / "nope.parquet"), "--format", "parquet", "--tokenizer", str(tok),
+                              "--out", str(tmp_path / "x")]) == 2

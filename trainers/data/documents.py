@@ -6,8 +6,8 @@ when the stream reaches it, so memory holds one block whatever the corpus size. 
 document: ``text_field`` (default ``"text"``), or ``fields`` (e.g. ``("prompt", "response")``)
 concatenated, every field but the last with loss weight 0; a field is text, or a list of token
 ids (pre-tokenized: used as they are). Records are split train/validation by a
-stable hash of ``file@offset`` (:func:`trainers.data.corpus.split_of`); a saved ``DatasetDict``
-uses its own ``train`` and ``validation`` (or ``test``) splits. Bad input is a one-line ValueError
+stable hash of ``file@offset`` (:func:`trainers.data.corpus.split_of`); a ``DatasetDict``, or files
+named ``train*`` and ``validation*`` (or ``test*``), give their own splits. Bad input is a one-line ValueError
 naming the file, the record and the field. See docs/data.md.
 """
 
@@ -153,13 +153,25 @@ class Documents:
 
     @property
     def hash_split(self) -> bool:
-        """Whether records are split by hash (not for a DatasetDict that has its own splits)."""
-        return not (self.fmt == "hf" and hasattr(self._hf, "keys"))
+        """Whether records are split by hash: not for a DatasetDict with its own splits, nor for files
+        named by split (``train*`` and ``validation*`` or ``test*``, as ``spmd-tokenize`` writes them)."""
+        return not (self.fmt == "hf" and hasattr(self._hf, "keys")) and self._named_splits() is None
+
+    def _named_splits(self) -> dict[str, set[str]] | None:
+        if self.fmt == "hf":
+            return None
+        names = {f: os.path.basename(f) for f in self.files}
+        train = {f for f, n in names.items() if n.startswith("train")}
+        held = {f for f, n in names.items() if n.startswith(("validation", "valid", "test"))}
+        return {"train": train, "validation": held} if train and held else None
 
     def blocks_of(self, split: str) -> list[Block]:
         """The blocks a split reads (with a hash split every block; records are filtered when read)."""
         if self.hash_split:
             return self.blocks
+        named = self._named_splits()
+        if named is not None:
+            return [b for b in self.blocks if b.file in named[split]]
         return [b for b in self.blocks if b.file.endswith(f"#{split}")]
 
     # ------------------------------------------------------------------------------ reading
@@ -243,7 +255,8 @@ def _column(chunked) -> list:
 class Encoder:
     """Text fields -> ``(tokens, weights)`` of one document: the fields' tokens concatenated, then the
     end-of-document token; weight 0 on the tokens of every field but the last (a prompt), 1 on the
-    rest (its response and the end token). Bytes (vocab 256, end token 0) or a tokenizer.json."""
+    rest (its response and the end token). Bytes (vocab 256, end token 0) or a tokenizer.json.
+    Fields that are token ids (pre-tokenized) are used as stored, without an end token added."""
 
     def __init__(self, tokenizer: str = "", separator: str = ""):
         self.tok = None
@@ -262,9 +275,9 @@ class Encoder:
             return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
         return np.asarray(self.tok.encode(text, add_special_tokens=False).ids, np.int32)
 
-    def __call__(self, values: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+    def __call__(self, values: tuple[str | np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
         parts = [self.ids(v) for v in values]
-        if self.end is not None:
+        if self.end is not None and not all(isinstance(v, np.ndarray) for v in values):  # token ids: as stored
             parts.append(np.asarray([self.end], np.int32))
         tokens = np.concatenate(parts)
         weights = np.ones(tokens.shape, np.float32)
