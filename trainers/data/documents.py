@@ -1,6 +1,6 @@
 """Document sources: JSONL, Parquet and Hugging Face datasets, read in blocks, never whole.
 
-A source is a list of *blocks* (a JSONL byte range of about ``BLOCK_BYTES`` cut at line starts, a
+A source is a list of *blocks* (a JSONL byte range of about ``BLOCK_BYTES`` (1 MiB) cut at line starts, a
 Parquet row group, ``HF_BLOCK_ROWS`` rows of a saved dataset); a block is read and tokenized only
 when the stream reaches it, so memory holds one block whatever the corpus size. A record is one
 document: ``text_field`` (default ``"text"``), or ``fields`` (e.g. ``("prompt", "response")``)
@@ -26,7 +26,7 @@ from trainers.data import corpus as corpus_lib
 
 FORMATS = ("jsonl", "parquet", "hf")
 SUFFIXES = {"jsonl": (".jsonl", ".json"), "parquet": (".parquet",)}
-BLOCK_BYTES = 4 << 20
+BLOCK_BYTES = 1 << 20
 HF_BLOCK_ROWS = 4096
 HF_INSTALL = "pip install 'spmd[hf]' (or: pip install datasets)"
 
