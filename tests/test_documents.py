@@ -192,3 +192,32 @@ def test_spmd_tokenize_writes_token_id_parquet_that_trains_as_stored(tmp_path, c
     assert doc.tolist() == row["prompt"] + row["response"]
     assert tokenize_cli.main([str(tmp_path / "nope.parquet"), "--format", "parquet", "--tokenizer", str(tok),
                               "--out", str(tmp_path / "x")]) == 2
+
+
+@pytest.mark.slow
+def test_two_processes_train_the_same_weighted_losses_and_resume_on_one(tmp_path):
+    """2 processes x 4 devices vs 1 x 8 on a Parquet chat corpus, prompt masked: the same global batches
+    (each process packs only its rows), so the same losses (the loss over weighted tokens of the
+    global batch, summed across processes); a 2-process checkpoint resumes on 1 process exactly."""
+    import os
+    import shutil
+    import sys
+
+    from test_distributed import _close, _launch, _train_losses
+    from trainers.launch import command
+    from trainers.loop import train
+
+    chat = write_chat(tmp_path / "chat.parquet", n=300, row_group=8)
+    args = ["gpt-small", "--tiny", "--mesh", "data=2,tensor=4", "--rules", "dp_tp", "--steps", "4", "--set",
+            "checkpoint.every_steps=2", "--set", "run.eval_batches=0", "--set", "run.progress=false", "--set",
+            "data.corpus=parquet", "--set", f"data.path={chat}", "--set", "data.fields=prompt,response",
+            "--set", f"data.seq_len={L}", "--set", "data.global_batch=8"]
+    one, two, resumed = (str(tmp_path / n) for n in ("1x8", "2x4", "2x4-to-1x8"))
+    train(command.build_config(cli.parse_args([*args, "--run-dir", one])))
+    code, out, _ = _launch([sys.executable, "-m", "trainers", *args, "--run-dir", two], 2, 4)
+    assert code == 0, out[-3000:]
+    ref = _train_losses(one)
+    assert sorted(ref) == [1, 2, 3, 4] and _close(_train_losses(two), ref), (_train_losses(two), ref)
+    shutil.copytree(os.path.join(two, "checkpoints", "2"), os.path.join(resumed, "checkpoints", "2"))
+    again = train(command.build_config(cli.parse_args([*args, "--run-dir", resumed])))
+    assert again.start_step == 2 and _close(_train_losses(resumed), {k: ref[k] for k in (3, 4)})
