@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from spmd.models import context
+from spmd.models import context, segments
 from spmd.models.loss import chunked_lm_loss, lm_loss
 
 PACKED_KEYS = ("segment_ids", "positions", "weights")
@@ -45,6 +45,8 @@ def packed_loss(model, tokens_BL: jax.Array, targets_BL: jax.Array, *, z_loss: f
         out = lm_loss(model.logits(x_BLD), targets_BL, z_loss=z_loss, weights=weights)
     if weights is not None:  # eval: ce / weight over all batches is the loss per weighted token
         out = out[0], {**out[1], "weight": jnp.mean(weights.astype(jnp.float32))}
+    if segment_ids is not None:  # the packer's padding, and the block pairs blockwise attention skips
+        out = out[0], {**out[1], **_packing_metrics(model.cfg, segment_ids)}
     if stats is None:
         return out
     from spmd.models.gpt import _with_moe_losses
@@ -93,6 +95,17 @@ def _pipelined(model, tokens_BL, targets_BL, z_loss, pipeline, segment_ids, posi
     w_BL = jnp.ones(targets_BL.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
     tw_BL2 = jnp.stack([targets_BL.astype(jnp.int32), jax.lax.bitcast_convert_type(w_BL, jnp.int32)], -1)
     return pipelined_loss(pipeline, stage_fn, head_fn, block_state, (norm_state, model.out_weight), x_BLD, tw_BL2)
+
+
+def _packing_metrics(cfg, seg_BL: jax.Array) -> dict[str, jax.Array]:
+    """``padding``: the fraction of positions in the packer's padding segment; ``attention_skipped``:
+    the fraction of causal block pairs the blockwise path skips (with blockwise attention)."""
+    length = seg_BL.shape[1]
+    out = {"padding": jnp.mean((seg_BL == segments.padding_id(length)).astype(jnp.float32))}
+    auto_blockwise = cfg.attention == "auto" and length > cfg.attention_block and jax.default_backend() != "gpu"
+    if cfg.attention == "blockwise" or auto_blockwise:
+        out["attention_skipped"] = segments.skipped(seg_BL, cfg.attention_block).astype(jnp.float32)
+    return out
 
 
 def _per_document(values_BL: jax.Array, seg_BL: jax.Array) -> jax.Array:

@@ -1,8 +1,8 @@
 """Packed documents: segment ids, which keys a query may see, and which attention blocks can be skipped.
 
 A row of ``L`` tokens may hold several documents, told apart by ``segment_ids[B, L]`` (int32; the
-packer numbers a row's documents 1, 2, ... and its padding one more, weight 0: ids never decrease
-along a row, which keeps the block ranges tight; see trainers.data.packing). A query
+packer numbers a row's documents 1, 2, ... and its padding ``L + 1`` (:func:`padding_id`), weight 0: ids
+never decrease along a row, which keeps the block ranges tight; see trainers.data.packing). A query
 attends only to keys of its own segment (and, causally, not later ones); positions restart at 0 in
 every document (``positions[B, L]``, RoPE reads them). Nothing here communicates: the block table
 is computed from the segment ids the device holds (under GSPMD, an ``any`` over the batch rows).
@@ -18,6 +18,11 @@ import numpy as np
 from jax import lax
 
 PAD_SEGMENT = -1  # the segment of positions the blockwise path pads a length with (never a packer id)
+
+
+def padding_id(length: int) -> int:
+    """The segment id of a row's padding: ``length + 1``, above every document's (1 .. length)."""
+    return length + 1
 
 
 def same_segment(seg_q_BQ: jax.Array, seg_k_BS: jax.Array) -> jax.Array:
@@ -64,17 +69,22 @@ def _vary_like(a: jax.Array, t) -> jax.Array:
     return lax.pcast(a, missing, to="varying") if missing else a
 
 
-def skipped_fraction(segment_ids: np.ndarray, block: int) -> float:
-    """The fraction of causal block pairs (key block <= query block) the blockwise path skips for
-    ``segment_ids[B, L]`` with blocks of ``block`` positions (padded as the attention pads)."""
-    seg = np.asarray(segment_ids)
-    length = seg.shape[1]
+def skipped(segment_ids: jax.Array, block: int) -> jax.Array:
+    """The fraction (f32 scalar, traceable) of causal block pairs (key block <= query block) the
+    blockwise path skips for ``segment_ids[B, L]`` with blocks of ``block`` positions (padded as the
+    attention pads)."""
+    length = segment_ids.shape[1]
     n = -(-length // block)
     size = -(-length // n)
-    seg = np.pad(seg, ((0, 0), (0, n * size - length)), constant_values=PAD_SEGMENT)
-    needed = np.asarray(block_table(jnp.asarray(seg), jnp.asarray(seg), size))
-    causal = np.tril(np.ones((n, n), dtype=bool))
-    return float(1.0 - needed[causal].sum() / causal.sum())
+    seg = jnp.pad(jnp.asarray(segment_ids), ((0, 0), (0, n * size - length)), constant_values=PAD_SEGMENT)
+    causal = jnp.tril(jnp.ones((n, n), dtype=bool))
+    needed = block_table(seg, seg, size) & causal
+    return 1.0 - needed.sum() / causal.sum()
+
+
+def skipped_fraction(segment_ids: np.ndarray, block: int) -> float:
+    """:func:`skipped` as a Python float."""
+    return float(skipped(jnp.asarray(segment_ids), block))
 
 
 def document_positions(segment_ids: np.ndarray) -> np.ndarray:

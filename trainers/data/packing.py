@@ -5,7 +5,7 @@
 
 ``packing="segments"``: whole documents in stream order while they fit a row of L (a longer one is
 cut, or refused with ``truncate=False``), numbered 1, 2, ..., positions restarting at 0, the rest
-padding (one more id, weight 0). ``packing="concat"``: the documents end to end in windows of L + 1.
+padding (id L + 1, weight 0). ``packing="concat"``: the documents end to end in windows of L + 1.
 Row j of the global batch B is a stream of its own: blocks j, j + B, ... of epoch e's order (seeded
 by (seed, e); with fewer blocks than B, every block and its documents j, j + B, ...). A process packs
 only its rows, the global batch is the same on any process count, and the state (every row's
@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from spmd.models import segments
 from trainers.data import corpus as corpus_lib
 from trainers.data.documents import Documents, Encoder
 from trainers.data.loader import _grain_seed
@@ -156,7 +157,7 @@ class _Row:
             o, self.doc = o + n, self.doc + 1
         if o == 0:
             return None
-        seg[o:], pos[o:] = n_docs + 1, np.arange(L - o)  # padding: one more segment, weight 0
+        seg[o:], pos[o:] = segments.padding_id(L), np.arange(L - o)  # padding: its own segment, weight 0
         self.padding, self.slots = self.padding + L - o, self.slots + L
         return {**row, "segment_ids": seg, "positions": pos}
 
