@@ -221,3 +221,12 @@ def test_two_processes_train_the_same_weighted_losses_and_resume_on_one(tmp_path
     shutil.copytree(os.path.join(two, "checkpoints", "2"), os.path.join(resumed, "checkpoints", "2"))
     again = train(command.build_config(cli.parse_args([*args, "--run-dir", resumed])))
     assert again.start_step == 2 and _close(_train_losses(resumed), {k: ref[k] for k in (3, 4)})
+
+
+def test_hf_without_the_datasets_library_says_how_to_install(tmp_path, monkeypatch):
+    import sys
+
+    (tmp_path / "ds").mkdir()
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
+    with pytest.raises(ValueError, match=r"needs the Hugging Face datasets library; pip install 'spmd\[hf\]'"):
+        DataConfig(corpus="hf", path=str(tmp_path / "ds"), seq_len=L)

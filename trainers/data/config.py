@@ -72,7 +72,8 @@ class DataConfig:
         if self.corpus in _PATH_CORPORA and not self.path:
             raise ValueError(f"corpus {self.corpus!r} needs a path to a file or folder, got path={self.path!r}")
         if self.corpus in ("stdlib", "synthetic") and self.path is not None:
-            raise ValueError(f"path is only read by corpus {', '.join(_PATH_CORPORA)}, got path={self.path!r} with corpus {self.corpus!r}")
+            raise ValueError(f"path is only read by corpus 'text', 'npy' or 'tokens', got path={self.path!r} with corpus "
+                             f"{self.corpus!r} (and by the document corpora {', '.join(DOCUMENT_CORPORA)})")
         self._check_documents()
         for name in ("seq_len", "global_batch", "vocab_size", "synthetic_tokens"):
             value = getattr(self, name)
