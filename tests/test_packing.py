@@ -21,6 +21,7 @@ from trainers.step import lm_loss_fn, make_train_step, normalize_weights
 CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, attention_block=4)
 L, ROWS = 32, 16
 TOL = 1e-5
+ROW_OF: list[int] = []  # the row each document of corpus() was packed into
 
 
 @functools.cache
@@ -42,6 +43,7 @@ def corpus(seed: int = 0):
         rows["inputs"][r, o:o + n], rows["targets"][r, o:o + n] = tokens[:-1], tokens[1:]
         rows["segment_ids"][r, o:o + n], rows["weights"][r, o:o + n] = s, w
         docs.append((tokens, w))
+        ROW_OF.append(r)
         o += n
     rows["positions"] = document_positions(rows["segment_ids"])
     return docs, rows
@@ -122,13 +124,15 @@ def test_weighted_loss_sharded_and_accumulated_equals_numpy_over_the_global_batc
     state, metrics = step(sharded.state, {k: jax.device_put(v, bs) for k, v in rows.items()})
     # NumPy: per-token cross-entropy of each document alone (one device), weighted over the global batch
     model = GPT(GPTConfig(**{**CFG.__dict__, "attention": "naive"}), rngs=nnx.Rngs(0))
-    num = den = 0.0
-    for tokens, w in docs:
+    num, den = np.zeros(ROWS), np.zeros(ROWS)
+    for (tokens, w), r in zip(docs, ROW_OF):
         logits = np.asarray(model(jnp.asarray(tokens[None, :-1])), np.float64)[0]
         lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
         ce = lse - logits[np.arange(tokens.size - 1), tokens[1:]]
-        num, den = num + float((w * ce).sum()), den + float(w.sum())
-    assert float(metrics["loss"]) == pytest.approx(num / den, rel=TOL)
+        num[r], den[r] = num[r] + float((w * ce).sum()), den[r] + float(w.sum())
+    assert float(metrics["loss"]) == pytest.approx(num.sum() / den.sum(), rel=TOL)
+    # negative control: the mean of per-device means (one row per device per microbatch here) is another number
+    assert abs(np.mean(num / den) - num.sum() / den.sum()) > 10 * TOL * num.sum() / den.sum()
     # params after one SGD step (lr 1) against p0 - g of the per-document reference (f32 cancellation in
     # p0 - p1 would cost the gradient ~1e-5, so compare params, relative to the update, as a norm)
     _, ref_grads = reference()
@@ -136,9 +140,6 @@ def test_weighted_loss_sharded_and_accumulated_equals_numpy_over_the_global_batc
     diff = sum(float(np.sum((np.asarray(a) - b) ** 2)) for a, b in zip(jax.tree.leaves(state["params"]), expected))
     norm = sum(float(np.sum(np.asarray(g) ** 2)) for g in jax.tree.leaves(ref_grads))
     assert (diff / norm) ** 0.5 < TOL
-    # negative control: a mean of per-device means (each device's rows normalised alone) is another number
-    per_row = rows["weights"].sum(-1)
-    assert np.ptp(per_row) > 0  # rows carry different weight, so the two means differ for generic losses
 
 
 def sharded_grad(sizes: dict, rules: str, exchange: str):
