@@ -199,3 +199,28 @@ def test_pipelined_1f1b_packed_rows_equal_each_document_alone():
     diff = sum(float(np.sum((np.asarray(a) - b) ** 2)) for a, b in zip(jax.tree.leaves(state["params"]), expected))
     norm = sum(float(np.sum(np.asarray(g) ** 2)) for g in jax.tree.leaves(ref_grads))
     assert (diff / norm) ** 0.5 < TOL
+
+
+def test_eval_document_and_token_losses_equal_numpy():
+    """The eval metrics of packed rows: each document's mean weighted loss (summed per row, with the
+    document count per row) and the loss per weighted token, against each document alone in NumPy."""
+    from spmd.models.packed import document_count, document_losses
+
+    docs, rows = corpus()
+    model = GPT(GPTConfig(**{**CFG.__dict__, "attention": "naive"}), rngs=nnx.Rngs(0))
+    batch = {k: jnp.asarray(v) for k, v in rows.items()}
+    loss_B, count_B = nnx.jit(document_losses)(model, batch), document_count(model, batch)
+    _, aux = nnx.jit(lambda m, b: m.loss(b["inputs"], b["targets"], segment_ids=b["segment_ids"],
+                                         positions=b["positions"], weights=b["weights"]))(model, batch)
+    means, num, den = [], 0.0, 0.0
+    for tokens, w in docs:
+        logits = np.asarray(model(jnp.asarray(tokens[None, :-1])), np.float64)[0]
+        lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+        ce = lse - logits[np.arange(tokens.size - 1), tokens[1:]]
+        if w.sum() > 0:
+            means.append(float((w * ce).sum() / w.sum()))
+        num, den = num + float((w * ce).sum()), den + float(w.sum())
+    assert float(count_B.sum()) == len(means)
+    assert float(loss_B.sum() / count_B.sum()) == pytest.approx(np.mean(means), rel=TOL)
+    assert float(aux["ce"] / aux["weight"]) == pytest.approx(num / den, rel=TOL)  # per weighted token
+    assert abs(np.mean(means) - num / den) > 1e-3  # the two averages differ: each is its own number
