@@ -264,12 +264,15 @@ def resolve(impl: str, q_BLHK: jax.Array, k_BLGK: jax.Array, block: int = 512) -
 def attend(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, *, impl: str = "auto", block: int = 512,
            segment_ids: jax.Array | None = None) -> jax.Array:
     """Causal attention of ``q`` over ``k, v`` with the implementation ``impl`` (see the module docstring);
-    with ``segment_ids[B, L]`` a query attends only to keys of its own segment (packed documents)."""
+    with ``segment_ids[B, L]`` a query attends only to keys of its own segment (packed documents), and
+    ``auto`` never picks cuDNN (which would take them as a materialised mask)."""
     chosen = resolve(impl, q_BLHK, k_BLGK, block)
     if segment_ids is None:
         if chosen == "blockwise":
             return blockwise(q_BLHK, k_BLGK, v_BLGK, block)
         return {"naive": naive, "xla": xla, "cudnn": cudnn}[chosen](q_BLHK, k_BLGK, v_BLGK)
+    if impl == "auto" and chosen == "cudnn":  # cuDNN takes segments only as a [B, 1, L, L] mask: flash instead
+        chosen = "blockwise" if q_BLHK.shape[1] > block else "naive"
     if chosen == "blockwise":
         return blockwise(q_BLHK, k_BLGK, v_BLGK, block, segment_ids)
     return {"naive": naive, "xla": xla, "cudnn": cudnn}[chosen](q_BLHK, k_BLGK, v_BLGK, segment_ids)
