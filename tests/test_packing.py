@@ -238,5 +238,5 @@ def test_eval_document_and_token_losses_equal_numpy():
         num, den = num + float((w * ce).sum()), den + float(w.sum())
     assert float(count_B.sum()) == len(means)
     assert float(loss_B.sum() / count_B.sum()) == pytest.approx(np.mean(means), rel=TOL)
-    assert float(aux["ce"] / aux["weight"]) == pytest.approx(num / den, rel=TOL)  # per weighted token
+    assert float(aux["ce"] / aux["loss_weight"]) == pytest.approx(num / den, rel=TOL)  # per weighted token
     assert abs(np.mean(means) - num / den) > 1e-3  # the two averages differ: each is its own number

@@ -15,6 +15,6 @@ def test_sft_example_learns_the_responses(tmp_path):
     first = result.losses[min(result.losses)]
     final = result.eval_metrics[max(result.eval_metrics)]
     # the prompt ("12+7=") carries no weight: about a third of a record's targets are the response + end token
-    assert 0.15 < final["weight"] < 0.6, final
+    assert 0.15 < final["loss_weight"] < 0.6, final
     assert final["loss"] < 0.6 * first, (first, final)  # per weighted token
     assert 0 < final["document_loss"] < first and final["documents"] > 1

@@ -44,7 +44,7 @@ def packed_loss(model, tokens_BL: jax.Array, targets_BL: jax.Array, *, z_loss: f
     else:
         out = lm_loss(model.logits(x_BLD), targets_BL, z_loss=z_loss, weights=weights)
     if weights is not None:  # eval: ce / weight over all batches is the loss per weighted token
-        out = out[0], {**out[1], "weight": jnp.mean(weights.astype(jnp.float32))}
+        out = out[0], {**out[1], "loss_weight": jnp.mean(weights.astype(jnp.float32))}
     if segment_ids is not None:  # the packer's padding, and the block pairs blockwise attention skips
         out = out[0], {**out[1], **_packing_metrics(model.cfg, segment_ids)}
     if stats is None:

@@ -267,13 +267,13 @@ def check(cfg) -> None:
 
 def per_token(results: dict[str, float]) -> dict[str, float]:
     """Eval means made per weighted token and per document: with loss weights the eval step's means
-    (over rows) of ``loss``, ``ce``, ``z_loss`` are divided by the mean ``weight``; ``document_loss``
+    (over rows) of ``loss``, ``ce``, ``z_loss`` are divided by the mean ``loss_weight``; ``document_loss``
     by ``documents`` (the loss per document, every document counted once)."""
     out = dict(results)
-    if out.get("weight"):
+    if out.get("loss_weight"):
         for key in ("loss", "ce", "z_loss"):
             if key in out:
-                out[key] = out[key] / out["weight"]
+                out[key] = out[key] / out["loss_weight"]
     if out.get("documents"):
         out["document_loss"] = out["document_loss"] / out["documents"]
     return out
