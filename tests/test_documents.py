@@ -230,3 +230,12 @@ def test_hf_without_the_datasets_library_says_how_to_install(tmp_path, monkeypat
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
     with pytest.raises(ValueError, match=r"needs the Hugging Face datasets library; pip install 'spmd\[hf\]'"):
         DataConfig(corpus="hf", path=str(tmp_path / "ds"), seq_len=L)
+
+
+def test_token_array_readers_refuse_a_document_corpus(tmp_path):
+    from trainers.data import load_corpus, make_loader
+
+    cfg = DataConfig(corpus="jsonl", path=str(write_jsonl(tmp_path / "a.jsonl")), seq_len=L)
+    for read in (lambda: load_corpus(cfg, "train"), lambda: make_loader(cfg, "train")):
+        with pytest.raises(ValueError, match="packed_stream"):
+            read()

@@ -153,6 +153,9 @@ def _has_text_file(root: str) -> bool:
 
 def load_corpus(cfg: DataConfig, split: str) -> np.ndarray:
     """The 1-D token array of one split of cfg's corpus."""
+    if cfg.corpus in DOCUMENT_CORPORA:
+        raise ValueError(f"data.corpus={cfg.corpus!r} is a corpus of documents, not one token array: read it with "
+                         "trainers.data.packed_stream(cfg, split) (the built-in task does)")
     kw = dict(validation_fraction=cfg.validation_fraction)
     if cfg.corpus == "tokens":
         return prepare_lib.tokens_corpus(cfg.path, split, max_tokens=cfg.max_tokens)
