@@ -71,6 +71,9 @@ def _pipelined(model, tokens_BL, targets_BL, z_loss, pipeline, segment_ids, posi
                          f"(pipeline schedule {pipeline.schedule!r}); use seq=1 or a pipe axis of size 1")
     if cfg.n_experts:
         raise ValueError(f"GPTConfig.n_experts={cfg.n_experts}: MoE blocks do not run under a pipeline yet")
+    if tokens_BL.shape[1] + 1 >= DIGIT**2:
+        raise ValueError(f"packed rows of length {tokens_BL.shape[1]} under a pipeline: segment ids and positions "
+                         f"travel as two base-{DIGIT} digits, so the length must be below {DIGIT**2 - 1}")
     x_BLD = model.embed_tokens(tokens_BL)
     with_layout = segment_ids is not None
     if with_layout:
