@@ -197,19 +197,21 @@ def test_context_parallel_packed_rows_equal_each_document_alone(sizes, rules, ex
 
 
 @pytest.mark.slow
-def test_pipelined_1f1b_packed_rows_equal_each_document_alone():
-    """data=4 x pipe=2, 1F1B over 2 microbatches, with run.grad_accum=2 around it: the packed train
-    step's loss and gradient (SGD, lr 1) are the per-document reference's."""
+@pytest.mark.parametrize("schedule, accum", [("1f1b", 2), ("zb-h1", 1)])
+def test_pipelined_packed_rows_equal_each_document_alone(schedule, accum):
+    """data=4 x pipe=2, 1F1B (with run.grad_accum=2 around it) or ZB-H1 over 2 microbatches: the packed
+    train step's loss and gradient (SGD, lr 1) are the per-document reference's."""
     from spmd.pipeline import PipelineConfig
 
     _, rows = corpus()
     mesh = meshes.make_mesh({"data": 4, "pipe": 2})
     tx = optax.sgd(1.0)
+    pipeline = PipelineConfig(schedule, microbatches=2)
     sharded = create_state(lambda: GPT(GPTConfig(**{**CFG.__dict__, "attention": "blockwise"}), rngs=nnx.Rngs(0)),
-                           tx, "dp", mesh, pipeline=PipelineConfig("1f1b", microbatches=2))
+                           tx, "dp", mesh, pipeline=pipeline)
     bs = spmd.batch_sharding(spmd.get_rules("dp"), mesh, dims=("batch",))
-    loss_fn = lm_loss_fn(pipeline=PipelineConfig("1f1b", microbatches=2))
-    step = make_train_step(sharded, tx, "dp", mesh, bs, grad_accum=2, donate=False, loss_fn=loss_fn)
+    step = make_train_step(sharded, tx, "dp", mesh, bs, grad_accum=accum, donate=False,
+                           loss_fn=lm_loss_fn(pipeline=pipeline))
     params0 = jax.tree.map(np.asarray, sharded.state["params"])
     state, metrics = step(sharded.state, {k: jax.device_put(v, bs) for k, v in rows.items()})
     ref_loss, ref_grads = reference()
