@@ -14,7 +14,7 @@ import traceback
 from collections.abc import Callable, Sequence
 
 from benchmarks import (attention, calibration, checkpoint, comms, common, context, gpu, local_sgd, loss, memory, mfu, overhead,
-                        pipeline, remat, scaling, steptime)
+                        packing, pipeline, remat, scaling, steptime)
 
 BENCHMARKS: dict[str, Callable[..., int]] = {
     "overhead": overhead.main,
@@ -32,6 +32,7 @@ BENCHMARKS: dict[str, Callable[..., int]] = {
     "local_sgd": local_sgd.main,
     "gpu": gpu.main,
     "calibration": calibration.main,
+    "packing": packing.main,
 }
 assert tuple(BENCHMARKS) == common.ORDER
 

@@ -49,6 +49,7 @@ def test_accumulation_with_blockwise_attention_equals_one_device():
     assert rel_err(params, ref_params) < TOL
 
 
+@pytest.mark.slow
 def test_accumulation_with_moe_over_expert_equals_one_device():
     """Used to crash: the MoE's own shard_map nested in the accumulation loop's. The router's losses are
     per-microbatch means, so the reference accumulates the same 2 microbatches on one device."""

@@ -195,7 +195,8 @@ class Config:
 # points into, the optimizer state's structure. Everything else (LR, steps, cadences, mesh, rules) may.
 FIXED_ON_RESUME = ("model.", "data.corpus", "data.path", "data.seq_len", "data.vocab_size", "data.global_batch",
                    "data.seed", "data.validation_fraction", "data.max_tokens", "data.synthetic_tokens",
-                   "data.tokenizer", "data.separator", "optimizer.name")
+                   "data.tokenizer", "data.separator", "data.text_field", "data.fields", "data.packing", "data.truncate",
+                   "optimizer.name")
 
 
 def config_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:

@@ -28,6 +28,7 @@ from trainers.checkpoint import Checkpointer, NoUsableCheckpointError, resolve_i
 from trainers.config import Config, changes_since_last_run
 from trainers.data import ExampleLoader, IterLoader, process_rows, to_global
 from trainers.data.loader import eval_batches
+from trainers.data.packing import per_token
 from trainers.faults.guard import DivergenceError, Guard, GuardEvent
 from trainers.local_sgd import LocalSGD, check_resume, groups_of, inner_rules
 from trainers.logger import RunLogger, write_config
@@ -73,6 +74,7 @@ def evaluate(eval_step, view, source, batch_sharding, global_batch: int, n_batch
     """Means over every real row of ``n_batches`` eval batches (-1: one pass over a finite source):
     the loss, its metrics and the task's eval metrics, aggregated over batches and processes."""
     block, n_blocks = process_rows(batch_sharding, global_batch)
+    source = source.for_process(block, n_blocks) if hasattr(source, "for_process") else source  # packed documents
     sums = []
     rows = len(source) if n_batches == -1 and hasattr(source, "__len__") else None
     for k, (local, mask) in enumerate(eval_batches(source, global_batch, n_batches, process_index=block,
@@ -84,11 +86,14 @@ def evaluate(eval_step, view, source, batch_sharding, global_batch: int, n_batch
         raise ValueError("the eval data yielded no batch")
     totals = jax.tree.map(lambda *xs: float(np.sum(np.asarray(xs, np.float64))), *jax.device_get(sums))
     count = totals.pop("count")
-    return {k: v / count for k, v in totals.items()}
+    return per_token({k: v / count for k, v in totals.items()})
 
 
 def _loader(source, global_batch: int, seed: int, batch_sharding) -> ExampleLoader | IterLoader:
-    """Random-access sources of examples are batched here; anything else yields per-process batches."""
+    """Random-access sources of examples are batched here; anything else yields per-process batches
+    (a source with ``for_process(block, n_blocks)`` is told which rows this process loads)."""
+    if hasattr(source, "for_process"):
+        return IterLoader(source.for_process(*process_rows(batch_sharding, global_batch)))
     if hasattr(source, "__len__") and hasattr(source, "__getitem__"):
         block, n_blocks = process_rows(batch_sharding, global_batch)
         return ExampleLoader(source, global_batch, seed, block, n_blocks)

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 
 import spmd
 from spmd.models import lm_loss
+from spmd.models.packed import PACKED_KEYS
 from spmd.pipeline import PipelineConfig
 from trainers import accumulate
 from trainers.faults import guard
@@ -36,12 +37,23 @@ def lm_loss_fn(z_loss: float = 0.0, pipeline: PipelineConfig | None = None) -> L
     the ``pipe`` axis under an enabled ``pipeline`` config), else ``lm_loss(model(inputs), targets)``."""
 
     def loss_fn(model: nnx.Module, batch: Batch, rngs: nnx.Rngs | None = None):
+        packed = {k: batch[k] for k in PACKED_KEYS if k in batch}  # packed documents, loss weights
         if hasattr(model, "loss"):
-            return model.loss(batch["inputs"], batch["targets"], z_loss=z_loss, pipeline=pipeline)
-        return lm_loss(model(batch["inputs"]), batch["targets"], z_loss=z_loss)
+            return model.loss(batch["inputs"], batch["targets"], z_loss=z_loss, pipeline=pipeline, **packed)
+        return lm_loss(model(batch["inputs"]), batch["targets"], z_loss=z_loss, weights=packed.get("weights"))
 
     loss_fn.pipelined = pipeline is not None and pipeline.enabled  # runs its own shard_map over the batch axes
     return loss_fn
+
+
+def normalize_weights(batch: Batch) -> Batch:
+    """``batch["weights"]`` (per-token loss weights ``[B, L]``, if any) scaled to sum to ``B x L`` over the
+    global batch, so that every mean of ``weights * ce`` over equal shares of it (microbatches, devices,
+    processes) averages to ``sum(weights * ce) / sum(weights)``: the mean over weighted tokens."""
+    if not isinstance(batch, Mapping) or "weights" not in batch:
+        return batch
+    w = batch["weights"].astype(jnp.float32)
+    return {**batch, "weights": w * (w.size / jnp.maximum(jnp.sum(w), jnp.finfo(jnp.float32).tiny))}
 
 
 def loss_and_metrics(out: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -109,6 +121,7 @@ def make_train_step(
     def step(state: State, batch: Batch):
         params, other = state["params"], state.get("model_state", {})
         key, step_key = jax.random.split(jax.random.wrap_key_data(state["rng"]))
+        batch = normalize_weights(batch)
         with spmd.use_rules(rules, mesh):
             axes = accumulate.reduction_axes(mesh, rules, batch, grad_accum, fsdp_gather)
             if grad_accum == 1:

@@ -17,6 +17,8 @@ from flax import nnx
 
 from trainers.config import Config
 from trainers.data import TokenWindows, load_corpus
+from trainers.data.config import DOCUMENT_CORPORA
+from trainers.data.packing import packed_stream
 from trainers.step import LossFn, MetricFn, lm_loss_fn
 
 
@@ -74,13 +76,24 @@ def lm_model(model_cfg: Any) -> Callable[[nnx.Rngs], nnx.Module]:
 def lm_task(cfg: Config) -> Task:
     """The built-in task: ``spmd.models.GPT(cfg.model)`` on ``cfg.data``'s token corpus, next-token loss."""
     from spmd.models import flops_per_step
+    from spmd.models.packed import document_count, document_losses
 
     model_cfg = cfg.model
+    if cfg.data.corpus in DOCUMENT_CORPORA:  # documents packed into rows (trainers.data.packing)
+        data, eval_data = (lambda c: packed_stream(c.data, "train")), (lambda c: packed_stream(c.data, "validation",
+                                                                                               train=False))
+        eval_metrics = {"document_loss": document_losses, "documents": document_count} \
+            if cfg.data.packing_mode == "segments" else {}
+    else:
+        data = lambda c: TokenWindows(load_corpus(c.data, "train"), c.data.seq_len)
+        eval_data = lambda c: TokenWindows(load_corpus(c.data, "validation"), c.data.seq_len)
+        eval_metrics = {}
     return Task(
         model=lm_model(model_cfg),
         loss=lm_loss_fn(cfg.run.z_loss, cfg.pipeline),
-        data=lambda c: TokenWindows(load_corpus(c.data, "train"), c.data.seq_len),
-        eval_data=lambda c: TokenWindows(load_corpus(c.data, "validation"), c.data.seq_len),
+        data=data,
+        eval_data=eval_data,
+        eval_metrics=eval_metrics,
         flops_per_example=flops_per_step(model_cfg, 1, cfg.data.seq_len),
         tokens_per_example=cfg.data.seq_len,
         config=cfg,

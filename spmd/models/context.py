@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from spmd.constraints import active_layout
-from spmd.models import attention
+from spmd.models import attention, segments
 from spmd.models.attention import block_backward, block_forward, blockwise
 from spmd.rules import axes_of
 
@@ -58,12 +58,14 @@ def sequence_order(length: int) -> np.ndarray | None:
 
 
 def attend(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, *, impl: str = "auto", block: int = 512,
-           exchange: str = "ring") -> jax.Array:
+           exchange: str = "ring", **segments) -> jax.Array:
     """Causal attention under the active layout: :func:`context_attend` when the length is split
-    over ``seq`` (inputs in :func:`sequence_order`), else ``spmd.models.attention.attend``."""
+    over ``seq`` (inputs in :func:`sequence_order`), else ``spmd.models.attention.attend``.
+    ``segment_ids=[B, L]`` (packed documents) is passed on to either."""
     if seq_shards() == 1:
-        return attention.attend(q_BLHK, k_BLGK, v_BLGK, impl=impl, block=block)
-    return context_attend(q_BLHK, k_BLGK, v_BLGK, mesh=active_layout()[0], exchange=exchange, block=block)
+        return attention.attend(q_BLHK, k_BLGK, v_BLGK, impl=impl, block=block, **segments)
+    return context_attend(q_BLHK, k_BLGK, v_BLGK, mesh=active_layout()[0], exchange=exchange, block=block,
+                          **segments)
 
 
 def _block_size(span: int, block: int) -> int:
@@ -82,29 +84,44 @@ def _merge(o, lse, o2, lse2):
     return o * _weights(lse, new) + o2.astype(jnp.float32) * _weights(lse2, new), new
 
 
-def _remote_forward(q, k, v, earlier, size):
+def _merge_seen(o, lse, o2, lse2):
+    """:func:`_merge` where either or both may have seen no key (lse -inf, packed documents)."""
+    new = jnp.logaddexp(lse, lse2)
+    safe = jnp.where(jnp.isfinite(new), new, 0.0)
+    w = lambda x: _weights(jnp.where(jnp.isfinite(x), x, -jnp.inf), safe)  # exp(-inf - finite) = 0
+    return o * w(lse) + o2.astype(jnp.float32) * w(lse2), new
+
+
+def _seg(sq, sk, size):
+    """The segment argument of the flash kernels for query ids ``sq`` and key ids ``sk`` (None: none)."""
+    return None if sq is None else (sq, sk, segments.block_table(sq, sk, size))
+
+
+def _remote_forward(q, k, v, earlier, size, sq=None, sk=None):
     """Attention of the local queries ``[a, b]`` to a remote K/V block ``[chunk j, chunk 2n-1-j]``:
     from an earlier shard (j < i) both query chunks see its first chunk only; from a later shard
     only chunk b sees it, whole. Either way two ``c x c`` flash blocks: the load balance."""
     c = q.shape[1] // 2
     f32 = jnp.float32
+    a, b = slice(0, c), slice(c, 2 * c)
+    seg = lambda rows, keys: None if sq is None else _seg(sq[:, rows], sk[:, keys], size)
 
     def from_earlier(q, k, v):
-        o_a, l_a = block_forward(q[:, :c], k[:, :c], v[:, :c], size, causal=False)
-        o_b, l_b = block_forward(q[:, c:], k[:, :c], v[:, :c], size, causal=False)
+        o_a, l_a = block_forward(q[:, :c], k[:, :c], v[:, :c], size, causal=False, seg=seg(a, a))
+        o_b, l_b = block_forward(q[:, c:], k[:, :c], v[:, :c], size, causal=False, seg=seg(b, a))
         return jnp.concatenate([o_a, o_b], 1).astype(f32), jnp.concatenate([l_a, l_b], -1)
 
     def from_later(q, k, v):
-        o1, l1 = block_forward(q[:, c:], k[:, :c], v[:, :c], size, causal=False)
-        o2, l2 = block_forward(q[:, c:], k[:, c:], v[:, c:], size, causal=False)
-        o_b, l_b = _merge(o1.astype(f32), l1, o2, l2)
+        o1, l1 = block_forward(q[:, c:], k[:, :c], v[:, :c], size, causal=False, seg=seg(b, a))
+        o2, l2 = block_forward(q[:, c:], k[:, c:], v[:, c:], size, causal=False, seg=seg(b, b))
+        o_b, l_b = (_merge if sq is None else _merge_seen)(o1.astype(f32), l1, o2, l2)
         return (jnp.concatenate([jnp.zeros_like(o_b), o_b], 1),
                 jnp.concatenate([jnp.full_like(l_b, -jnp.inf), l_b], -1))
 
     return lax.cond(earlier, from_earlier, from_later, q, k, v)
 
 
-def _remote_backward(q, k, v, o, lse, do, earlier, size):
+def _remote_backward(q, k, v, o, lse, do, earlier, size, sq=None, sk=None):
     """Gradients of :func:`_remote_forward`'s share: ``(dq[local], dk, dv[remote block])`` in f32,
     with ``o``/``lse`` the final (all-block) output and log-sum-exp of the local queries."""
     c = q.shape[1] // 2
@@ -112,7 +129,8 @@ def _remote_backward(q, k, v, o, lse, do, earlier, size):
 
     def span(keys, rows):
         res = (q[:, rows], k[:, keys], v[:, keys], o[:, rows], lse[..., rows])
-        return [g.astype(jnp.float32) for g in block_backward(size, res, do[:, rows], causal=False)]
+        seg = None if sq is None else _seg(sq[:, rows], sk[:, keys], size)
+        return [g.astype(jnp.float32) for g in block_backward(size, res, do[:, rows], causal=False, seg=seg)]
 
     def from_earlier():
         dq_a, dk_a, dv_a = span(a, a)
@@ -147,34 +165,38 @@ def _attend_local(q, k, v, axis: str, n: int, size: int, exchange: str):
     return _forward(q, k, v, axis, n, size, exchange)[0]
 
 
-def _forward(q, k, v, axis, n, size, exchange):
-    """Local ``q[B, 2c, G, R, K]`` against every shard's ``k, v[B, 2c, G, K]``: (out, residuals)."""
+def _forward(q, k, v, axis, n, size, exchange, seg=None):
+    """Local ``q[B, 2c, G, R, K]`` against every shard's ``k, v[B, 2c, G, K]``: (out, residuals).
+    ``seg[B, 2c]``: the local segment ids (packed documents), exchanged with K/V."""
     i = lax.axis_index(axis)
     if exchange == "allgather":
         k_all, v_all = (lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v))
-        block = lambda s: tuple(lax.dynamic_slice_in_dim(x, _source(i, s, n)[0] * k.shape[1], k.shape[1], 1)
-                                for x in (k_all, v_all))
-        o, lse = block_forward(q, k, v, size, causal=True)
+        s_all = None if seg is None else lax.all_gather(seg, axis, axis=1, tiled=True)
+        take = lambda x, s: lax.dynamic_slice_in_dim(x, _source(i, s, n)[0] * k.shape[1], k.shape[1], 1)
+        block = lambda s: tuple(take(x, s) for x in (k_all, v_all))
+        o, lse = block_forward(q, k, v, size, causal=True, seg=_seg(seg, seg, size))
         o = o.astype(jnp.float32)
 
         def body(s, carry):
             kb, vb = block(s)
-            return _merge(*carry, *_remote_forward(q, kb, vb, _source(i, s, n)[1], size))
+            sk = None if seg is None else take(s_all, s)
+            return _merge(*carry, *_remote_forward(q, kb, vb, _source(i, s, n)[1], size, seg, sk))
 
         o, lse = lax.fori_loop(1, n, body, (o, lse))
     else:
         nxt = _ring(jnp.stack([k, v]), axis, n)  # K/V as one buffer, in flight while the local block runs
-        o, lse = block_forward(q, k, v, size, causal=True)
+        s_nxt = None if seg is None else _ring(seg, axis, n)
+        o, lse = block_forward(q, k, v, size, causal=True, seg=_seg(seg, seg, size))
         o = o.astype(jnp.float32)
 
         def body(s, carry):
-            o, lse, kv = carry
-            ahead = _ring(kv, axis, n)
-            o, lse = _merge(o, lse, *_remote_forward(q, kv[0], kv[1], _source(i, s, n)[1], size))
-            return o, lse, ahead
+            o, lse, kv, sk = carry
+            ahead, s_ahead = _ring(kv, axis, n), None if sk is None else _ring(sk, axis, n)
+            o, lse = _merge(o, lse, *_remote_forward(q, kv[0], kv[1], _source(i, s, n)[1], size, seg, sk))
+            return o, lse, ahead, s_ahead
 
-        o, lse, kv = lax.fori_loop(1, n - 1, body, (o, lse, nxt))
-        o, lse = _merge(o, lse, *_remote_forward(q, kv[0], kv[1], _source(i, n - 1, n)[1], size))
+        o, lse, kv, sk = lax.fori_loop(1, n - 1, body, (o, lse, nxt, s_nxt))
+        o, lse = _merge(o, lse, *_remote_forward(q, kv[0], kv[1], _source(i, n - 1, n)[1], size, seg, sk))
     out = o.astype(q.dtype)
     return out, (q, k, v, out, lse)
 
@@ -183,13 +205,14 @@ def _attend_fwd(q, k, v, axis, n, size, exchange):
     return _forward(q, k, v, axis, n, size, exchange)
 
 
-def _attend_bwd(axis, n, size, exchange, residuals, do):
+def _attend_bwd(axis, n, size, exchange, residuals, do, seg=None):
     q, k, v, o, lse = residuals
     i = lax.axis_index(axis)
     f32 = jnp.float32
-    dq, dk, dv = (g.astype(f32) for g in block_backward(size, residuals, do, causal=True))
+    dq, dk, dv = (g.astype(f32) for g in block_backward(size, residuals, do, causal=True, seg=_seg(seg, seg, size)))
     if exchange == "allgather":
         k_all, v_all = (lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v))
+        s_all = None if seg is None else lax.all_gather(seg, axis, axis=1, tiled=True)
         span = k.shape[1]
         dk_all = lax.dynamic_update_slice_in_dim(jnp.zeros(k_all.shape, f32), dk, i * span, 1)
         dv_all = lax.dynamic_update_slice_in_dim(jnp.zeros(v_all.shape, f32), dv, i * span, 1)
@@ -198,7 +221,8 @@ def _attend_bwd(axis, n, size, exchange, residuals, do):
             dq, dk_all, dv_all = carry
             j, earlier = _source(i, s, n)
             kb, vb = (lax.dynamic_slice_in_dim(x, j * span, span, 1) for x in (k_all, v_all))
-            dq_s, dk_s, dv_s = _remote_backward(q, kb, vb, o, lse, do, earlier, size)
+            sk = None if seg is None else lax.dynamic_slice_in_dim(s_all, j * span, span, 1)
+            dq_s, dk_s, dv_s = _remote_backward(q, kb, vb, o, lse, do, earlier, size, seg, sk)
             add = lambda acc, g: lax.dynamic_update_slice_in_dim(
                 acc, lax.dynamic_slice_in_dim(acc, j * span, span, 1) + g, j * span, 1)
             return dq + dq_s, add(dk_all, dk_s), add(dv_all, dv_s)
@@ -207,12 +231,13 @@ def _attend_bwd(axis, n, size, exchange, residuals, do):
         dk, dv = (lax.psum_scatter(x, axis, scatter_dimension=1, tiled=True) for x in (dk_all, dv_all))
     else:
         def body(s, carry):
-            dq, kv, dkv = carry
+            dq, kv, dkv, sk = carry
             kv, dkv = _ring(kv, axis, n), _ring(dkv, axis, n)  # a block's dK/dV sums travel with it
-            dq_s, dk_s, dv_s = _remote_backward(q, kv[0], kv[1], o, lse, do, _source(i, s, n)[1], size)
-            return dq + dq_s, kv, dkv + jnp.stack([dk_s, dv_s])
+            sk = None if sk is None else _ring(sk, axis, n)
+            dq_s, dk_s, dv_s = _remote_backward(q, kv[0], kv[1], o, lse, do, _source(i, s, n)[1], size, seg, sk)
+            return dq + dq_s, kv, dkv + jnp.stack([dk_s, dv_s]), sk
 
-        dq, _, dkv = lax.fori_loop(1, n, body, (dq, jnp.stack([k, v]), jnp.stack([dk, dv])))
+        dq, _, dkv, _ = lax.fori_loop(1, n, body, (dq, jnp.stack([k, v]), jnp.stack([dk, dv]), seg))
         dk, dv = _ring(dkv, axis, n)  # each block's sums go home: one hop on
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
@@ -220,15 +245,33 @@ def _attend_bwd(axis, n, size, exchange, residuals, do):
 _attend_local.defvjp(_attend_fwd, _attend_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _attend_segments(q, k, v, seg, axis: str, n: int, size: int, exchange: str):
+    return _forward(q, k, v, axis, n, size, exchange, seg)[0]
+
+
+def _attend_segments_fwd(q, k, v, seg, axis, n, size, exchange):
+    out, res = _forward(q, k, v, axis, n, size, exchange, seg)
+    return out, (res, seg)
+
+
+def _attend_segments_bwd(axis, n, size, exchange, residuals, do):
+    res, seg = residuals
+    return (*_attend_bwd(axis, n, size, exchange, res, do, seg), None)
+
+
+_attend_segments.defvjp(_attend_segments_fwd, _attend_segments_bwd)
+
+
 def context_attend(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, *, mesh: Mesh, axis: str = "seq",
-                   exchange: str = "ring", block: int = 512) -> jax.Array:
+                   exchange: str = "ring", block: int = 512, segment_ids: jax.Array | None = None) -> jax.Array:
     """Causal attention of ``q[B, L_seq, H, K]`` over ``k, v[B, L_seq, G, K]`` whose length is in
     :func:`balanced_positions` order and sharded over ``axis`` (other axes stay automatic)."""
     if exchange not in EXCHANGES:
         raise ValueError(f"context exchange {exchange!r} is not one of {EXCHANGES}")
     n = mesh.shape[axis]
     if n == 1:
-        return blockwise(q_BLHK, k_BLGK, v_BLGK, block)
+        return blockwise(q_BLHK, k_BLGK, v_BLGK, block, segment_ids)
     b, length, h, kd = q_BLHK.shape
     g = k_BLGK.shape[2]
     balanced_positions(length, n)  # the divisibility check, with its message
@@ -244,8 +287,18 @@ def context_attend(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, *, m
 
     rows, heads = _manual_dims(mesh, axis, b, h, g)
     spec = P(rows or None, axis, heads or None)
-    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
-                         axis_names={axis, *rows, *heads}, check_vma=False)(q_BLHK, k_BLGK, v_BLGK)
+    names = {axis, *rows, *heads}
+    if segment_ids is not None:  # packed documents: segment ids travel with K/V
+        def local_segments(q, k, v, seg):
+            gl = k.shape[2]
+            out = _attend_segments(q.reshape(*q.shape[:2], gl, q.shape[2] // gl, kd), k, v, seg, axis, n, size,
+                                   exchange)
+            return out.reshape(q.shape)
+
+        return jax.shard_map(local_segments, mesh=mesh, in_specs=(spec, spec, spec, P(rows or None, axis)),
+                             out_specs=spec, axis_names=names, check_vma=False)(q_BLHK, k_BLGK, v_BLGK, segment_ids)
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, axis_names=names,
+                         check_vma=False)(q_BLHK, k_BLGK, v_BLGK)
 
 
 def _manual_dims(mesh: Mesh, axis: str, b: int, h: int, g: int) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -143,8 +143,8 @@ class Block(nnx.Module):
         else:
             self.mlp = GatedMLP(cfg.d_model, cfg.ff, rngs=rngs, dtype=cfg.compute_dtype)
 
-    def __call__(self, x_BLD: jax.Array, positions_L: jax.Array) -> jax.Array | tuple[jax.Array, dict]:
-        x_BLD = x_BLD + residual(self.attn(sub_block_input(self.attn_norm(x_BLD)), positions_L))
+    def __call__(self, x_BLD: jax.Array, positions_L: jax.Array, *segment_ids: jax.Array) -> jax.Array | tuple[jax.Array, dict]:
+        x_BLD = x_BLD + residual(self.attn(sub_block_input(self.attn_norm(x_BLD)), positions_L, *segment_ids))
         if isinstance(self.mlp, MoE):
             y_BLD, stats = self.mlp(sub_block_input(self.mlp_norm(x_BLD)))
             return residual(x_BLD + residual(y_BLD)), stats
@@ -174,10 +174,10 @@ class MoEGroup(nnx.Module):
         self.dense = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.moe_every - 1)])
         self.moe = Block(cfg, rngs=rngs, moe=True)
 
-    def __call__(self, x_BLD: jax.Array, positions_L: jax.Array) -> tuple[jax.Array, dict]:
+    def __call__(self, x_BLD: jax.Array, positions_L: jax.Array, *segment_ids: jax.Array) -> tuple[jax.Array, dict]:
         for block in self.dense:
-            x_BLD = block(x_BLD, positions_L)
-        return self.moe(x_BLD, positions_L)
+            x_BLD = block(x_BLD, positions_L, *segment_ids)
+        return self.moe(x_BLD, positions_L, *segment_ids)
 
 
 def _make_block(cfg: GPTConfig) -> tuple[Callable[[nnx.Rngs], nnx.Module], int]:
@@ -215,15 +215,29 @@ class GPT(nnx.Module):
         """The final-normed hidden states ``x[B, L, D]`` the head reads."""
         return self.hidden_and_stats(tokens_BL)[0]
 
-    def hidden_and_stats(self, tokens_BL: jax.Array) -> tuple[jax.Array, dict | None]:
+    def hidden_and_stats(self, tokens_BL: jax.Array, segment_ids: jax.Array | None = None,
+                         positions_BL: jax.Array | None = None) -> tuple[jax.Array, dict | None]:
         """``(hidden states x[B, L, D], MoE stats summed over MoE blocks or None when dense)``.
 
         Under context parallelism (``length`` over ``seq``) the positions are in
-        ``context.sequence_order`` (load-balanced chunks) and so are the hidden states."""
+        ``context.sequence_order`` (load-balanced chunks) and so are the hidden states. Packed
+        documents (``segment_ids[B, L]``, ``positions[B, L]``: :mod:`spmd.models.segments`) attend
+        within their segment only, with RoPE positions from ``positions``."""
         order = context.sequence_order(tokens_BL.shape[1])
         positions_L = jnp.arange(tokens_BL.shape[1]) if order is None else jnp.asarray(order)
         x_BLD = self.embed_tokens(tokens_BL if order is None else tokens_BL[:, order])
+        if segment_ids is not None:
+            return self._packed_hidden(x_BLD, segment_ids, positions_BL, order)
         out = self.blocks(x_BLD, positions_L)
+        x_BLD, stats = out if isinstance(out, tuple) else (out, None)
+        return residual(self.final_norm(x_BLD)), stats
+
+    def _packed_hidden(self, x_BLD, segment_ids, positions_BL, order):
+        if positions_BL is None:
+            raise ValueError("GPT: segment_ids need positions[B, L] (each token's index in its document)")
+        if order is not None:
+            segment_ids, positions_BL = segment_ids[:, order], positions_BL[:, order]
+        out = self.blocks(x_BLD, positions_BL, segment_ids)
         x_BLD, stats = out if isinstance(out, tuple) else (out, None)
         return residual(self.final_norm(x_BLD)), stats
 
@@ -242,9 +256,16 @@ class GPT(nnx.Module):
         return logits_BLV if order is None else logits_BLV[:, np.argsort(order)]  # back to natural order
 
     def loss(self, tokens_BL: jax.Array, targets_BL: jax.Array, *, z_loss: float = 0.0,
-             pipeline: PipelineConfig | None = None) -> tuple[jax.Array, dict]:
+             pipeline: PipelineConfig | None = None, **packed: jax.Array) -> tuple[jax.Array, dict]:
         """``lm_loss(self(tokens), targets)``; with a ``pipeline`` config the blocks run as a pipeline
-        over the ``pipe`` axis (embedding before it; final norm, head and loss on its last stage)."""
+        over the ``pipe`` axis (embedding before it; final norm, head and loss on its last stage).
+
+        ``packed``: ``segment_ids``, ``positions`` (packed documents, see :meth:`hidden_and_stats`)
+        and ``weights[B, L]`` (the loss is ``mean(weights * ce)``; :mod:`spmd.models.loss`)."""
+        if packed:
+            from spmd.models.packed import packed_loss
+
+            return packed_loss(self, tokens_BL, targets_BL, z_loss=z_loss, pipeline=pipeline, **packed)
         if pipeline is None or not pipeline.enabled:
             x_BLD, stats = self.hidden_and_stats(tokens_BL)
             order = context.sequence_order(targets_BL.shape[1])

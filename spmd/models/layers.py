@@ -74,13 +74,18 @@ class RMSNorm(nnx.Module):
 
 
 def rope(x_BLHK: jax.Array, positions_L: jax.Array, theta: float = 10_000.0) -> jax.Array:
-    """Rotary position embedding on the last dim (pairs (i, i + K/2)), computed in f32."""
+    """Rotary position embedding on the last dim (pairs (i, i + K/2)), computed in f32; positions
+    ``[L]`` shared by the rows, or ``[B, L]`` per row (packed documents restart at 0)."""
     k = x_BLHK.shape[-1]
     if k % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {k}")
     freq_K2 = theta ** (-jnp.arange(0, k // 2, dtype=jnp.float32) * 2.0 / k)
-    angle_LK2 = positions_L.astype(jnp.float32)[:, None] * freq_K2[None, :]
-    sin, cos = jnp.sin(angle_LK2)[None, :, None, :], jnp.cos(angle_LK2)[None, :, None, :]
+    if positions_L.ndim == 1:
+        angle_LK2 = positions_L.astype(jnp.float32)[:, None] * freq_K2[None, :]
+        sin, cos = jnp.sin(angle_LK2)[None, :, None, :], jnp.cos(angle_LK2)[None, :, None, :]
+    else:
+        angle_BLK2 = positions_L.astype(jnp.float32)[..., None] * freq_K2
+        sin, cos = jnp.sin(angle_BLK2)[:, :, None, :], jnp.cos(angle_BLK2)[:, :, None, :]
     x1, x2 = jnp.split(x_BLHK.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BLHK.dtype)
@@ -159,7 +164,7 @@ class Attention(nnx.Module):
         w_DnSK = constrain(jnp.concatenate([w_q_DnRK, w_kv_Dn2K], axis=2), dims, kind="params")
         return constrain(w_DnSK, dims)
 
-    def __call__(self, x_BLD: jax.Array, positions_L: jax.Array) -> jax.Array:
+    def __call__(self, x_BLD: jax.Array, positions_L: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         dt = self.dtype
         w_DnSK = self.fused_qkv()
         n, s = w_DnSK.shape[1], w_DnSK.shape[2]
@@ -170,7 +175,9 @@ class Attention(nnx.Module):
         k_BLnK, v_BLnK = qkv_BLnSK[:, :, :, s - 2], qkv_BLnSK[:, :, :, s - 1]
         q_BLHK = constrain(rope(q_BLHK, positions_L, self.rope_theta), ("batch", "length", "heads", "head_dim"))
         k_BLnK = rope(k_BLnK, positions_L, self.rope_theta)
-        out_BLHK = context.attend(q_BLHK, k_BLnK, v_BLnK, impl=self.impl, block=self.block, exchange=self.exchange)
+        seg = {} if segment_ids is None else {"segment_ids": segment_ids}  # packed documents
+        out_BLHK = context.attend(q_BLHK, k_BLnK, v_BLnK, impl=self.impl, block=self.block, exchange=self.exchange,
+                                  **seg)
         out_BLHK = constrain(out_BLHK, ("batch", "length", "heads", "head_dim"))
         return jnp.einsum("blhk,hkd->bld", out_BLHK, weight(self.w_o, dt))
 

@@ -16,8 +16,9 @@ import optax
 
 
 def lm_loss(logits_BLV: jax.Array, targets_BL: jax.Array, *, z_loss: float = 0.0,
-            onehot: bool | None = None) -> tuple[jax.Array, dict]:
+            onehot: bool | None = None, weights: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """Mean next-token cross-entropy (+ ``z_loss * mean(logsumexp^2)``, PaLM's z-loss), in f32.
+    With ``weights[B, L]`` both means are of ``weights * ...`` (a weight 0 drops a position).
 
     ``onehot=True`` picks the target logit by a one-hot product instead of a gather: XLA's
     partitioner cannot partition that gather inside a partly manual ``shard_map`` (a pipeline stage,
@@ -28,6 +29,11 @@ def lm_loss(logits_BLV: jax.Array, targets_BL: jax.Array, *, z_loss: float = 0.0
     if onehot is None:
         context = jax.sharding.get_abstract_mesh()
         onehot = bool(context.manual_axes) and bool(context.auto_axes)
+    if weights is not None:
+        ce_BL, lse_BL = _onehot_losses(logits_BLV, targets_BL) if onehot else (
+            optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL), None)
+        lse = (lambda: lse_BL) if lse_BL is not None else (lambda: jax.nn.logsumexp(logits_BLV, axis=-1))
+        return _with_z_loss(jnp.mean(weights * ce_BL), lse, z_loss, weights)
     if onehot:
         ce_BL, lse_BL = _onehot_losses(logits_BLV, targets_BL)
         return _with_z_loss(jnp.mean(ce_BL), lambda: lse_BL, z_loss)
@@ -43,17 +49,18 @@ def _onehot_losses(logits_BLV: jax.Array, targets_BL: jax.Array) -> tuple[jax.Ar
     return lse_BL - target_BL, lse_BL
 
 
-def _with_z_loss(ce: jax.Array, lse_BL: Callable[[], jax.Array], z_loss: float) -> tuple[jax.Array, dict]:
-    """``(ce [+ z_loss * mean(lse^2)], {"ce"[, "z_loss"]})``; the logsumexp is computed only when needed."""
+def _with_z_loss(ce: jax.Array, lse_BL: Callable[[], jax.Array], z_loss: float,
+                 weights: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """``(ce [+ z_loss * mean([weights *] lse^2)], {"ce"[, "z_loss"]})``; the logsumexp is computed only when needed."""
     aux = {"ce": ce}
     if not z_loss:
         return ce, aux
-    aux["z_loss"] = z_loss * jnp.mean(lse_BL() ** 2)
+    aux["z_loss"] = z_loss * jnp.mean(lse_BL() ** 2 if weights is None else weights * lse_BL() ** 2)
     return ce + aux["z_loss"], aux
 
 
 def chunked_lm_loss(x_BLD: jax.Array, logits_fn: Callable[[jax.Array], jax.Array], targets_BL: jax.Array, *,
-                    chunk: int, z_loss: float = 0.0) -> tuple[jax.Array, dict]:
+                    chunk: int, z_loss: float = 0.0, weights: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """Mean next-token cross-entropy (+ ``z_loss * mean(logsumexp^2)``) of ``logits_fn(x_BLD)``
     against ``targets_BL``, computed ``chunk`` positions at a time; aux ``{"ce"[, "z_loss"]}``.
 
@@ -88,4 +95,6 @@ def chunked_lm_loss(x_BLD: jax.Array, logits_fn: Callable[[jax.Array], jax.Array
     def unchunk(y_NBC: jax.Array) -> jax.Array:
         return jnp.moveaxis(y_NBC, 0, 1).reshape(b, n * c)[:, :length]
 
+    if weights is not None:  # weights[B, L]: as lm_loss
+        return _with_z_loss(jnp.mean(weights * unchunk(ce_NBC)), lambda: unchunk(lse_NBC), z_loss, weights)
     return _with_z_loss(jnp.mean(unchunk(ce_NBC)), lambda: unchunk(lse_NBC), z_loss)

@@ -9,13 +9,15 @@ import jax
 import numpy as np
 
 from trainers.data import corpus as corpus_lib
+from trainers.data import packing as packing_lib
 from trainers.data import prepare as prepare_lib
 from trainers.data import tokenizer as tok_lib
 from trainers.data.batches import process_rows
 from trainers.data.loader import Loader
 
-CORPORA = ("stdlib", "text", "npy", "synthetic", "tokens")
-_PATH_CORPORA = ("text", "npy", "tokens")
+CORPORA = ("stdlib", "text", "npy", "synthetic", "tokens", "jsonl", "parquet", "hf")
+DOCUMENT_CORPORA = ("jsonl", "parquet", "hf")  # documents, packed into rows (trainers.data.packing)
+_PATH_CORPORA = ("text", "npy", "tokens", *DOCUMENT_CORPORA)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +26,13 @@ class DataConfig:
 
     corpus: "stdlib" (default, no download) | "text" (file or folder at `path`)
         | "npy" (1-D token ids at `path`) | "synthetic" (random, benchmarks only)
-        | "tokens" (a folder `spmd-tokenize` prepared at `path`, memory-mapped).
+        | "tokens" (a folder `spmd-tokenize` prepared at `path`, memory-mapped)
+        | "jsonl" | "parquet" (files, a glob or a folder at `path`) | "hf" (a `datasets.save_to_disk` folder):
+        documents, streamed in blocks and packed into rows (trainers.data.packing).
+    text_field / fields: the document's text field, or "prompt,response"-style fields concatenated
+        with every field but the last weighted 0 in the loss (fields overrides text_field).
+    packing: "segments" (documents never attend across each other; the default for documents) | "concat".
+    truncate: cut a document longer than seq_len (False: refuse it).
     tokenizer: a tokenizer.json that encodes the text corpora ("stdlib", "text"); "" = bytes.
         `vocab_size` must cover its vocab (it is never derived: the config says what it trains).
     separator: the token that ends each document with a tokenizer; "" = its end-of-text token.
@@ -43,6 +51,20 @@ class DataConfig:
     synthetic_tokens: int = 1 << 20
     tokenizer: str = ""
     separator: str = ""
+    text_field: str = "text"
+    fields: str = ""
+    packing: str = ""
+    truncate: bool = True
+
+    @property
+    def field_names(self) -> tuple[str, ...]:
+        """The record fields a document is made of."""
+        return tuple(f.strip() for f in self.fields.split(",")) if self.fields else (self.text_field,)
+
+    @property
+    def packing_mode(self) -> str:
+        """``packing`` made concrete: "segments" for document corpora, "concat" for token corpora."""
+        return self.packing or ("segments" if self.corpus in DOCUMENT_CORPORA else "concat")
 
     def __post_init__(self) -> None:
         if self.corpus not in CORPORA:
@@ -50,7 +72,9 @@ class DataConfig:
         if self.corpus in _PATH_CORPORA and not self.path:
             raise ValueError(f"corpus {self.corpus!r} needs a path to a file or folder, got path={self.path!r}")
         if self.corpus in ("stdlib", "synthetic") and self.path is not None:
-            raise ValueError(f"path is only read by corpus 'text', 'npy' or 'tokens', got path={self.path!r} with corpus {self.corpus!r}")
+            raise ValueError(f"path is only read by corpus 'text', 'npy' or 'tokens', got path={self.path!r} with corpus "
+                             f"{self.corpus!r} (and by the document corpora {', '.join(DOCUMENT_CORPORA)})")
+        self._check_documents()
         for name in ("seq_len", "global_batch", "vocab_size", "synthetic_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -62,7 +86,8 @@ class DataConfig:
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be a positive int or None, got {self.max_tokens!r}")
         self._check_source()
-        if self.corpus in ("stdlib", "text") and not self.tokenizer and self.vocab_size < corpus_lib.BYTE_VOCAB_SIZE:
+        if self.corpus in ("stdlib", "text", *DOCUMENT_CORPORA) and not self.tokenizer and \
+                self.vocab_size < corpus_lib.BYTE_VOCAB_SIZE:
             raise ValueError(
                 f"corpus {self.corpus!r} is byte-level and needs vocab_size >= "
                 f"{corpus_lib.BYTE_VOCAB_SIZE}, got {self.vocab_size}"
@@ -70,7 +95,7 @@ class DataConfig:
 
     def _check_source(self) -> None:
         """data.path, data.tokenizer and data.separator name things that exist and fit data.vocab_size."""
-        if self.tokenizer and self.corpus not in ("stdlib", "text", "tokens"):
+        if self.tokenizer and self.corpus not in ("stdlib", "text", "tokens", *DOCUMENT_CORPORA):
             raise ValueError(f"data.tokenizer={self.tokenizer!r} is read only by corpus 'stdlib', 'text' or 'tokens', "
                              f"got corpus {self.corpus!r}; set data.tokenizer=''")
         if self.separator and not self.tokenizer and self.corpus != "tokens":
@@ -81,6 +106,8 @@ class DataConfig:
             return
         if self.corpus in ("text", "npy"):
             _check_path(self.corpus, self.path)
+        if self.corpus in DOCUMENT_CORPORA:
+            packing_lib.check(self)
         if self.tokenizer:
             tok, _ = tok_lib.load_tokenizer(self.tokenizer)
             tok_lib.separator_id(tok, self.separator)
@@ -88,6 +115,18 @@ class DataConfig:
             if self.vocab_size < n:
                 raise ValueError(f"data.vocab_size={self.vocab_size} does not cover the {n} tokens of data.tokenizer="
                                  f"{self.tokenizer!r}; set data.vocab_size and model.vocab_size to at least {n}")
+
+
+    def _check_documents(self) -> None:
+        if self.packing and self.packing not in packing_lib.PACKINGS:
+            raise ValueError(f"data.packing={self.packing!r} is not one of {packing_lib.PACKINGS} ('' = segments for "
+                             "document corpora)")
+        if self.packing_mode == "segments" and self.corpus not in DOCUMENT_CORPORA:
+            raise ValueError(f"data.packing='segments' needs a document corpus ({', '.join(DOCUMENT_CORPORA)}), got "
+                             f"data.corpus={self.corpus!r}; set data.packing='concat' or ''")
+        if not all(self.field_names) or not isinstance(self.truncate, bool):
+            raise ValueError(f"data.fields={self.fields!r} / data.text_field={self.text_field!r} must name record fields "
+                             f"(e.g. data.fields=prompt,response) and data.truncate must be true or false")
 
 
 def _check_path(corpus: str, path: str) -> None:
@@ -114,6 +153,9 @@ def _has_text_file(root: str) -> bool:
 
 def load_corpus(cfg: DataConfig, split: str) -> np.ndarray:
     """The 1-D token array of one split of cfg's corpus."""
+    if cfg.corpus in DOCUMENT_CORPORA:
+        raise ValueError(f"data.corpus={cfg.corpus!r} is a corpus of documents, not one token array: read it with "
+                         "trainers.data.packed_stream(cfg, split) (the built-in task does)")
     kw = dict(validation_fraction=cfg.validation_fraction)
     if cfg.corpus == "tokens":
         return prepare_lib.tokens_corpus(cfg.path, split, max_tokens=cfg.max_tokens)

@@ -5,4 +5,6 @@
   digits (``data/digits.csv.gz``), with eval accuracy.
 - :mod:`trainers.examples.decoder`: a decoder LM that is not the built-in GPT (parallel attention
   and MLP blocks, LayerNorm with biases, learned positions, dropout) on the toolkit's byte corpus.
+- :mod:`trainers.examples.sft`: supervised fine-tuning of the built-in GPT on a chat dataset in
+  Parquet, documents packed with segment ids and the prompt left out of the loss.
 """

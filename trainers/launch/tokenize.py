@@ -4,7 +4,9 @@
     spmd-train gpt-small --set data.corpus=tokens --set data.path=~/corpus-tok \\
         --set data.vocab_size=32000 --set model.vocab_size=32000
 
-The format and its reader: :mod:`trainers.data.prepare`; see docs/data.md.
+The format and its reader: :mod:`trainers.data.prepare`. With ``--format jsonl|parquet|hf`` (and
+``--fields``) SOURCE is a document corpus, written as token-id Parquet by
+:mod:`trainers.data.pretokenize` for ``data.corpus=parquet``; see docs/data.md.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the token that ends each document (default: the tokenizer's end-of-text token, if any)")
     p.add_argument("--suffixes", default=None, help="comma-separated file endings that count as text (default: "
                                                     "the text corpus's, .txt,.md,.rst,.py,.json,.jsonl,.csv,.html,.tex)")
+    p.add_argument("--format", default="", choices=("", "jsonl", "parquet", "hf"),
+                   help="SOURCE is a document corpus in this format (files, a glob or a folder; hf: a "
+                        "save_to_disk folder): write DIR/train.parquet, DIR/validation.parquet of token ids")
+    p.add_argument("--fields", default="text", help="with --format: the record fields, e.g. prompt,response "
+                                                    "(default text)")
     p.add_argument("--overwrite", action="store_true", help="replace a prepared corpus already in DIR")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p.parse_args(argv)
@@ -44,8 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     from trainers.data import prepare as prepare_lib
 
     try:
-        if not args.overwrite and os.path.exists(os.path.join(os.path.expanduser(args.out), "train.json")):
+        prepared = ("train.parquet",) if args.format else ("train.json",)
+        if not args.overwrite and os.path.exists(os.path.join(os.path.expanduser(args.out), prepared[0])):
             raise ValueError(f"--out={args.out!r} already holds a prepared corpus; pass --overwrite to replace it")
+        if args.format:
+            return _documents(args)
         kw = {}
         if args.suffixes is not None:
             kw["suffixes"] = tuple(s.strip() for s in args.suffixes.split(",") if s.strip())
@@ -63,6 +73,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"vocab {train['vocab_size']}, separator {train['separator']!r}; train with: --set data.corpus=tokens "
           f"--set data.path={args.out} --set data.vocab_size={train['vocab_size']} "
           f"--set model.vocab_size={train['vocab_size']}")
+    return 0
+
+
+def _documents(args: argparse.Namespace) -> int:
+    from trainers.data.pretokenize import prepare_documents
+
+    fields = tuple(f.strip() for f in args.fields.split(",") if f.strip())
+    if not fields:
+        raise ValueError(f"--fields={args.fields!r} names no field; give e.g. text or prompt,response")
+    meta = prepare_documents(args.source, args.format, fields, args.tokenizer, args.out,
+                             validation_fraction=args.validation_fraction, separator=args.separator,
+                             progress=args.progress)
+    for split, m in meta.items():
+        print(f"{split}: {m['rows']:,} documents, {m['tokens']:,} tokens -> {m['path']}")
+    print(f"train with: --set data.corpus=parquet --set data.path={args.out} --set data.fields={','.join(fields)} "
+          "(data.vocab_size and model.vocab_size covering the tokenizer)")
     return 0
 
 
