@@ -39,9 +39,19 @@ SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1, "zb-h2": 1}  #
 RULES = {DPT: "dp_tp", FPT: "fsdp_tp", DP: "dp"}
 
 
-def loaded_back(compiled):
-    """The executable as the persistent compile cache hands it back: serialized, then loaded."""
-    return serialize_executable.deserialize_and_load(*serialize_executable.serialize(compiled))
+def loaded_back(lowered, *args):
+    """``() -> lowered(*args)`` from the executable as the persistent compile cache hands it back: compiled,
+    serialized and loaded. On a warm run the compile itself came from that cache, and such an executable
+    does not serialize again (its kernels are not in the payload): then it is used as it is."""
+    compiled = lowered.compile()
+    loaded = serialize_executable.deserialize_and_load(*serialize_executable.serialize(compiled))
+    try:
+        jax.block_until_ready(loaded(*args))
+    except jax.errors.JaxRuntimeError as e:
+        if "not found" not in str(e):
+            raise
+        loaded = compiled
+    return lambda: loaded(*args)
 
 
 def repeat(fn, n: int) -> list:
@@ -73,14 +83,16 @@ def gpt_grad(sizes: tuple = (), rules: str = "none", schedule: str = "none", m: 
     bs = spmd.batch_sharding(rules_, mesh)
     t = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, LENGTH + 1)).astype(np.int32)
     x, y = jax.device_put(t[:, :-1], bs), jax.device_put(t[:, 1:], bs)
-    compiled = jax.jit(jax.value_and_grad(loss), in_shardings=(shardings, bs, bs)).lower(params, x, y).compile()
-    run = loaded_back(compiled) if sizes else compiled
-    return lambda: run(params, x, y)
+    lowered = jax.jit(jax.value_and_grad(loss), in_shardings=(shardings, bs, bs)).lower(params, x, y)
+    if not sizes:  # the one-device reference
+        compiled = lowered.compile()
+        return lambda: compiled(params, x, y)
+    return loaded_back(lowered, params, x, y)
 
 
 def test_1f1b_on_data_pipe_tensor_is_deterministic():
     """The case that was wrong in 3-4 of 10 calls: GQA, 1F1B, M=3 on data x pipe x tensor."""
-    outs = repeat(gpt_grad(DPT, "dp_tp", "1f1b", 3), 6)
+    outs = repeat(gpt_grad(DPT, "dp_tp", "1f1b", 3), 12)
     assert_deterministic(outs, repeat(gpt_grad(), 1)[0])
 
 
@@ -109,9 +121,9 @@ def test_every_schedule_and_layout_is_deterministic(sizes, schedule, m):
 @pytest.mark.parametrize("name", ["dp4_pipe2", "dp2_pipe2_tp2"])
 def test_trainer_step_with_accumulation_and_a_pipeline_is_deterministic(name):
     step = accum_step(name, 2)
-    run = loaded_back(step.compiled)
     batch = step.batch()
-    outs = repeat(lambda: run(step.sharded.state, batch)[0]["params"], 10)
+    run = loaded_back(step.step.lower(step.sharded.state, batch), step.sharded.state, batch)
+    outs = repeat(lambda: run()[0]["params"], 10)
     assert_deterministic(outs, accum_reference()[0])
 
 
