@@ -2,7 +2,7 @@
 
 from spmd.models.context import balanced_positions, context_attend
 from spmd.models.counts import flops_per_step, flops_per_token, param_count
-from spmd.models.generate import generate
+from spmd.models.decode import generate
 from spmd.models.gpt import GPT, GPTConfig
 from spmd.models.layers import param
 from spmd.models.loss import lm_loss
