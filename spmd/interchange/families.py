@@ -94,10 +94,13 @@ def family_of(hf: dict[str, Any]) -> Family:
 
 
 def family_for(cfg: GPTConfig) -> Family:
-    """The family a ``GPTConfig`` exports as: mixtral (experts), qwen2 (q/k/v biases), else llama."""
+    """The family a ``GPTConfig`` exports as: mixtral (experts), qwen2 (q/k/v biases), mistral (a
+    ``max_length``: its sliding window), else llama."""
     if cfg.n_experts:
         return FAMILIES["mixtral"]
-    return FAMILIES["qwen2"] if cfg.qkv_bias else FAMILIES["llama"]
+    if cfg.qkv_bias:
+        return FAMILIES["qwen2"]
+    return FAMILIES["mistral"] if cfg.max_length else FAMILIES["llama"]
 
 
 def tensors_of(family: Family, cfg: GPTConfig) -> tuple[Tensor, ...]:

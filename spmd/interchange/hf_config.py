@@ -128,7 +128,8 @@ def to_hf_config(cfg: GPTConfig, dtype: str = "float32", family: Family | None =
         head_dim=cfg.k, hidden_act="silu", rms_norm_eps=cfg.norm_eps, rope_parameters=rope,
         # a scaled tied head is written as an untied lm_head (the scale folded in)
         tie_word_embeddings=cfg.tie_embeddings and not cfg.tied_head_scale,
-        max_position_embeddings=cfg.max_length or 4096, sliding_window=None, dtype=dtype,
+        max_position_embeddings=cfg.max_length or 4096, dtype=dtype,
+        sliding_window=cfg.max_length or None if family.model_type == "mistral" else None,
         bos_token_id=None, eos_token_id=None, pad_token_id=None, attention_dropout=0.0, use_cache=True)
     if family.model_type == "llama":
         hf.update(attention_bias=False, mlp_bias=False)
