@@ -23,6 +23,7 @@ import meshes
 import spmd
 from spmd.rules import RulesError
 from trainers.faults import guard as guard_lib
+from trainers import pretrained
 from trainers.checkpoint import Checkpointer, NoUsableCheckpointError, resolve_init_from
 from trainers.config import Config, changes_since_last_run
 from trainers.data import ExampleLoader, IterLoader, process_rows, to_global
@@ -171,6 +172,10 @@ def _initial_state(cfg: Config, ckpt: Checkpointer, sharded: ShardedState, logge
         start, state, data_state = restored
         logger.message(f"resumed from step {start} ({ckpt.directory})")
         return start, state, data_state
+    if pretrained.hf_path(cfg.checkpoint.init_from) is not None:  # a Hugging Face folder, read shard by shard
+        params = pretrained.init_params(cfg, sharded.abstract["params"])
+        logger.message(f"initialised params from {cfg.checkpoint.init_from}; fresh optimizer, step 0")
+        return 0, fresh(params), {}
     if cfg.checkpoint.init_from:
         directory, step = resolve_init_from(cfg.checkpoint.init_from)
         with Checkpointer(directory, cfg.checkpoint, read_only=True, layer_orders=sharded.layer_orders) as source:
@@ -208,6 +213,7 @@ def train(
     step_hook: StepHook | None = None,
 ) -> Result:
     """Run (or resume) ``task`` (default: the built-in GPT task of ``cfg``) as ``cfg`` describes; returns losses and a summary."""
+    cfg = pretrained.resolve(cfg)  # checkpoint.init_from=hf:PATH: model.* from its config.json, tensors checked
     run, data_cfg = cfg.run, cfg.data
     task = lm_task(cfg) if task is None else task
     if not isinstance(task, Task):

@@ -60,7 +60,11 @@ def build_config(args: argparse.Namespace, task=None):
         sets += [f"run.steps={args.steps}", "lr.total_steps=0"]  # the schedule ends with the run
         if cfg.lr.warmup_steps > args.steps:
             sets.append(f"lr.warmup_steps={max(args.steps // 10, 0)}")
-    return override(cfg, sets)
+    cfg = override(cfg, sets)
+    from trainers.pretrained import check_overrides  # checkpoint.init_from=hf:PATH: --set model.* must agree
+
+    check_overrides(cfg, sets)
+    return cfg
 
 
 def run(args: argparse.Namespace) -> int:
