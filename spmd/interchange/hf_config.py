@@ -85,17 +85,25 @@ def arch_fields(hf: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def gpt_config(hf: dict[str, Any], base: GPTConfig | None = None) -> GPTConfig:
+def contradictions(hf: dict[str, Any], settings: dict[str, Any]) -> list[str]:
+    """``model.KEY=value (the checkpoint has ...)`` for each of ``settings`` (GPTConfig field -> value)
+    in :data:`ARCH_FIELDS` that the checkpoint ``hf`` fixes to another value."""
+    fields, default = arch_fields(hf), GPTConfig()
+    return [f"model.{k}={v!r} (the checkpoint has {fields.get(k, getattr(default, k))!r})"
+            for k, v in settings.items() if k in ARCH_FIELDS and v != fields.get(k, getattr(default, k))]
+
+
+def gpt_config(hf: dict[str, Any], base: GPTConfig | None = None, *, strict: bool = True) -> GPTConfig:
     """A ``GPTConfig`` for the checkpoint ``hf``: its :data:`ARCH_FIELDS`, everything else from ``base``.
 
-    A field of ``base`` in :data:`ARCH_FIELDS` that differs both from the default and from the
-    checkpoint is an error naming it (a run cannot change the shapes it imports)."""
+    ``strict``: a field of ``base`` in :data:`ARCH_FIELDS` that differs both from the default and
+    from the checkpoint is an error naming it (a run cannot change the shapes it imports); else
+    the checkpoint's value replaces it."""
     fields = arch_fields(hf)
     base = base or GPTConfig()
     default = GPTConfig()
-    wrong = [f"model.{k}={getattr(base, k)!r} (the checkpoint has {fields.get(k, getattr(default, k))!r})"
-             for k in ARCH_FIELDS if getattr(base, k) != getattr(default, k) and
-             getattr(base, k) != fields.get(k, getattr(default, k))]
+    changed = {k: getattr(base, k) for k in ARCH_FIELDS if getattr(base, k) != getattr(default, k)}
+    wrong = contradictions(hf, changed) if strict else []
     if wrong:
         raise ValueError(f"the checkpoint's config.json fixes these model settings: {', '.join(wrong)}; "
                          "leave them unset")
