@@ -10,7 +10,6 @@ anything is allocated on a device. :func:`hf_tensors` is the inverse, one parame
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import re
@@ -111,22 +110,26 @@ def read_block(folder: SafetensorsFolder, t: Tensor, sizes: Mapping[str, int], b
 
 def load_params(folder: SafetensorsFolder, family: Family, cfg: GPTConfig, targets: Mapping[str, Any]) -> dict:
     """Parameters (path -> ``jax.Array``) for ``targets`` (path -> ``ShapeDtypeStruct`` with a sharding),
-    each device's shard read from ``folder``. Call :func:`plan` first."""
+    each of this process's device shards read from ``folder``. Call :func:`plan` first.
+
+    Devices holding the same block (replicated dims) share one read; each block goes to its devices
+    and is dropped before the next is read, so host memory beyond the loaded shards is one block."""
     rows = {t.path: t for t in tensors_of(family, cfg)}
     out = {}
     for path, target in targets.items():
         t = rows[path]
         sizes = _sizes(t, target.shape)
-
-        @functools.lru_cache(maxsize=None)
-        def shard(bounds, t=t, sizes=sizes, dtype=target.dtype):
-            return read_block(folder, t, sizes, bounds, dtype)
-
-        def callback(index, shape=target.shape, shard=shard):
-            return shard(tuple(sl.indices(n)[:2] for sl, n in zip(index, shape)))
-
-        out[path] = jax.make_array_from_callback(target.shape, target.sharding, callback)
-        shard.cache_clear()
+        by_block: dict[tuple, list] = {}
+        for device, index in target.sharding.addressable_devices_indices_map(target.shape).items():
+            bounds = tuple(sl.indices(n)[:2] for sl, n in zip(index, target.shape))
+            by_block.setdefault(bounds, []).append(device)
+        shards = {}
+        for bounds, devices in by_block.items():
+            block = read_block(folder, t, sizes, bounds, target.dtype)
+            shards.update({d: jax.device_put(block, d) for d in devices})
+            del block
+        arrays = [shards[d] for d in target.sharding.addressable_devices]
+        out[path] = jax.make_array_from_single_device_arrays(target.shape, target.sharding, arrays)
     return out
 
 
