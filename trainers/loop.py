@@ -285,6 +285,7 @@ def train(
             [d for d in sharded.model.decisions if d.source != "annotation"]))
     peak, peak_source = peak_flops_per_device(mesh.devices.flat[0], dtype=getattr(cfg.model, "dtype", "float32"))
     meter, flops_source = None, ""
+    step_hook = pretrained.sampling_hook(cfg, task, sharded, mesh, rules, logger, step_hook, lambda: state)  # run.sample_every
     guard = Guard(run.guard, spike_factor=run.spike_factor, spike_window=run.spike_window,
                   max_bad_steps=run.max_bad_steps, logger=logger)
     losses: dict[int, float] = {}

@@ -158,8 +158,7 @@ def tokenizer_for(source: str):
     if path is not None:
         file = os.path.join(path, "tokenizer.json")
         return load_tokenizer(file)[0] if os.path.isfile(file) else None
-    cfg = run_config(split_source(source)[0])
-    return load_tokenizer(cfg.data.tokenizer)[0] if cfg.data.tokenizer else None
+    return tokenizer_for_config(run_config(split_source(source)[0]))
 
 
 def encode(tokenizer, text: str) -> np.ndarray:
@@ -171,3 +170,40 @@ def decode(tokenizer, ids) -> str:
     if tokenizer:
         return tokenizer.decode(ids)
     return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def sampling_hook(cfg: Config, task: Any, sharded: Any, mesh: Mesh, rules: Any, logger: Any, step_hook: Any,
+                  current_state: Any) -> Any:
+    """``step_hook`` followed, every ``run.sample_every`` steps, by a few continuations of
+    ``run.sample_prompt`` from the current parameters (``generate`` under the run's mesh and rules,
+    temperature 0.8, seeded by the step), written to the log and TensorBoard's text tab."""
+    every = cfg.run.sample_every
+    if not every or task.name != "lm" or cfg.pipeline.enabled or cfg.local_sgd.enabled:
+        return step_hook
+    from spmd.models import generate
+
+    tokenizer = tokenizer_for_config(cfg)
+    prompt = encode(tokenizer, cfg.run.sample_prompt)
+    rows = max(2, int(np.prod([mesh.shape[a] for a in mesh.axis_names if a != "tensor"])))
+
+    def hook(step: int) -> None:
+        if step_hook is not None:
+            step_hook(step)
+        if step % every:
+            return
+        state = current_state()
+        model = sharded.model.merge(state["params"], state.get("model_state", {}))
+        out = np.asarray(jax.device_get(generate(model, np.tile(prompt, (rows, 1)), 32, 0.8, 0, 1.0, step,
+                                                 mesh=mesh, rules=rules)))
+        texts = [cfg.run.sample_prompt + decode(tokenizer, row) for row in out[:3]]
+        logger.message(f"samples at step {step}: " + " | ".join(repr(t) for t in texts))
+        logger.text("samples", "\n\n".join(texts), step)
+
+    return hook
+
+
+def tokenizer_for_config(cfg: Config):
+    """The run's ``data.tokenizer``, or None for bytes."""
+    from trainers.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(cfg.data.tokenizer)[0] if cfg.data.tokenizer else None
