@@ -5,8 +5,8 @@
   on ``fsdp=4 x tensor=2`` (rules ``fsdp_tp``) with ``spmd.interchange.read_params``. Each process
   resets its peak RSS (``/proc/self/clear_refs``) before the load and reports ``VmHWM - VmRSS before``
   against its share of the state (the bytes of its devices' shards) plus the largest single tensor;
-  goal <= 1.3 x. Throughput: checkpoint bytes / the slower process's load time, against one process
-  reading the same files sequentially (both from the page cache, raw read first); goal >= 0.5 x.
+  goal <= 1.3 x. Throughput per process: the bytes it read / its load time, against its raw read of
+  the files with both processes reading at once (page cache, warmed first); goal >= 0.5 x.
 - **generation**: ``spmd.models.generate`` on one device of a smaller model (f32), batch 4: decode
   tokens/s from the difference of two runs (1 and N+1 new tokens), against the memory-bandwidth
   bound of reading the weights and the KV cache once per decode step (bandwidth measured here as a
@@ -88,19 +88,26 @@ def worker(pid: int, port: int, path: str, out: str) -> None:
     mv = init_model(lambda: GPT(cfg, rngs=nnx.Rngs(0)), "fsdp_tp", mesh, abstract=True)
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), mv.params,
                             mv.shardings["params"])
+    from jax.experimental import multihost_utils
+
     folder = SafetensorsFolder(path)
     largest = max(int(np.prod(s)) * 4 for s in folder.shapes.values())
+    raw_read(path)  # warm the page cache
+    multihost_utils.sync_global_devices("raw")
+    raw = raw_read(path)  # both processes read every file at once, as they load at once
+    multihost_utils.sync_global_devices("load")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     before = _status("VmRSS")
     t = time.perf_counter()
-    params = read_params(path, cfg, abstract)
+    params = read_params(path, cfg, abstract, folder=folder)
     jax.block_until_ready(params)
     seconds = time.perf_counter() - t
     peak = _status("VmHWM") - before
     share = sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards)
     with open(out, "w") as f:
-        json.dump({"seconds": seconds, "peak": peak, "share": share, "largest": largest}, f)
+        json.dump({"seconds": seconds, "peak": peak, "share": share, "largest": largest, "read": folder.bytes_read,
+                   "raw_s": raw, "raw_bytes": folder.nbytes()}, f)
 
 
 def raw_read(path: str) -> float:
@@ -116,7 +123,6 @@ def raw_read(path: str) -> float:
 def import_rows(quick: bool, tmp: str) -> tuple[list[Row], list[str]]:
     path = os.path.join(tmp, "ckpt")
     nbytes = write_checkpoint(_model(quick), path)
-    raw = min(raw_read(path) for _ in range(2))  # the second read comes from the page cache, as the import's
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -134,11 +140,13 @@ def import_rows(quick: bool, tmp: str) -> tuple[list[Row], list[str]]:
                         fmt_bytes(w["peak"]), f"{fmt_bytes(bound)} = share {fmt_bytes(w['share'])} + largest tensor "
                         f"{fmt_bytes(w['largest'])}", w["peak"] / bound, f"<= {RSS_GOAL}", w["peak"] / bound <= RSS_GOAL,
                         f"checkpoint {fmt_bytes(nbytes)}; load {w['seconds']:.2f} s"))
-    slow = max(w["seconds"] for w in figures)
-    ratio = (nbytes / slow) / (nbytes / raw)
-    rows.append(Row("import throughput (checkpoint bytes / slower process's load)", f"{nbytes / slow / 2**20:.0f} MiB/s",
-                    f"{nbytes / raw / 2**20:.0f} MiB/s raw sequential read of the same files (page cache)", ratio,
-                    f">= {READ_GOAL}", ratio >= READ_GOAL, "both processes load at once on this host's 2 cores"))
+    for i, w in enumerate(figures):
+        rate, raw_rate = w["read"] / w["seconds"], w["raw_bytes"] / w["raw_s"]
+        rows.append(Row(f"import throughput, process {i} of 2 (bytes it read / its load time)",
+                        f"{rate / 2**20:.0f} MiB/s", f"{raw_rate / 2**20:.0f} MiB/s raw read of the files by this "
+                        "process, both processes at once (page cache)", rate / raw_rate, f">= {READ_GOAL}",
+                        rate / raw_rate >= READ_GOAL, f"read {fmt_bytes(w['read'])} of {fmt_bytes(nbytes)} in "
+                        f"{w['seconds']:.2f} s (whole rows of the tensors its devices hold, cut into device blocks)"))
     return rows, [f"- import: random Llama-shaped checkpoint of {fmt_bytes(nbytes)} (f32), 2 processes x 4 simulated "
                   "CPU devices, rules fsdp_tp; each process reads only its devices' slices"]
 

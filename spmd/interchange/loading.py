@@ -83,51 +83,50 @@ def plan(folder: SafetensorsFolder, family: Family, cfg: GPTConfig, shapes: Mapp
                          f"{folder.shapes[extra[0]]})")
 
 
-def read_block(folder: SafetensorsFolder, t: Tensor, sizes: Mapping[str, int], bounds: tuple[tuple[int, int], ...],
-               dtype: Any) -> np.ndarray:
-    """The block ``bounds`` (one ``(start, stop)`` per dim of ``ours``) of parameter ``t``, read from the
-    Hugging Face tensors it covers: only the rows of each tensor that it needs (whole inner dims of a
-    fused ``(h k)`` dim, then sliced)."""
+def fill_blocks(folder: SafetensorsFolder, t: Tensor, sizes: Mapping[str, int],
+                blocks: dict[tuple[tuple[int, int], ...], np.ndarray]) -> None:
+    """Fill ``blocks`` (bounds: one ``(start, stop)`` per dim of ``ours`` -> array) of parameter ``t`` from the
+    Hugging Face tensors they cover. Each tensor is read once, as the range of its first dim that the
+    blocks need (whole rows: a row's bytes are contiguous), then cut into every block that uses it."""
     ours = t.ours.split()
-    rng = dict(zip(ours, bounds))
     src = t.source_dims()
     groups = _groups(t.theirs)
     atoms = [a for g in groups for a in g]
     keep = [d for d in ours if d not in src]
-    out = np.empty([b - a for a, b in bounds], dtype)
-    for picks in _picks(t, {d: range(*rng[d]) for d in src}):
-        index, shape, inner = [], [], []
-        for g in groups:
-            step = math.prod(sizes[a] for a in g[1:])
-            index.append(slice(rng[g[0]][0] * step, rng[g[0]][1] * step))
-            shape += [rng[g[0]][1] - rng[g[0]][0]] + [sizes[a] for a in g[1:]]
-            inner += [slice(None)] + [slice(*rng[a]) for a in g[1:]]
-        block = folder.read(t.names(picks), tuple(index)).reshape(shape)[tuple(inner)]
-        block = block.transpose([atoms.index(d) for d in keep])
-        out[tuple(picks[d] - rng[d][0] if d in src else slice(None) for d in ours)] = block
-    return out
+    first, step = groups[0][0], math.prod(sizes[a] for a in groups[0][1:])
+    bounds_of = {b: dict(zip(ours, b)) for b in blocks}
+    needed = {d: sorted({i for b in bounds_of.values() for i in range(*b[d])}) for d in src}
+    for picks in _picks(t, needed):
+        using = [b for b, r in bounds_of.items() if all(r[d][0] <= picks[d] < r[d][1] for d in src)]
+        lo, hi = min(bounds_of[b][first][0] for b in using), max(bounds_of[b][first][1] for b in using)
+        data = folder.read(t.names(picks), (slice(lo * step, hi * step),))
+        data = data.reshape([hi - lo] + [sizes[a] for a in atoms[1:]])
+        for b in using:
+            r = bounds_of[b]
+            cut = data[tuple(slice(r[a][0] - lo, r[a][1] - lo) if a == first else slice(*r[a]) for a in atoms)]
+            blocks[b][tuple(picks[d] - r[d][0] if d in src else slice(None) for d in ours)] = \
+                cut.transpose([atoms.index(d) for d in keep])
+        del data
 
 
 def load_params(folder: SafetensorsFolder, family: Family, cfg: GPTConfig, targets: Mapping[str, Any]) -> dict:
     """Parameters (path -> ``jax.Array``) for ``targets`` (path -> ``ShapeDtypeStruct`` with a sharding),
     each of this process's device shards read from ``folder``. Call :func:`plan` first.
 
-    Devices holding the same block (replicated dims) share one read; each block goes to its devices
-    and is dropped before the next is read, so host memory beyond the loaded shards is one block."""
+    One parameter at a time: its distinct blocks on this process's devices (replicated dims share
+    one) are filled tensor by tensor (:func:`fill_blocks`), put on their devices and dropped, so host
+    memory beyond the loaded shards is this process's share of one parameter plus one tensor."""
     rows = {t.path: t for t in tensors_of(family, cfg)}
     out = {}
     for path, target in targets.items():
-        t = rows[path]
-        sizes = _sizes(t, target.shape)
         by_block: dict[tuple, list] = {}
         for device, index in target.sharding.addressable_devices_indices_map(target.shape).items():
             bounds = tuple(sl.indices(n)[:2] for sl, n in zip(index, target.shape))
             by_block.setdefault(bounds, []).append(device)
-        shards = {}
-        for bounds, devices in by_block.items():
-            block = read_block(folder, t, sizes, bounds, target.dtype)
-            shards.update({d: jax.device_put(block, d) for d in devices})
-            del block
+        blocks = {b: np.empty([hi - lo for lo, hi in b], target.dtype) for b in by_block}
+        fill_blocks(folder, rows[path], _sizes(rows[path], target.shape), blocks)
+        shards = {d: jax.device_put(blocks[b], d) for b, devices in by_block.items() for d in devices}
+        del blocks
         arrays = [shards[d] for d in target.sharding.addressable_devices]
         out[path] = jax.make_array_from_single_device_arrays(target.shape, target.sharding, arrays)
     return out

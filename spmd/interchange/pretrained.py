@@ -40,16 +40,20 @@ def _flat(tree: Any) -> dict[str, Any]:
     return {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def read_params(path: str, cfg: GPTConfig, abstract_params: Any) -> Any:
+def read_params(path: str, cfg: GPTConfig, abstract_params: Any, *, folder: SafetensorsFolder | None = None) -> Any:
     """The checkpoint's parameters in the structure, shapes and shardings of ``abstract_params`` (a pure
-    dict of ``ShapeDtypeStruct`` with shardings, as a train state's ``params``); checked before any read."""
+    dict of ``ShapeDtypeStruct`` with shardings, as a train state's ``params``); checked before any read.
+    ``folder``: an open reader of ``path`` (its ``bytes_read`` then counts this load's reads)."""
     hf = read_config(path)
     family = family_of(hf)
     checkpoint_dtype(hf)
-    folder = SafetensorsFolder(path)
+    folder = folder or SafetensorsFolder(path)
     flat = _flat(abstract_params)
     plan(folder, family, cfg, {k: tuple(v.shape) for k, v in flat.items()})
-    loaded = load_params(folder, family, cfg, flat)
+    try:
+        loaded = load_params(folder, family, cfg, flat)
+    finally:
+        folder.close()
     leaves = jax.tree_util.tree_flatten_with_path(abstract_params)
     return jax.tree.unflatten(leaves[1], [loaded[path_str(p)] for p, _ in leaves[0]])
 

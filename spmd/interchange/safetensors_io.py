@@ -2,7 +2,9 @@
 
 A folder holds ``model.safetensors``, or shards listed by ``model.safetensors.index.json``
 (``weight_map``: tensor name -> file). Every file's header is checked against its size before
-anything is read, so a truncated file is one message naming it, not a failure mid-load.
+anything is read, so a truncated file is one message naming it, not a failure mid-load. Slices
+are read with positioned reads of their rows (not a memory map), so a process's memory is what it
+keeps, not the mapped pages of the files it touched; files are written with ``safetensors``.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ import struct
 from collections.abc import Iterable
 
 import numpy as np
-from safetensors import SafetensorError, safe_open
+import ml_dtypes
 from safetensors.numpy import save_file
 
 INDEX = "model.safetensors.index.json"
 FLOAT_DTYPES = ("F32", "BF16", "F16")
+NUMPY = {"F64": np.float64, "F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float16, "I64": np.int64,
+         "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 
 
 def _check_file(file: str) -> dict:
@@ -59,33 +63,57 @@ class SafetensorsFolder:
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, str] = {}
         self._file_of: dict[str, str] = {}
+        self._offset: dict[str, int] = {}
         for name in files:
             file = os.path.join(path, name)
             if not os.path.isfile(file):
                 raise ValueError(f"{INDEX} lists {name}, which is not in {path!r}")
-            for key, info in _check_file(file).items():
+            header = _check_file(file)
+            with open(file, "rb") as f:
+                start = 8 + struct.unpack("<Q", f.read(8))[0]
+            for key, info in header.items():
                 if key != "__metadata__":
                     self.shapes[key], self.dtypes[key], self._file_of[key] = tuple(info["shape"]), info["dtype"], file
+                    self._offset[key] = start + info["data_offsets"][0]
         if weight_map is not None:
             missing = sorted(k for k in weight_map if k not in self._file_of)
             if missing:
                 raise ValueError(f"{INDEX} lists tensors no file holds: {', '.join(missing[:5])}")
         self._open: dict[str, object] = {}
+        self.bytes_read = 0  # by read(), since construction
 
     @property
     def names(self) -> list[str]:
         return sorted(self.shapes)
 
     def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray:
-        """``tensor[index]`` as numpy (bf16 as ``ml_dtypes.bfloat16``), reading only those bytes."""
-        file = self._file_of[name]
-        if file not in self._open:
-            try:
-                self._open[file] = safe_open(file, framework="numpy")
-            except SafetensorError as e:
-                raise ValueError(f"{file} is not a readable safetensors file: {e}") from None
-        piece = self._open[file].get_slice(name)
-        return piece[index] if index else piece[:]
+        """``tensor[index]`` as numpy (bf16 as ``ml_dtypes.bfloat16``): the rows of the first dim's slice
+        are read (one positioned read), the other dims sliced from them."""
+        shape, kind = self.shapes[name], self.dtypes[name]
+        if kind not in NUMPY:
+            raise ValueError(f"tensor {name} has dtype {kind}, which this reader does not know ({sorted(NUMPY)})")
+        dtype = np.dtype(NUMPY[kind])
+        rows = index[0].indices(shape[0])[:2] if index and shape else (0, shape[0] if shape else 1)
+        inner = shape[1:] if shape else ()
+        buf = np.empty((rows[1] - rows[0], *inner) if shape else (), dtype)
+        view = memoryview(buf.reshape(-1)).cast("B")
+        if self._file_of[name] not in self._open:
+            self._open[self._file_of[name]] = open(self._file_of[name], "rb", buffering=0)
+        f = self._open[self._file_of[name]]
+        offset, done = self._offset[name] + rows[0] * int(np.prod(inner, dtype=np.int64)) * dtype.itemsize, 0
+        while done < len(view):
+            n = os.preadv(f.fileno(), [view[done:]], offset + done)
+            if n <= 0:
+                raise ValueError(f"{self._file_of[name]} ended while reading tensor {name}")
+            done += n
+        self.bytes_read += done
+        return buf[(slice(None), *index[1:])] if index and shape else buf
+
+    def close(self) -> None:
+        """Close the files opened by :meth:`read` (a later read opens them again)."""
+        for f in self._open.values():
+            f.close()
+        self._open.clear()
 
     def nbytes(self) -> int:
         return sum(os.path.getsize(f) for f in set(self._file_of.values()))
