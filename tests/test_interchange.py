@@ -186,3 +186,12 @@ def test_sequences_past_the_sliding_window_are_refused():
         jax.eval_shape(lambda m: m(np.zeros((1, 65), np.int32)), model)
     with pytest.raises(ValueError, match=r"= 72 exceeds GPTConfig.max_length=64"):
         generate(model, np.zeros((1, 8), np.int32), 64)
+
+
+def test_param_count_covers_the_imported_families():
+    from spmd.models import param_count
+
+    for family in FAMILIES:
+        model = load_pretrained(os.path.join(FIXTURES, family))
+        n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        assert param_count(model.cfg) == n, family
