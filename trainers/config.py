@@ -103,7 +103,7 @@ class RunConfig:
     profile_processes: str = "first"  # which processes trace: "first" (process 0) or "all"
     memory_profile_step: int = 0  # > 0: a device-memory profile after that step (also on SIGUSR1) in run_dir/memory
     sample_every: int = 0  # > 0: every N steps log a few generated continuations of sample_prompt (built-in GPT)
-    sample_prompt: str = "The "  # text, encoded with data.tokenizer (or as bytes)
+    sample_prompt: str = "Once upon a time"  # text, encoded with data.tokenizer (or as bytes)
 
     def __post_init__(self) -> None:
         from trainers.faults.guard import validate

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 from typing import Any
 
 import jax
@@ -142,8 +143,6 @@ def export_run(source: str, out: str, *, dtype: str = "float32", max_shard_bytes
     files = save_pretrained(out, cfg.model, nnx.to_pure_dict(nnx.state(model, nnx.Param)), dtype=dtype,
                             max_shard_bytes=max_shard_bytes)
     if cfg.data.tokenizer:
-        import shutil
-
         shutil.copy(cfg.data.tokenizer, os.path.join(out, "tokenizer.json"))
         files.append("tokenizer.json")
     return files

@@ -13,6 +13,7 @@ with a key folded from ``seed`` and the step, so a seed gives the same tokens on
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -84,10 +85,9 @@ def sample(logits_BV: jax.Array, key: jax.Array, temperature: float, top_k: int,
     return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6, 7, 8, 9))
+@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6, 8, 9))  # the seed is traced: one program for any seed
 def _generate(graphdef, state, prompt_BP, max_new_tokens, temperature, top_k, top_p, seed, mesh, rules):
-    layout = use_rules(rules, mesh) if mesh is not None else _nothing()
-    with layout:
+    with use_rules(rules, mesh) if mesh is not None else contextlib.nullcontext():
         model = nnx.merge(graphdef, state)
         cfg = model.cfg
         b, p = prompt_BP.shape
@@ -105,14 +105,6 @@ def _generate(graphdef, state, prompt_BP, max_new_tokens, temperature, top_k, to
 
         _, rest_NB = jax.lax.scan(decode, (first_B, cache), jnp.arange(max_new_tokens - 1, dtype=jnp.int32))
         return jnp.concatenate([first_B[:, None], rest_NB.T], axis=1)
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def generate(model: GPT, prompt_tokens: np.ndarray | jax.Array, max_new_tokens: int, temperature: float = 0.0,
