@@ -100,6 +100,12 @@ def test_bad_checkpoints_exit_2_and_write_nothing(hf_folder, tmp_path, capsys):
         assert message in capsys.readouterr().err, name
         run_dir = argv[argv.index("--run-dir") + 1]
         assert not os.path.exists(run_dir) or not os.listdir(run_dir), name
+    window = {**json.loads((hf_folder / "config.json").read_text()), "model_type": "mistral", "sliding_window": 8}
+    (bad / "config.json").write_text(json.dumps(window))
+    (bad / "model.safetensors").write_bytes(data)
+    assert train_main(run_args(bad, tmp_path / "r5")) == 2  # the tiny recipe's seq_len 16 > the window
+    assert "data.seq_len=16 exceeds the checkpoint's sliding window 8" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "r5") or not os.listdir(tmp_path / "r5")
     (bad / "config.json").write_text(json.dumps({**json.loads((hf_folder / "config.json").read_text()),
                                                   "model_type": "gpt_neox"}))
     (bad / "model.safetensors").write_bytes(data)

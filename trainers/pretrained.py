@@ -63,6 +63,10 @@ def resolve(cfg: Config) -> Config:
         check_checkpoint(path, model)
     except ValueError as e:
         raise ValueError(f"checkpoint.init_from={cfg.checkpoint.init_from!r}: {e}") from None
+    if model.max_length and cfg.data.seq_len > model.max_length:
+        raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the checkpoint's sliding window {model.max_length} "
+                         f"(checkpoint.init_from={cfg.checkpoint.init_from!r}; attention past it does not run here): "
+                         f"use data.seq_len <= {model.max_length}")
     if cfg.data.vocab_size > model.vocab_size:
         raise ValueError(f"data.vocab_size={cfg.data.vocab_size} exceeds the checkpoint's vocab_size="
                          f"{model.vocab_size} (checkpoint.init_from={cfg.checkpoint.init_from!r})")

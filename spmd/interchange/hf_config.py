@@ -108,7 +108,7 @@ def gpt_config(hf: dict[str, Any], base: GPTConfig | None = None, *, strict: boo
         raise ValueError(f"the checkpoint's config.json fixes these model settings: {', '.join(wrong)}; "
                          "leave them unset")
     extra = {}
-    if family_of(hf).moe:  # Hugging Face adds its aux loss (E/k times ours) only with output_router_logits
+    if family_of(hf).moe:  # Hugging Face adds its aux loss (k times ours) only with output_router_logits
         coef = float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0
         extra = dict(aux_loss_weight=coef * fields["experts_per_token"], router_z_loss_weight=0.0, capacity_factor=0.0)
     return dataclasses.replace(base, **{**fields, **extra})

@@ -104,9 +104,22 @@ def fill_blocks(folder: SafetensorsFolder, t: Tensor, sizes: Mapping[str, int],
         for b in using:
             r = bounds_of[b]
             cut = data[tuple(slice(r[a][0] - lo, r[a][1] - lo) if a == first else slice(*r[a]) for a in atoms)]
-            blocks[b][tuple(picks[d] - r[d][0] if d in src else slice(None) for d in ours)] = \
-                cut.transpose([atoms.index(d) for d in keep])
+            _assign(blocks[b][tuple(picks[d] - r[d][0] if d in src else slice(None) for d in ours)],
+                    cut.transpose([atoms.index(d) for d in keep]))
         del data
+
+
+def _assign(dst: np.ndarray, src: np.ndarray, chunk: int = 1 << 18) -> None:
+    """``dst[...] = src`` in pieces of about ``chunk`` elements along the longest dim: a transposing copy
+    that stays in cache (3x faster than one numpy assignment of a transposed 16 MiB tensor)."""
+    if src.size <= chunk or src.ndim == 0:
+        dst[...] = src
+        return
+    axis = int(np.argmax(src.shape))
+    step = max(1, chunk * src.shape[axis] // src.size)
+    for i in range(0, src.shape[axis], step):
+        piece = (slice(None),) * axis + (slice(i, i + step),)
+        dst[piece] = src[piece]
 
 
 def load_params(folder: SafetensorsFolder, family: Family, cfg: GPTConfig, targets: Mapping[str, Any]) -> dict:
