@@ -113,3 +113,24 @@ def test_bad_checkpoints_exit_2_and_write_nothing(hf_folder, tmp_path, capsys):
     assert "model_type 'gpt_neox' is not a known family" in capsys.readouterr().err
     assert export_main([str(tmp_path / "nope"), "--to", "hf", str(tmp_path / "o")]) == 2
     assert not os.path.exists(tmp_path / "o")
+
+
+def test_generate_command_uses_the_folders_tokenizer(tmp_path, capsys):
+    """hf:PATH with a tokenizer.json: the prompt is encoded and the continuation decoded with it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.trainers import BpeTrainer
+
+    (tmp_path / "text.txt").write_text("def main():\n    return 1\n" * 50)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train([str(tmp_path / "text.txt")], BpeTrainer(vocab_size=300, show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    cfg = GPTConfig(vocab_size=tok.get_vocab_size(), d_model=32, n_layers=1, n_heads=4, d_ff=64, tied_head_scale=False)
+    save_pretrained(str(tmp_path / "hf"), cfg, nnx.to_pure_dict(nnx.state(GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param)))
+    tok.save(str(tmp_path / "hf" / "tokenizer.json"))
+    prompt_ids = " ".join(map(str, tok.encode("def main").ids))
+    assert generate_main([f"hf:{tmp_path / 'hf'}", "--prompt", prompt_ids, "--max-new-tokens", "6", "--ids"]) == 0
+    ids = [int(t) for t in capsys.readouterr().out.split()]
+    assert generate_main([f"hf:{tmp_path / 'hf'}", "--prompt", "def main", "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == tok.decode(ids)
