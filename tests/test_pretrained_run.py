@@ -115,6 +115,12 @@ def test_bad_checkpoints_exit_2_and_write_nothing(hf_folder, tmp_path, capsys):
     assert not os.path.exists(tmp_path / "o")
 
 
+def test_print_config_shows_the_checkpoints_model(hf_folder, capsys):
+    assert train_main(["gpt-small", "--print-config", "--set", f"checkpoint.init_from=hf:{hf_folder}"]) == 0
+    model = json.loads(capsys.readouterr().out)["model"]
+    assert (model["d_model"], model["n_kv_heads"], model["norm_eps"], model["tied_head_scale"]) == (32, 2, 1e-5, False)
+
+
 def test_generate_command_uses_the_folders_tokenizer(tmp_path, capsys):
     """hf:PATH with a tokenizer.json: the prompt is encoded and the continuation decoded with it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -49,9 +49,9 @@ def check_checkpoint(path: str, model: GPTConfig) -> None:
     plan(SafetensorsFolder(path), families.family_of(hf), model, {path_str(p): tuple(x.shape) for p, x in flat})
 
 
-def resolve(cfg: Config) -> Config:
+def resolve(cfg: Config, *, check: bool = True) -> Config:
     """``cfg`` with ``model``'s shapes taken from ``checkpoint.init_from=hf:PATH``'s ``config.json`` (its
-    other fields kept) and the checkpoint checked; unchanged otherwise."""
+    other fields kept) and, with ``check``, every tensor checked (jax-abstract, no device); unchanged otherwise."""
     path = hf_path(cfg.checkpoint.init_from)
     if path is None:
         return cfg
@@ -60,7 +60,8 @@ def resolve(cfg: Config) -> Config:
                          "Hugging Face checkpoint folder (config.json and *.safetensors)")
     try:
         model = hf_config.gpt_config(hf_config.read_config(path), cfg.model, strict=False)
-        check_checkpoint(path, model)
+        if check:
+            check_checkpoint(path, model)
     except ValueError as e:
         raise ValueError(f"checkpoint.init_from={cfg.checkpoint.init_from!r}: {e}") from None
     if model.max_length and cfg.data.seq_len > model.max_length:
