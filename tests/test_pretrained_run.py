@@ -44,7 +44,7 @@ def trained(hf_folder, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
     cfg = override(recipe("gpt-small", tiny=True), [
         f"checkpoint.init_from=hf:{hf_folder}", f"run.run_dir={run_dir}", "run.steps=3", "lr.total_steps=0",
-        "lr.warmup_steps=0", "mesh.axes=data=-1", "rules=dp", "checkpoint.every_steps=3", "run.eval_every=1000", "run.sample_every=3"])
+        "lr.warmup_steps=0", "mesh.axes=data=-1", "rules=dp", "checkpoint.every_steps=3", "run.eval_batches=0", "run.sample_every=3"])
     result = train(cfg)
     return run_dir, result
 
