@@ -1,5 +1,6 @@
 """Hugging Face checkpoints import with transformers' logits, loss and greedy tokens, export bit-equal, and bad ones fail clearly."""
 
+import json
 import os
 import shutil
 
@@ -195,3 +196,17 @@ def test_param_count_covers_the_imported_families():
         model = load_pretrained(os.path.join(FIXTURES, family))
         n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
         assert param_count(model.cfg) == n, family
+
+
+def test_bfloat16_checkpoints_round_trip_bit_equal(tmp_path):
+    """A bf16 checkpoint (as most published ones) imports to f32 exactly and exports back bit-equal."""
+    model = load_pretrained(os.path.join(FIXTURES, "llama"))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    save_pretrained(str(tmp_path / "bf16"), model.cfg, params, dtype="bfloat16")
+    assert set(SafetensorsFolder(str(tmp_path / "bf16")).dtypes.values()) == {"BF16"}
+    again = load_pretrained(str(tmp_path / "bf16"))
+    save_pretrained(str(tmp_path / "again"), again.cfg, nnx.to_pure_dict(nnx.state(again, nnx.Param)), dtype="bfloat16")
+    a, b = SafetensorsFolder(str(tmp_path / "bf16")), SafetensorsFolder(str(tmp_path / "again"))
+    assert all(np.array_equal(a.read(n).view(np.uint16), b.read(n).view(np.uint16)) for n in a.names)
+    with open(tmp_path / "bf16" / "config.json") as f:
+        assert json.load(f)["dtype"] == "bfloat16"

@@ -96,7 +96,7 @@ class SafetensorsFolder:
         rows = index[0].indices(shape[0])[:2] if index and shape else (0, shape[0] if shape else 1)
         inner = shape[1:] if shape else ()
         buf = np.empty((rows[1] - rows[0], *inner) if shape else (), dtype)
-        view = memoryview(buf.reshape(-1)).cast("B")
+        view = memoryview(buf.reshape(-1).view(np.uint8))  # bytes: ml_dtypes have no buffer format
         if self._file_of[name] not in self._open:
             self._open[self._file_of[name]] = open(self._file_of[name], "rb", buffering=0)
         f = self._open[self._file_of[name]]
