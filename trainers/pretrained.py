@@ -55,6 +55,9 @@ def resolve(cfg: Config, *, check: bool = True) -> Config:
     path = hf_path(cfg.checkpoint.init_from)
     if path is None:
         return cfg
+    if cfg.pipeline.virtual_stages > 1:  # the stacks would be stored in chunk order, the tensors are in natural order
+        raise ValueError(f"checkpoint.init_from={cfg.checkpoint.init_from!r} with pipeline.virtual_stages="
+                         f"{cfg.pipeline.virtual_stages} (interleaved) is not supported yet; use virtual_stages=1")
     if not os.path.isdir(path):
         raise ValueError(f"checkpoint.init_from={cfg.checkpoint.init_from!r}: {path!r} is not a directory; give a "
                          "Hugging Face checkpoint folder (config.json and *.safetensors)")
