@@ -13,8 +13,8 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 
-from benchmarks import (attention, calibration, checkpoint, comms, common, context, gpu, local_sgd, loss, memory, mfu, overhead,
-                        packing, pipeline, remat, scaling, steptime)
+from benchmarks import (attention, calibration, checkpoint, comms, common, context, gpu, interchange, local_sgd, loss, memory,
+                        mfu, overhead, packing, pipeline, remat, scaling, steptime)
 
 BENCHMARKS: dict[str, Callable[..., int]] = {
     "overhead": overhead.main,
@@ -33,6 +33,7 @@ BENCHMARKS: dict[str, Callable[..., int]] = {
     "gpu": gpu.main,
     "calibration": calibration.main,
     "packing": packing.main,
+    "interchange": interchange.main,
 }
 assert tuple(BENCHMARKS) == common.ORDER
 

@@ -102,6 +102,8 @@ class RunConfig:
     profile_steps: str = ""  # "START:END": a jax.profiler trace of those steps (inclusive) in run_dir/tensorboard
     profile_processes: str = "first"  # which processes trace: "first" (process 0) or "all"
     memory_profile_step: int = 0  # > 0: a device-memory profile after that step (also on SIGUSR1) in run_dir/memory
+    sample_every: int = 0  # > 0: every N steps log a few generated continuations of sample_prompt (built-in GPT)
+    sample_prompt: str = "Once upon a time"  # text, encoded with data.tokenizer (or as bytes)
 
     def __post_init__(self) -> None:
         from trainers.faults.guard import validate
@@ -118,6 +120,9 @@ class RunConfig:
             raise ValueError(f"run.memory_profile_step must be >= 0 (0: none), got {self.memory_profile_step}")
         if self.eval_batches < -1:
             raise ValueError(f"run.eval_batches must be >= 0, or -1 for one full pass over the eval set; got {self.eval_batches}")
+        if self.sample_every < 0 or not self.sample_prompt:
+            raise ValueError(f"run.sample_every must be >= 0 (0: no samples) and run.sample_prompt non-empty, got "
+                             f"{self.sample_every}, {self.sample_prompt!r}")
         if self.z_loss < 0:
             raise ValueError(f"run.z_loss must be >= 0, got {self.z_loss}")
 

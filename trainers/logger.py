@@ -130,6 +130,11 @@ class RunLogger:
                 name = label if prefix == "train" else f"{prefix}_{label}"
                 self._postfix[name] = fmt.format(values[key]) if math.isfinite(values[key]) else "nan"
 
+    def text(self, tag: str, text: str, step: int) -> None:
+        """A text entry in TensorBoard's text tab (process 0, when TensorBoard is on)."""
+        if self._tb is not None:
+            self._tb.add_text(tag, text, global_step=step)
+
     def message(self, text: str) -> None:
         """Print a line without breaking the progress bar (main process only)."""
         if self.is_main and not self.closed:

@@ -23,6 +23,7 @@ import meshes
 import spmd
 from spmd.rules import RulesError
 from trainers.faults import guard as guard_lib
+from trainers import pretrained
 from trainers.blame import InternalError, TaskError, attribute
 from trainers.checkpoint import Checkpointer, NoUsableCheckpointError, resolve_init_from
 from trainers.config import Config, changes_since_last_run
@@ -176,6 +177,10 @@ def _initial_state(cfg: Config, ckpt: Checkpointer, sharded: ShardedState, logge
         start, state, data_state = restored
         logger.message(f"resumed from step {start} ({ckpt.directory})")
         return start, state, data_state
+    if pretrained.hf_path(cfg.checkpoint.init_from) is not None:  # a Hugging Face folder, read shard by shard
+        params = pretrained.init_params(cfg, sharded.abstract["params"])
+        logger.message(f"initialised params from {cfg.checkpoint.init_from}; fresh optimizer, step 0")
+        return 0, fresh(params), {}
     if cfg.checkpoint.init_from:
         directory, step = resolve_init_from(cfg.checkpoint.init_from)
         with Checkpointer(directory, cfg.checkpoint, read_only=True, layer_orders=sharded.layer_orders) as source:
@@ -213,6 +218,7 @@ def train(
     step_hook: StepHook | None = None,
 ) -> Result:
     """Run (or resume) ``task`` (default: the built-in GPT task of ``cfg``) as ``cfg`` describes; returns losses and a summary."""
+    cfg = pretrained.resolve(cfg)  # checkpoint.init_from=hf:PATH: model.* from its config.json, tensors checked
     run, data_cfg = cfg.run, cfg.data
     task = lm_task(cfg) if task is None else task
     if not isinstance(task, Task):
@@ -284,6 +290,7 @@ def train(
             [d for d in sharded.model.decisions if d.source != "annotation"]))
     peak, peak_source = peak_flops_per_device(mesh.devices.flat[0], dtype=getattr(cfg.model, "dtype", "float32"))
     meter, flops_source = None, ""
+    step_hook = pretrained.sampling_hook(cfg, task, sharded, mesh, rules, logger, step_hook, lambda: state)  # run.sample_every
     guard = Guard(run.guard, spike_factor=run.spike_factor, spike_window=run.spike_window,
                   max_bad_steps=run.max_bad_steps, logger=logger)
     losses: dict[int, float] = {}

@@ -2,6 +2,7 @@
 
 from spmd.models.context import balanced_positions, context_attend
 from spmd.models.counts import flops_per_step, flops_per_token, param_count
+from spmd.models.decode import generate
 from spmd.models.gpt import GPT, GPTConfig
 from spmd.models.layers import param
 from spmd.models.loss import lm_loss
@@ -10,5 +11,5 @@ from spmd.models.moe import MoE
 
 __all__ = [
     "GPT", "GPTConfig", "MLP", "MoE", "balanced_positions", "context_attend", "flops_per_step", "flops_per_token",
-    "lm_loss", "mse_loss", "param", "param_count",
+    "generate", "lm_loss", "mse_loss", "param", "param_count",
 ]

@@ -17,7 +17,7 @@ from spmd.models.gpt import GPTConfig
 def block_params(cfg: GPTConfig, *, moe: bool = False, active: bool = False) -> int:
     """Parameters of one block (``moe``: an MoE block; ``active``: only the experts one token uses)."""
     d, h, g, k, f = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.k, cfg.ff
-    attn = d * h * k + 2 * d * g * k + h * k * d
+    attn = d * h * k + 2 * d * g * k + h * k * d + ((h + 2 * g) * k if cfg.qkv_bias else 0)
     mlp = 3 * d * f
     if moe:
         fe, e = cfg.expert_ff, cfg.n_experts

@@ -42,7 +42,16 @@ class GPTConfig:
     head_dim: int | None = None  # None: d_model // n_heads
     d_ff: int | None = None  # None: 4 * d_model
     rope_theta: float = 10_000.0
+    rope_scaling: str = "none"  # "none" | "llama3" (frequencies scaled as Llama 3.1: the rope_* fields below)
+    rope_factor: float = 8.0  # llama3: low frequencies divided by this
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths over original_length / this are scaled
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths under original_length / this are kept
+    rope_original_length: int = 8192  # llama3: the context length the model was pretrained on
+    norm_eps: float = 1e-6  # RMSNorm epsilon
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     tie_embeddings: bool = False
+    tied_head_scale: bool = True  # tied head E^T scaled by d_model**-0.5; False: unscaled (Hugging Face)
+    max_length: int = 0  # > 0: longer sequences are refused (a sliding window this model does not run)
     dtype: str = "float32"  # compute dtype: "float32" | "bfloat16"
     remat: bool = False  # shorthand for remat_policy "full" (True) / "none" (False)
     remat_policy: str = ""  # a spmd.remat policy name; "" takes it from remat
@@ -80,6 +89,9 @@ class GPTConfig:
         if self.attention_block < 1 or self.loss_chunk < 0:
             raise ValueError(f"GPTConfig.attention_block must be >= 1 and loss_chunk >= 0, got "
                              f"{self.attention_block}, {self.loss_chunk}")
+        if self.rope_scaling not in ("none", "llama3") or self.norm_eps <= 0 or self.max_length < 0:
+            raise ValueError(f"GPTConfig.rope_scaling {self.rope_scaling!r} must be 'none' or 'llama3', norm_eps > 0 "
+                             f"and max_length >= 0, got {self.norm_eps}, {self.max_length}")
         self._check_moe()
 
     def _check_moe(self) -> None:
@@ -102,6 +114,13 @@ class GPTConfig:
     def policy(self) -> str:
         """The remat policy name in effect."""
         return self.remat_policy or remat_lib.resolve(self.remat)
+
+    @property
+    def llama3_scaling(self) -> tuple[float, float, float, int] | None:
+        """``(factor, low, high, original length)`` of llama3 RoPE scaling, or None (``spmd.models.layers.rope``)."""
+        if self.rope_scaling != "llama3":
+            return None
+        return self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor, self.rope_original_length
 
     @property
     def kv_heads(self) -> int:
@@ -131,11 +150,12 @@ class Block(nnx.Module):
     losses and load statistics, which :class:`Stack` sums over layers)."""
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, moe: bool = False):
-        self.attn_norm = RMSNorm(cfg.d_model, rngs=rngs)
+        self.attn_norm = RMSNorm(cfg.d_model, rngs=rngs, eps=cfg.norm_eps)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.k, rngs=rngs,
                               rope_theta=cfg.rope_theta, dtype=cfg.compute_dtype, impl=cfg.attention,
-                              block=cfg.attention_block, exchange=cfg.context_exchange)
-        self.mlp_norm = RMSNorm(cfg.d_model, rngs=rngs)
+                              block=cfg.attention_block, exchange=cfg.context_exchange, bias=cfg.qkv_bias,
+                              rope_scaling=cfg.llama3_scaling)
+        self.mlp_norm = RMSNorm(cfg.d_model, rngs=rngs, eps=cfg.norm_eps)
         if moe:
             self.mlp = MoE(cfg.d_model, cfg.expert_ff, cfg.n_experts, cfg.experts_per_token, rngs=rngs,
                            capacity_factor=cfg.capacity_factor, router=cfg.router, n_shared=cfg.n_shared_experts,
@@ -197,7 +217,7 @@ class GPT(nnx.Module):
         self.embed = param(rngs, nnx.initializers.normal(stddev=1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
         make_block, n_blocks = _make_block(cfg)
         self.blocks = Stack(make_block, n_blocks, rngs=rngs, remat=cfg.policy)
-        self.final_norm = RMSNorm(cfg.d_model, rngs=rngs)
+        self.final_norm = RMSNorm(cfg.d_model, rngs=rngs, eps=cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.head = param(rngs, nnx.initializers.truncated_normal(stddev=cfg.d_model**-0.5),
                               (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
@@ -223,6 +243,9 @@ class GPT(nnx.Module):
         ``context.sequence_order`` (load-balanced chunks) and so are the hidden states. Packed
         documents (``segment_ids[B, L]``, ``positions[B, L]``: :mod:`spmd.models.segments`) attend
         within their segment only, with RoPE positions from ``positions``."""
+        if self.cfg.max_length and tokens_BL.shape[1] > self.cfg.max_length:
+            raise ValueError(f"sequence length {tokens_BL.shape[1]} exceeds GPTConfig.max_length={self.cfg.max_length} "
+                             "(this model's sliding window, which does not run here): use sequences up to it")
         order = context.sequence_order(tokens_BL.shape[1])
         positions_L = jnp.arange(tokens_BL.shape[1]) if order is None else jnp.asarray(order)
         x_BLD = self.embed_tokens(tokens_BL if order is None else tokens_BL[:, order])
@@ -308,10 +331,11 @@ def _with_moe_losses(cfg: GPTConfig, loss: jax.Array, aux: dict, stats: dict) ->
 
 def _head_logits(cfg: GPTConfig, x_BLD: jax.Array, w: nnx.Param | jax.Array) -> jax.Array:
     """``x[B, L, D] -> logits[B, L, V]`` in f32 through the head weight ``w`` (``W[D, V]``, or the
-    embedding ``E[V, D]`` scaled by ``D**-0.5`` when ``cfg.tie_embeddings``)."""
+    embedding ``E[V, D]`` when ``cfg.tie_embeddings``, scaled by ``D**-0.5`` unless not ``tied_head_scale``)."""
     dt = cfg.compute_dtype
     if cfg.tie_embeddings:
-        logits_BLV = jnp.einsum("bld,vd->blv", x_BLD, weight(w, dt)) * cfg.d_model**-0.5
+        logits_BLV = jnp.einsum("bld,vd->blv", x_BLD, weight(w, dt))
+        logits_BLV = logits_BLV * cfg.d_model**-0.5 if cfg.tied_head_scale else logits_BLV
     else:
         logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, weight(w, dt))
     return constrain(logits_BLV.astype(jnp.float32), ("batch", "length", "vocab"))

@@ -73,13 +73,17 @@ class RMSNorm(nnx.Module):
         return (y * weight(self.scale, jnp.float32)).astype(x.dtype)
 
 
-def rope(x_BLHK: jax.Array, positions_L: jax.Array, theta: float = 10_000.0) -> jax.Array:
+def rope(x_BLHK: jax.Array, positions_L: jax.Array, theta: float = 10_000.0,
+         scaling: tuple[float, float, float, int] | None = None) -> jax.Array:
     """Rotary position embedding on the last dim (pairs (i, i + K/2)), computed in f32; positions
-    ``[L]`` shared by the rows, or ``[B, L]`` per row (packed documents restart at 0)."""
+    ``[L]`` shared by the rows, or ``[B, L]`` per row (packed documents restart at 0); ``scaling``
+    ``(factor, low, high, original length)`` scales the frequencies as Llama 3.1 does."""
     k = x_BLHK.shape[-1]
     if k % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {k}")
     freq_K2 = theta ** (-jnp.arange(0, k // 2, dtype=jnp.float32) * 2.0 / k)
+    if scaling is not None:
+        freq_K2 = llama3_frequencies(freq_K2, *scaling)
     if positions_L.ndim == 1:
         angle_LK2 = positions_L.astype(jnp.float32)[:, None] * freq_K2[None, :]
         sin, cos = jnp.sin(angle_LK2)[None, :, None, :], jnp.cos(angle_LK2)[None, :, None, :]
@@ -89,6 +93,16 @@ def rope(x_BLHK: jax.Array, positions_L: jax.Array, theta: float = 10_000.0) -> 
     x1, x2 = jnp.split(x_BLHK.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BLHK.dtype)
+
+
+def llama3_frequencies(freq: jax.Array, factor: float, low: float, high: float, original: int) -> jax.Array:
+    """Llama 3.1's RoPE frequencies: wavelengths over ``original / low`` divided by ``factor``, under
+    ``original / high`` kept, smoothly interpolated between."""
+    wavelen = 2 * jnp.pi / freq
+    scaled = jnp.where(wavelen > original / low, freq / factor, freq)
+    smooth = (original / wavelen - low) / (high - low)
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return jnp.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 
 
 def fused_param(rngs: nnx.Rngs, init: Init, part_shape: Sequence[int], n: int, axis: int,
@@ -133,12 +147,14 @@ class Attention(nnx.Module):
     divides G (the concat is local). When ``tensor`` = t > G (t a multiple of G dividing H) the kv
     part is stored replicated over ``tensor`` (``w_kv[D, G, 2, K]``, D*G*2*K per shard) and each
     shard takes a copy of its group's k and v (n = t); the ``w_kv`` gradient is then all-reduced
-    over ``tensor`` (param-sized). See docs/sharding.md.
+    over ``tensor`` (param-sized). See docs/sharding.md. ``bias=True`` adds ``b_q[H, K]`` and
+    ``b_kv[G, 2, K]``, fused the same way.
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *, rngs: nnx.Rngs,
                  rope_theta: float = 10_000.0, dtype: jnp.dtype = jnp.float32, impl: str = "auto", block: int = 512,
-                 exchange: str = "ring"):
+                 exchange: str = "ring", bias: bool = False,
+                 rope_scaling: tuple[float, float, float, int] | None = None):
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads {n_heads} must be a multiple of n_kv_heads {n_kv_heads}")
         init = fan_in_init(d_model)
@@ -146,40 +162,56 @@ class Attention(nnx.Module):
         self.w_kv = fused_param(rngs, init, (d_model, n_kv_heads, head_dim), 2, 2,
                                 ("embed", "kv_heads", None, "head_dim"))
         self.w_o = param(rngs, fan_in_init(n_heads * head_dim), (n_heads, head_dim, d_model), ("heads", "head_dim", "embed"))
+        if bias:
+            self.b_q = param(rngs, nnx.initializers.zeros, (n_heads, head_dim), ("heads", "head_dim"))
+            self.b_kv = param(rngs, nnx.initializers.zeros, (n_kv_heads, 2, head_dim), ("kv_heads", None, "head_dim"))
         self.n_heads, self.n_kv_heads, self.rope_theta, self.dtype = n_heads, n_kv_heads, rope_theta, dtype
+        self.bias, self.rope_scaling = bias, rope_scaling
         self.impl, self.block = impl, block  # spmd.models.attention
         self.exchange = exchange  # K/V exchange under context parallelism (spmd.models.context)
 
-    def fused_qkv(self) -> jax.Array:
-        """The fused weight ``W[D, n, H/n + 2, K]`` in the compute dtype (slot dim over ``kv_heads``' axes)."""
+    def fused_qkv(self, w_q: nnx.Param | None = None, w_kv: nnx.Param | None = None) -> jax.Array:
+        """The fused weight ``W[D, n, H/n + 2, K]`` in the compute dtype (slot dim over ``kv_heads``' axes);
+        given ``b_q`` and ``b_kv`` in place of the weights, the fused bias ``b[n, H/n + 2, K]``."""
         h, g = self.n_heads, self.n_kv_heads
         n = kv_slots(h, g)
+        w_q, w_kv = (self.w_q, self.w_kv) if w_q is None else (w_q, w_kv)
         # shards combined first (in the parameter layout), then one gather of the fused weight; both are
         # constraint outputs, which save_all_but_gathered recomputes rather than keeps
-        w_q_DHK = weight(self.w_q, self.dtype, gather=False)
-        w_q_DnRK = w_q_DHK.reshape(w_q_DHK.shape[0], n, h // n, w_q_DHK.shape[-1])
-        w_kv_DG2K = weight(self.w_kv, self.dtype, gather=False)
-        w_kv_Dn2K = jnp.repeat(w_kv_DG2K, n // g, axis=1) if n > g else w_kv_DG2K  # a copy per shard sharing it
-        dims = ("embed", "kv_heads", None, "head_dim")
-        w_DnSK = constrain(jnp.concatenate([w_q_DnRK, w_kv_Dn2K], axis=2), dims, kind="params")
+        w_q_DHK = weight(w_q, self.dtype, gather=False)
+        w_q_DnRK = w_q_DHK.reshape(*w_q_DHK.shape[:-2], n, h // n, w_q_DHK.shape[-1])
+        w_kv_DG2K = weight(w_kv, self.dtype, gather=False)
+        w_kv_Dn2K = jnp.repeat(w_kv_DG2K, n // g, axis=-3) if n > g else w_kv_DG2K  # a copy per shard sharing it
+        dims = ("embed", "kv_heads", None, "head_dim")[4 - w_q_DHK.ndim - 1:]
+        w_DnSK = constrain(jnp.concatenate([w_q_DnRK, w_kv_Dn2K], axis=-2), dims, kind="params")
         return constrain(w_DnSK, dims)
 
-    def __call__(self, x_BLD: jax.Array, positions_L: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
-        dt = self.dtype
+    def qkv(self, x_BLD: jax.Array, positions_L: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(q[B, L, H, K], k[B, L, n, K], v[B, L, n, K])``, RoPE applied at ``positions_L`` (n KV slots)."""
         w_DnSK = self.fused_qkv()
         n, s = w_DnSK.shape[1], w_DnSK.shape[2]
-        qkv_BLnSK = constrain(jnp.einsum("bld,dnsk->blnsk", x_BLD, w_DnSK),
-                              ("batch", "length", "kv_heads", None, "head_dim"))
+        qkv_BLnSK = jnp.einsum("bld,dnsk->blnsk", x_BLD, w_DnSK)
+        if self.bias:
+            qkv_BLnSK = qkv_BLnSK + self.fused_qkv(self.b_q, self.b_kv)
+        qkv_BLnSK = constrain(qkv_BLnSK, ("batch", "length", "kv_heads", None, "head_dim"))
         b, l, _, _, k = qkv_BLnSK.shape
         q_BLHK = qkv_BLnSK[:, :, :, : s - 2].reshape(b, l, n * (s - 2), k)
         k_BLnK, v_BLnK = qkv_BLnSK[:, :, :, s - 2], qkv_BLnSK[:, :, :, s - 1]
-        q_BLHK = constrain(rope(q_BLHK, positions_L, self.rope_theta), ("batch", "length", "heads", "head_dim"))
-        k_BLnK = rope(k_BLnK, positions_L, self.rope_theta)
+        q_BLHK = rope(q_BLHK, positions_L, self.rope_theta, self.rope_scaling)
+        q_BLHK = constrain(q_BLHK, ("batch", "length", "heads", "head_dim"))
+        return q_BLHK, rope(k_BLnK, positions_L, self.rope_theta, self.rope_scaling), v_BLnK
+
+    def out(self, out_BLHK: jax.Array) -> jax.Array:
+        """The row-parallel output projection ``o[B, L, H, K] -> y[B, L, D]``."""
+        out_BLHK = constrain(out_BLHK, ("batch", "length", "heads", "head_dim"))
+        return jnp.einsum("blhk,hkd->bld", out_BLHK, weight(self.w_o, self.dtype))
+
+    def __call__(self, x_BLD: jax.Array, positions_L: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        q_BLHK, k_BLnK, v_BLnK = self.qkv(x_BLD, positions_L)
         seg = {} if segment_ids is None else {"segment_ids": segment_ids}  # packed documents
         out_BLHK = context.attend(q_BLHK, k_BLnK, v_BLnK, impl=self.impl, block=self.block, exchange=self.exchange,
                                   **seg)
-        out_BLHK = constrain(out_BLHK, ("batch", "length", "heads", "head_dim"))
-        return jnp.einsum("blhk,hkd->bld", out_BLHK, weight(self.w_o, dt))
+        return self.out(out_BLHK)
 
 
 class GatedMLP(nnx.Module):

@@ -60,7 +60,11 @@ def build_config(args: argparse.Namespace, task=None):
         sets += [f"run.steps={args.steps}", "lr.total_steps=0"]  # the schedule ends with the run
         if cfg.lr.warmup_steps > args.steps:
             sets.append(f"lr.warmup_steps={max(args.steps // 10, 0)}")
-    return override(cfg, sets)
+    cfg = override(cfg, sets)
+    from trainers.pretrained import check_overrides, resolve  # checkpoint.init_from=hf:PATH
+
+    check_overrides(cfg, sets)  # --set model.* must agree with its config.json, which gives the model's shapes
+    return resolve(cfg, check=False)  # (read as JSON: no jax work before the processes join)
 
 
 def run(args: argparse.Namespace) -> int:

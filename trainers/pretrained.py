@@ -1,0 +1,216 @@
+"""Pretrained models in a run: ``checkpoint.init_from=hf:PATH``, :func:`load_model`, export and text generation.
+
+    cfg = override(recipe("gpt-small"), ["checkpoint.init_from=hf:llama-folder"])  # model.* from its config.json
+    model = load_model("runs/x")                      # newest step of a run, sharded as the run shards it
+    model = load_model("hf:llama-folder", mesh, "fsdp_tp")
+    export_run("runs/x", "out")                       # config.json + safetensors (+ tokenizer.json)
+
+The checkpoint is checked (config, every tensor's name, shape and dtype) in :func:`resolve`, before
+the run writes anything or allocates on a device. See docs/pretrained.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+import meshes
+from spmd.interchange import families, hf_config, load_pretrained, read_params, save_pretrained
+from spmd.interchange.loading import plan
+from spmd.interchange.safetensors_io import SafetensorsFolder
+from spmd.models import GPT, GPTConfig
+from spmd.sharding import abstract_module, path_str
+from spmd.variables import init_model
+from trainers.checkpoint import Checkpointer
+from trainers.config import Config, config_file_overrides, override
+from trainers.logger import CONFIG_FILE
+
+HF = "hf:"
+
+
+def hf_path(source: str | None) -> str | None:
+    """The folder of an ``hf:PATH`` source, or None for anything else."""
+    return source[len(HF):] if isinstance(source, str) and source.startswith(HF) else None
+
+
+def check_checkpoint(path: str, model: GPTConfig) -> None:
+    """Every tensor of the Hugging Face folder ``path`` present with the shape and dtype a ``model`` needs
+    (abstract shapes only: nothing is allocated); raises ValueError naming the tensor and both shapes."""
+    hf = hf_config.read_config(path)
+    gpt = abstract_module(lambda: GPT(model, rngs=nnx.Rngs(0)))
+    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(gpt, nnx.Param)))[0]
+    plan(SafetensorsFolder(path), families.family_of(hf), model, {path_str(p): tuple(x.shape) for p, x in flat})
+
+
+def resolve(cfg: Config, *, check: bool = True) -> Config:
+    """``cfg`` with ``model``'s shapes taken from ``checkpoint.init_from=hf:PATH``'s ``config.json`` (its
+    other fields kept) and, with ``check``, every tensor checked (jax-abstract, no device); unchanged otherwise."""
+    path = hf_path(cfg.checkpoint.init_from)
+    if path is None:
+        return cfg
+    if cfg.pipeline.virtual_stages > 1:  # the stacks would be stored in chunk order, the tensors are in natural order
+        raise ValueError(f"checkpoint.init_from={cfg.checkpoint.init_from!r} with pipeline.virtual_stages="
+                         f"{cfg.pipeline.virtual_stages} (interleaved) is not supported yet; use virtual_stages=1")
+    if not os.path.isdir(path):
+        raise ValueError(f"checkpoint.init_from={cfg.checkpoint.init_from!r}: {path!r} is not a directory; give a "
+                         "Hugging Face checkpoint folder (config.json and *.safetensors)")
+    try:
+        model = hf_config.gpt_config(hf_config.read_config(path), cfg.model, strict=False)
+        if check:
+            check_checkpoint(path, model)
+    except ValueError as e:
+        raise ValueError(f"checkpoint.init_from={cfg.checkpoint.init_from!r}: {e}") from None
+    if model.max_length and cfg.data.seq_len > model.max_length:
+        raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the checkpoint's sliding window {model.max_length} "
+                         f"(checkpoint.init_from={cfg.checkpoint.init_from!r}; attention past it does not run here): "
+                         f"use data.seq_len <= {model.max_length}")
+    if cfg.data.vocab_size > model.vocab_size:
+        raise ValueError(f"data.vocab_size={cfg.data.vocab_size} exceeds the checkpoint's vocab_size="
+                         f"{model.vocab_size} (checkpoint.init_from={cfg.checkpoint.init_from!r})")
+    return dataclasses.replace(cfg, model=model)
+
+
+def check_overrides(cfg: Config, sets: list[str]) -> None:
+    """``--set model.KEY=VALUE`` assignments (as resolved into ``cfg.model``) that contradict the
+    ``checkpoint.init_from=hf:PATH`` config.json: one ValueError naming them."""
+    path = hf_path(cfg.checkpoint.init_from)
+    keys = {s.split("=", 1)[0].strip()[len("model."):] for s in sets if s.strip().startswith("model.")}
+    if path is None or not keys or not os.path.isfile(os.path.join(path, "config.json")):
+        return
+    wrong = hf_config.contradictions(hf_config.read_config(path), {k: getattr(cfg.model, k) for k in keys
+                                                                   if hasattr(cfg.model, k)})
+    if wrong:
+        raise ValueError(f"checkpoint.init_from={cfg.checkpoint.init_from!r} fixes these model settings: "
+                         f"{', '.join(wrong)}; leave them unset")
+
+
+def init_params(cfg: Config, abstract_params: Any) -> Any:
+    """The ``hf:PATH`` checkpoint's parameters, each device's shard read from the files."""
+    return read_params(hf_path(cfg.checkpoint.init_from), cfg.model, abstract_params)
+
+
+def run_config(run_dir: str) -> Config:
+    """The config a run directory was trained with (its ``config.json``)."""
+    file = os.path.join(run_dir, CONFIG_FILE)
+    if not os.path.isfile(file):
+        raise ValueError(f"{run_dir!r} is not a run directory (no {CONFIG_FILE}); give RUN_DIR, RUN_DIR/STEP or hf:PATH")
+    return override(Config(), config_file_overrides(file))
+
+
+def split_source(source: str) -> tuple[str, int | None]:
+    """``(run directory, step or None)`` of ``RUN_DIR``, ``RUN_DIR/STEP`` or ``RUN_DIR/checkpoints/STEP``."""
+    path = os.path.normpath(source)
+    base = os.path.basename(path)
+    if base.isdigit() and not os.path.isfile(os.path.join(path, CONFIG_FILE)):
+        parent = os.path.dirname(path)
+        if os.path.basename(parent) == "checkpoints" and not os.path.isfile(os.path.join(parent, CONFIG_FILE)):
+            parent = os.path.dirname(parent)
+        return parent, int(base)
+    return path, None
+
+
+def load_model(source: str, mesh: Mesh | None = None, rules: Any = None) -> GPT:
+    """A trained or pretrained ``GPT``, its parameters sharded on ``mesh`` by ``rules``.
+
+    ``source``: a run directory (newest valid step), ``RUN_DIR/STEP``, or ``hf:PATH``. Defaults: the
+    run's mesh config on this host's devices and its rule set; one device for ``hf:PATH``."""
+    path = hf_path(source)
+    if path is not None:
+        return load_pretrained(path, mesh or meshes.single_device_mesh(), rules or "none")
+    run_dir, step = split_source(source)
+    cfg = run_config(run_dir)
+    mesh = mesh or cfg.mesh.build()
+    rules = rules or cfg.rules
+    model_vars = init_model(lambda: GPT(cfg.model, rngs=nnx.Rngs(0)), rules, mesh, abstract=True)
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            model_vars.params, model_vars.shardings["params"])
+    directory = cfg.checkpoint.resolve_directory(run_dir)
+    if not os.path.isdir(directory):
+        raise ValueError(f"{run_dir!r} has no checkpoints ({directory} does not exist)")
+    with Checkpointer(directory, cfg.checkpoint, read_only=True) as ckpt:
+        _, params = ckpt.restore_params(abstract, step=step)
+    return model_vars.merge(params, model_vars.other)
+
+
+def export_run(source: str, out: str, *, dtype: str = "float32", max_shard_bytes: int = 2 << 30) -> list[str]:
+    """Write a run's step (``RUN_DIR[/STEP]``) as a Hugging Face folder ``out`` (its tokenizer.json too when
+    the run used one); restored on this host's first device, written one parameter at a time."""
+    if os.path.exists(os.path.join(out, "config.json")):
+        raise ValueError(f"{out!r} already holds a config.json; export into a new or empty directory")
+    run_dir, _ = split_source(source)
+    cfg = run_config(run_dir)
+    hf_config.to_hf_config(cfg.model, dtype)  # refuses what has no Hugging Face family before any read
+    model = load_model(source, meshes.single_device_mesh(), "none")
+    files = save_pretrained(out, cfg.model, nnx.to_pure_dict(nnx.state(model, nnx.Param)), dtype=dtype,
+                            max_shard_bytes=max_shard_bytes)
+    if cfg.data.tokenizer:
+        shutil.copy(cfg.data.tokenizer, os.path.join(out, "tokenizer.json"))
+        files.append("tokenizer.json")
+    return files
+
+
+def tokenizer_for(source: str):
+    """The tokenizer of a run (``data.tokenizer``) or an ``hf:PATH`` folder (its tokenizer.json), or None
+    for bytes (token id = byte value)."""
+    from trainers.data.tokenizer import load_tokenizer
+
+    path = hf_path(source)
+    if path is not None:
+        file = os.path.join(path, "tokenizer.json")
+        return load_tokenizer(file)[0] if os.path.isfile(file) else None
+    return tokenizer_for_config(run_config(split_source(source)[0]))
+
+
+def encode(tokenizer, text: str) -> np.ndarray:
+    return np.asarray(tokenizer.encode(text).ids if tokenizer else list(text.encode("utf-8")), np.int32)
+
+
+def decode(tokenizer, ids) -> str:
+    ids = [int(i) for i in ids]
+    if tokenizer:
+        return tokenizer.decode(ids)
+    return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def sampling_hook(cfg: Config, task: Any, sharded: Any, mesh: Mesh, rules: Any, logger: Any, step_hook: Any,
+                  current_state: Any) -> Any:
+    """``step_hook`` followed, every ``run.sample_every`` steps, by a few continuations of
+    ``run.sample_prompt`` from the current parameters (``generate`` under the run's mesh and rules,
+    temperature 0.8, seeded by the step), written to the log and TensorBoard's text tab."""
+    every = cfg.run.sample_every
+    if not every or task.name != "lm" or cfg.pipeline.enabled or cfg.local_sgd.enabled:
+        return step_hook
+    from spmd.models import generate
+
+    tokenizer = tokenizer_for_config(cfg)
+    prompt = encode(tokenizer, cfg.run.sample_prompt)
+    rows = max(2, int(np.prod([mesh.shape[a] for a in mesh.axis_names if a != "tensor"])))
+
+    def hook(step: int) -> None:
+        if step_hook is not None:
+            step_hook(step)
+        if step % every:
+            return
+        state = current_state()
+        model = sharded.model.merge(state["params"], state.get("model_state", {}))
+        out = np.asarray(jax.device_get(generate(model, np.tile(prompt, (rows, 1)), 32, 0.8, 0, 1.0, step,
+                                                 mesh=mesh, rules=rules)))
+        texts = [cfg.run.sample_prompt + decode(tokenizer, row) for row in out[:3]]
+        logger.message(f"samples at step {step}: " + " | ".join(repr(t) for t in texts))
+        logger.text("samples", "\n\n".join(texts), step)
+
+    return hook
+
+
+def tokenizer_for_config(cfg: Config):
+    """The run's ``data.tokenizer``, or None for bytes."""
+    from trainers.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(cfg.data.tokenizer)[0] if cfg.data.tokenizer else None
