@@ -9,8 +9,14 @@ toolkit: :class:`InternalError`, exit 1, the original traceback chained).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
 
 import meshes
 import spmd
@@ -54,3 +60,22 @@ def attribute(exc: BaseException, task_name: str, what: str, describe: str) -> B
         return exc  # the toolkit refuses this combination, and its message says why
     return InternalError(f"{what} of task {task_name!r} failed inside the toolkit: {type(exc).__name__}: {exc}. "
                          "This is a bug in spmd, not in the task")
+
+
+def describe_batch(batch: Any) -> str:
+    """``{'image': float32[64, 8, 8, 1], 'label': int32[64]}``: a batch's structure, shapes and dtypes."""
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    return "{" + ", ".join(f"{spmd.sharding.path_str(p) or '<root>'!r}: {np.dtype(x.dtype).name}{list(x.shape)}"
+                           for p, x in leaves) + "}"
+
+
+@contextlib.contextmanager
+def first_batch(task_name: str, batch: Any, what: str) -> Iterator[None]:
+    """Errors raised while tracing the task on its first batch say whose they are (:func:`attribute`)."""
+    try:
+        yield
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+        blamed = attribute(exc, task_name, what, describe_batch(batch))  # the task, a refusal, or a toolkit bug
+        if blamed is exc:
+            raise
+        raise blamed from exc

@@ -24,7 +24,7 @@ import spmd
 from spmd.rules import RulesError
 from trainers.faults import guard as guard_lib
 from trainers import pretrained
-from trainers.blame import InternalError, TaskError, attribute
+from trainers.blame import InternalError, TaskError, describe_batch, first_batch
 from trainers.checkpoint import Checkpointer, NoUsableCheckpointError, resolve_init_from
 from trainers.config import Config, changes_since_last_run
 from trainers.data import ExampleLoader, IterLoader, process_rows, to_global
@@ -102,25 +102,6 @@ def _loader(source, global_batch: int, seed: int, batch_sharding) -> ExampleLoad
         raise TypeError(f"task data is a {type(source).__name__}: give a grain MapDataset (or sequence) of examples, "
                         "a grain IterDataset or an iterable of per-process batches, or a function cfg -> one of these")
     return IterLoader(source)
-
-
-def describe_batch(batch: Any) -> str:
-    """``{'image': float32[64, 8, 8, 1], 'label': int32[64]}``: a batch's structure, shapes and dtypes."""
-    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
-    return "{" + ", ".join(f"{spmd.sharding.path_str(p) or '<root>'!r}: {np.dtype(x.dtype).name}{list(x.shape)}"
-                           for p, x in leaves) + "}"
-
-
-@contextlib.contextmanager
-def _first_batch(task: Task, batch: Any, what: str):
-    """Errors raised while tracing the task on its first batch say whose they are (:mod:`trainers.blame`)."""
-    try:
-        yield
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
-        blamed = attribute(exc, task.name, what, describe_batch(batch))  # the task, a refusal, or a toolkit bug
-        if blamed is exc:
-            raise
-        raise blamed from exc
 
 
 def _check_pipelined(cfg: Config, task: Task) -> None:
@@ -309,13 +290,13 @@ def train(
                     batch = batch_hook(index, batch)
                 batch = to_global(batch, batch_sharding, data_cfg.global_batch)
                 if meter is None:
-                    with _first_batch(task, batch, "tracing the loss"):
+                    with first_batch(task.name, batch, "tracing the loss"):
                         flops, flops_source = _model_flops(task, sharded, batch, data_cfg.global_batch)
                     per_example = task.tokens_per_example or 1
                     meter = StepMeter(tokens_per_step=data_cfg.global_batch * per_example, model_flops_per_step=flops,
                                       n_devices=mesh.size, peak_per_device=peak)
                     logger.message(f"MFU from {flops:.3e} model FLOPs per step, {flops_source}; peak {peak_source}")
-                with _first_batch(task, batch, "the train step") if step == start else contextlib.nullcontext():
+                with first_batch(task.name, batch, "the train step") if step == start else contextlib.nullcontext():
                     with profiler.before(step + 1):  # run.profile_steps
                         state, metrics = train_step(state, batch)  # contract errors surface at its trace, before any compile
                 step += 1

@@ -140,8 +140,11 @@ class MoE(nnx.Module):
         routing = router_lib.route(logits_BLE.reshape(b * length, self.n_experts), self.k, self.router)
         experts_BLK = routing.experts_TK.reshape(b, length, self.k)
         gates_BLK = routing.gates_TK.reshape(b, length, self.k)
-        w_gate_up = weight(self.w_gate_up, self.dtype)
-        w_down = weight(self.w_down, self.dtype)
+        # gathered in the compute dtype, but they enter the expert shard_map in f32, typed varying there and
+        # only then cast back: the gradient's sum over the token axes runs in f32 (a bf16 one, JAX's
+        # psum_invariant, has a combiner XLA:CPU's all-reduce promotion aborts on)
+        w_gate_up = weight(self.w_gate_up, self.dtype).astype(jnp.float32)
+        w_down = weight(self.w_down, self.dtype).astype(jnp.float32)
         y_BLD, kept_BLK = self._experts(x_BLD, experts_BLK, gates_BLK, w_gate_up, w_down)
         if self.shared is not None:
             y_BLD = y_BLD + self.shared(x_BLD)
@@ -158,6 +161,7 @@ class MoE(nnx.Module):
         n, k, cf = self.n_experts, self.k, self.capacity_factor
 
         def local(x_BLD, experts_BLK, gates_BLK, w_gate_up, w_down):
+            w_gate_up, w_down = (collectives.varying_like(w, x_BLD).astype(self.dtype) for w in (w_gate_up, w_down))
             b, length, d = x_BLD.shape
             t = b * length
             y_TD, kept_TK = dispatch_combine(

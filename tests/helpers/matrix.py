@@ -268,22 +268,65 @@ The combinations refused today, and why:
 """
 
 
-def main() -> None:
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax is first imported (by the first cell)
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+def groups(cells: list[dict]) -> list[list[int]]:
+    """Cell indices grouped by reference (one one-device run serves a group), refusals first."""
+    keys: dict = {}
+    for i, cell in enumerate(cells):
+        keys.setdefault(("refused",) if refused(cell) else reference_key(cell), []).append(i)
+    return list(keys.values())
+
+
+def run_group(indices: list[int]) -> None:
+    """Child process: run these cells (sharing one reference) and print one JSON line per cell."""
+    import json
     import logging
 
     logging.disable(logging.WARNING)
-    cells = design()
-    refs, outcomes = {}, []
+    cells, ref = design(), None
     with tempfile.TemporaryDirectory() as tmp:
-        for i, cell in enumerate(cells):
-            key = reference_key(cell)
-            if key not in refs:
-                refs[key] = run_reference(cell, os.path.join(tmp, f"ref{len(refs)}"))
-            outcomes.append(run_cell(cell, refs[key], os.path.join(tmp, f"cell{i}")))
-            print(i, outcomes[-1].status, outcomes[-1].detail, cell, flush=True)
+        for i in indices:
+            cell = cells[i]
+            if ref is None and not refused(cell):
+                ref = run_reference(cell, os.path.join(tmp, "ref"))
+            out = run_cell(cell, ref, os.path.join(tmp, f"cell{i}"))
+            print("CELL " + json.dumps({"i": i, "status": out.status, "detail": out.detail}), flush=True)
+
+
+def run_all(log=print) -> list[Outcome]:
+    """Every cell of the design, each group in a child process: a cell that aborts the process (an XLA check
+    failure) is recorded as crashed with the abort's first line, and its group goes on in a new process."""
+    import json
+    import subprocess
+
+    cells, outcomes = design(), {}
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    for group in groups(cells):
+        todo = list(group)
+        while todo:
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--cells", ",".join(map(str, todo))],
+                                  env=env, capture_output=True, text=True)
+            for line in proc.stdout.splitlines():
+                if line.startswith("CELL "):
+                    r = json.loads(line[5:])
+                    outcomes[r["i"]] = Outcome(cells[r["i"]], r["status"], r["detail"])
+                    log(r["i"], r["status"], r["detail"])
+            todo = [i for i in todo if i not in outcomes]
+            if todo and proc.returncode != 0:
+                fatal = [ln for ln in proc.stderr.splitlines() if ln.startswith(("F1", "F0")) or "Error" in ln]
+                outcomes[todo[0]] = Outcome(cells[todo[0]], "crashed", (fatal[-1] if fatal else
+                                                                       f"exit {proc.returncode}")[:300])
+                log(todo[0], "crashed", outcomes[todo[0]].detail)
+                todo = todo[1:]
+    return [outcomes[i] for i in range(len(cells))]
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--cells":
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        return run_group([int(i) for i in sys.argv[2].split(",")])
+    cells = design()
+    outcomes = run_all()
     covered, possible = coverage(cells)
     summary = (f"Pairs of factor levels covered / possible: {covered} / {possible} = {covered / possible:.3f} "
                f"({len(cells)} cells; {sum(o.status == 'equal' for o in outcomes)} equal, "
