@@ -62,7 +62,8 @@ def _params_at(run_dir, steps, like):
 
 
 def _equal(a, b):
-    return all(jax.tree.leaves(jax.tree.map(lambda x, y: bool(np.array_equal(np.asarray(x), np.asarray(y))), a, b)))
+    same = lambda x, y: bool(np.array_equal(np.asarray(x), np.asarray(y), equal_nan=np.asarray(x).dtype.kind == "f"))
+    return all(jax.tree.leaves(jax.tree.map(same, a, b)))
 
 
 # ----------------------------------------------------------------------------- device half

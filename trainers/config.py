@@ -98,18 +98,26 @@ class RunConfig:
     guard: str = "skip"  # bad step (non-finite or spike): "skip" its update | "rollback" to a checkpoint | "stop"
     spike_factor: float = 10.0  # a spike is loss or grad norm > factor x running median; 0 turns spikes off
     spike_window: int = 32  # accepted steps in the running median (spikes are flagged once it is full)
+    # a proposed update is not applied, and the run stops naming the cause, when |update| > max_update_ratio x
+    # |params| or the params would exceed max_param_growth x their norm before the first update; 0 turns one off
+    max_update_ratio: float = 1.0
+    max_param_growth: float = 10.0
     preemption_check_every: int = 1  # steps between multi-process agreements on a stop request
     profile_steps: str = ""  # "START:END": a jax.profiler trace of those steps (inclusive) in run_dir/tensorboard
     profile_processes: str = "first"  # which processes trace: "first" (process 0) or "all"
     memory_profile_step: int = 0  # > 0: a device-memory profile after that step (also on SIGUSR1) in run_dir/memory
 
     def __post_init__(self) -> None:
-        from trainers.faults.guard import validate
+        from trainers.faults.guard import validate, validate_update_limits
 
         for name in ("steps", "grad_accum", "eval_every", "log_every", "max_bad_steps", "preemption_check_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"run.{name} must be >= 1, got {getattr(self, name)}")
+        if self.steps > 2**31 - 1:  # the state's step counter is int32
+            raise ValueError(f"run.steps={self.steps} is beyond the int32 step counter (at most {2**31 - 1}); "
+                             "give the number of optimizer steps to run (--steps N)")
         validate(self.guard, self.spike_factor, self.spike_window)
+        validate_update_limits(self.max_update_ratio, self.max_param_growth)
         check_fsdp_gather(self.fsdp_gather)
         parse_steps(self.profile_steps)
         if self.profile_processes not in PROCESSES:

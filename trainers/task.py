@@ -17,6 +17,7 @@ from flax import nnx
 
 from trainers.config import Config
 from trainers.data import TokenWindows, load_corpus
+from trainers.data.checks import check_token_ids, check_windows
 from trainers.step import LossFn, MetricFn, lm_loss_fn
 
 
@@ -35,6 +36,8 @@ class Task:
     config: Config | None = None
     name: str = "task"
     pipelined: bool = False
+    vocab_size: int | None = None  # set: batch[k] for k in token_keys must hold ids in [0, vocab_size), checked per batch
+    token_keys: tuple[str, ...] = ("inputs", "targets")
 
     def __post_init__(self) -> None:
         for field in ("model", "loss"):
@@ -47,6 +50,9 @@ class Task:
                             f"got {self.eval_metrics!r}")
         if self.flops_per_example is not None and not self.flops_per_example > 0:
             raise ValueError(f"Task.flops_per_example must be > 0 or None, got {self.flops_per_example!r}")
+        if self.vocab_size is not None and (isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int)
+                                            or self.vocab_size < 1):
+            raise ValueError(f"Task.vocab_size must be a positive int or None, got {self.vocab_size!r}")
         if self.config is not None and not isinstance(self.config, Config):
             raise TypeError(f"Task.config must be a trainers.Config, got {type(self.config).__name__}")
 
@@ -79,14 +85,27 @@ def lm_task(cfg: Config) -> Task:
     return Task(
         model=lm_model(model_cfg),
         loss=lm_loss_fn(cfg.run.z_loss, cfg.pipeline),
-        data=lambda c: TokenWindows(load_corpus(c.data, "train"), c.data.seq_len),
-        eval_data=lambda c: TokenWindows(load_corpus(c.data, "validation"), c.data.seq_len),
+        data=lambda c: lm_windows(c, "train"),
+        eval_data=lambda c: lm_windows(c, "validation"),
         flops_per_example=flops_per_step(model_cfg, 1, cfg.data.seq_len),
         tokens_per_example=cfg.data.seq_len,
         config=cfg,
         name="lm",
         pipelined=True,
     )
+
+
+def lm_windows(cfg: Config, split: str) -> TokenWindows:
+    """The windows of one split of ``cfg.data``'s corpus, checked before anything compiles: every id in
+    ``[0, data.vocab_size)``, and (train) at least one global batch of windows."""
+    data = cfg.data
+    tokens = load_corpus(data, split)
+    what = f"corpus {data.corpus!r}" + (f" at data.path={data.path!r}" if data.path else "") + f" ({split} split)"
+    check_token_ids(tokens, data.vocab_size, what=what)
+    windows = TokenWindows(tokens, data.seq_len)
+    if split == "train":
+        check_windows(len(windows), data.global_batch, data.seq_len, tokens.shape[0], what=what)
+    return windows
 
 
 def load_task(target: str) -> Task:

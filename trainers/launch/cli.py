@@ -56,6 +56,19 @@ def _version() -> str:
            f"{v('orbax-checkpoint')}, python {sys.version.split()[0]})"
 
 
+def _count(least: int):
+    """An argparse type: an integer >= ``least``, else a message naming the value and what is valid."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} is not allowed: give an integer >= {least}")
+        return value
+    return parse
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="spmd-train", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 description="Train a recipe or a task on this host's (or every host's) devices.")
@@ -72,9 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dcn", help="axis sizes across slices / hosts (multi-slice), e.g. data=2")
     p.add_argument("--rules", help="rule set: dp, fsdp, tp, dp_tp, fsdp_tp; sequence-parallel dp_tp_sp, fsdp_tp_sp; "
                                    "expert-parallel dp_ep, fsdp_ep, fsdp_tp_ep (every set splits the length over seq)")
-    p.add_argument("--steps", type=int, help="shorthand for --set run.steps=N, N >= 1 (the LR schedule ends with the run)")
+    p.add_argument("--steps", type=_count(1), help="shorthand for --set run.steps=N, N >= 1 (the LR schedule ends with the run)")
     p.add_argument("--run-dir", help="shorthand for --set run.run_dir=DIR")
-    p.add_argument("--simulate-devices", type=int, default=0, metavar="N",
+    p.add_argument("--simulate-devices", type=_count(0), default=0, metavar="N",
                    help="run on N simulated CPU devices (laptops, CI); 0 = the real devices")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--debug", action="store_true",
@@ -82,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true",
                    help="compile the train step for --devices devices (abstract state, nothing allocated), print "
                         "memory, collectives and a roofline step time for --hardware, and exit")
-    p.add_argument("--devices", type=int, metavar="N", help="device count of the dry run (default: this backend's)")
+    p.add_argument("--devices", type=_count(1), metavar="N", help="device count of the dry run (default: this backend's)")
     p.add_argument("--hardware", default="h100", help="dry-run target: h100, h200, a100, tpu-v4, tpu-v5e, tpu-v5p, cpu")
     p.add_argument("--coordinator", metavar="HOST:PORT",
                    help="process 0's address for a multi-host run (default: $SPMD_COORDINATOR or cluster detection)")
@@ -99,7 +112,7 @@ def _error(message: object, code: int = EXIT_USAGE) -> int:
 
 
 _interrupted = threading.Event()  # Ctrl-C was pressed before the run's PreemptionWatcher took over
-INTERRUPT_GRACE_S = 10.0  # after a first Ctrl-C the process is gone within this, whatever it was doing
+INTERRUPT_GRACE_S = 1.0  # after a first Ctrl-C the process is gone within this, whatever it was doing
 
 
 def _interrupt_once(signum, frame) -> None:

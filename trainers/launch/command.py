@@ -13,6 +13,7 @@ from trainers.config import Config, RunConfig, config_file_overrides, override
 from trainers.launch.cli import EXIT_INTERNAL, EXIT_OK, EXIT_PREEMPTED
 from trainers.loop import train
 from trainers.planning.dryrun import dry_run
+from trainers.planning.fresh_process import check_simulated
 from trainers.recipes import RECIPES, recipe, tiny_run
 from trainers.task import load_task
 
@@ -71,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
         task = None
         if is_task:
             devices = args.devices or args.simulate_devices
+            if args.dry_run and devices and not meshes.backend_started():
+                check_simulated(devices)
             if args.dry_run and devices and not meshes.backend_started():
                 meshes.simulate_cpu_devices(devices)  # what dry_run does itself, before the task's module can start jax
             task = load_target(args.target)
