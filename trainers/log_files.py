@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 from pathlib import Path
 
 METRICS_FILE = "metrics.jsonl"
@@ -44,6 +45,38 @@ def truncate_metrics(run_dir: str | Path, step: int) -> int:
     return dropped
 
 
+class ScalarWriter:
+    """TensorBoard scalars written synchronously (each :meth:`add` is on disk when it returns, so a kill
+    loses no logged step); ``purge_step`` hides the events of earlier files at or past it, as
+    ``tensorboardX.SummaryWriter(purge_step=)`` does."""
+
+    def __init__(self, logdir: str | Path, purge_step: int | None = None) -> None:
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+        os.makedirs(logdir, exist_ok=True)
+        self._writer = EventsWriter(os.path.join(str(logdir), "events"), f".{os.getpid()}.{time.time_ns()}")
+        if purge_step is not None:
+            self._writer.write_event(Event(step=purge_step, wall_time=time.time(),
+                                           session_log=SessionLog(status=SessionLog.START)))
+        self._writer.flush()
+
+    def add(self, step: int, values: dict[str, float]) -> None:
+        """One event holding every ``tag: value`` of ``step``, flushed to disk."""
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        summary = Summary(value=[Summary.Value(tag=tag, simple_value=value) for tag, value in values.items()])
+        self._writer.write_event(Event(step=int(step), wall_time=time.time(), summary=summary))
+        self._writer.flush()
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
 def _records(data: bytes):
     """TFRecord payloads (u64 length, u32 crc, payload, u32 crc); stops at a record torn by a kill."""
     off = 0
@@ -62,12 +95,15 @@ def read_scalars(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
     from tensorboardX.proto.event_pb2 import Event, SessionLog
 
     scalars: dict[str, list[tuple[int, float]]] = {}
-    files = sorted((Path(run_dir) / TENSORBOARD_DIR).glob("events.out.tfevents.*"),
-                   key=lambda p: (int(p.name.split(".")[3]) if p.name.split(".")[3].isdigit() else 0, p.name))
-    for file in files:
-        for payload in _records(file.read_bytes()):
-            event = Event()
-            event.ParseFromString(payload)
+    files = []
+    for path in (Path(run_dir) / TENSORBOARD_DIR).glob("events.out.tfevents.*"):
+        events = []
+        for payload in _records(path.read_bytes()):
+            events.append(Event())
+            events[-1].ParseFromString(payload)
+        files.append((events[0].wall_time if events else 0.0, path.name, events))
+    for _, _, events in sorted(files, key=lambda f: f[:2]):  # in the order they were started
+        for event in events:
             if event.HasField("session_log") and event.session_log.status == SessionLog.START:
                 scalars = {tag: [(s, v) for s, v in rows if s < event.step] for tag, rows in scalars.items()}
             for value in event.summary.value:

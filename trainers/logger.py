@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 import os
 import sys
@@ -20,9 +19,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from trainers.log_files import METRICS_FILE, TENSORBOARD_DIR, truncate_metrics
+from trainers.log_files import METRICS_FILE, TENSORBOARD_DIR, ScalarWriter, truncate_metrics
 
-logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)  # a NaN guard event is logged as NaN, not warned about
 CONFIG_FILE = "config.json"
 _RESERVED = ("step", "split", "time")
 
@@ -93,10 +91,7 @@ class RunLogger:
     def _tensorboard(self):
         """The TensorBoard writer, made at the first record (after :meth:`resume_at` set its purge step)."""
         if self._tb is None and self._use_tb and self.is_main:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(logdir=str(self.run_dir / TENSORBOARD_DIR), purge_step=self._purge_step,
-                                     filename_suffix=f".{os.getpid()}")
+            self._tb = ScalarWriter(self.run_dir / TENSORBOARD_DIR, purge_step=self._purge_step)
         return self._tb
 
     def resume_at(self, step: int) -> None:
@@ -144,10 +139,8 @@ class RunLogger:
         self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
         self._jsonl.flush()
         tb = self._tensorboard()
-        if tb is not None:
-            for key, value in values.items():
-                tb.add_scalar(f"{prefix}/{key}", value, global_step=step)
-            tb.flush()  # a kill loses no logged step
+        if tb is not None:  # on disk when this returns: a kill loses no logged step
+            tb.add(step, {f"{prefix}/{key}": value for key, value in values.items()})
         self._update_postfix(values, prefix)
         if self._lines and prefix == "train":
             total = f"/{self.total_steps}" if self.total_steps else ""

@@ -60,21 +60,15 @@ def check_batch_ids(batch: Mapping[str, Any], vocab_size: int, keys: Sequence[st
 
 
 def check_text_file(path: str | os.PathLike, key: str = "data.path") -> None:
-    """ValueError when ``path`` is not text: a NUL byte, or bytes that are not UTF-8, in its first 64 KiB."""
+    """ValueError when ``path`` is binary: a NUL byte in its first 64 KiB (text in any encoding but
+    UTF-16/32 has none; compressed, image, array and executable files almost always do)."""
     with open(path, "rb") as f:
         head = f.read(_SNIFF_BYTES)
     nul = head.find(b"\x00")
-    reason = f"a NUL byte at offset {nul}" if nul >= 0 else None
-    if reason is None:
-        try:
-            head.decode("utf-8")
-        except UnicodeDecodeError as e:
-            if e.start < len(head) - 4:  # a character cut at the end of the sample is fine
-                reason = f"bytes that are not UTF-8 at offset {e.start}"
-    if reason is not None:
-        raise ValueError(f"{key}={str(path)!r} is not a text file ({reason}); corpus 'text' and spmd-tokenize read "
-                         "UTF-8 text. Token ids belong in a .npy file (data.corpus=npy) or a spmd-tokenize folder "
-                         "(data.corpus=tokens)")
+    if nul >= 0:
+        raise ValueError(f"{key}={str(path)!r} is not a text file (a NUL byte at offset {nul}: binary data); corpus "
+                         "'text' and spmd-tokenize read text. Token ids belong in a .npy file (data.corpus=npy) or a "
+                         "spmd-tokenize folder (data.corpus=tokens); UTF-16 text must be converted to UTF-8 first")
 
 
 def check_text_files(root: str | os.PathLike, relpaths: Sequence[str], key: str = "data.path", limit: int = 256) -> None:

@@ -85,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dcn", help="axis sizes across slices / hosts (multi-slice), e.g. data=2")
     p.add_argument("--rules", help="rule set: dp, fsdp, tp, dp_tp, fsdp_tp; sequence-parallel dp_tp_sp, fsdp_tp_sp; "
                                    "expert-parallel dp_ep, fsdp_ep, fsdp_tp_ep (every set splits the length over seq)")
-    p.add_argument("--steps", type=_count(1), help="shorthand for --set run.steps=N, N >= 1 (the LR schedule ends with the run)")
+    p.add_argument("--steps", type=int, help="shorthand for --set run.steps=N, N >= 1 (the LR schedule ends with the run)")
     p.add_argument("--run-dir", help="shorthand for --set run.run_dir=DIR")
     p.add_argument("--simulate-devices", type=_count(0), default=0, metavar="N",
                    help="run on N simulated CPU devices (laptops, CI); 0 = the real devices")
