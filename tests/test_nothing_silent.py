@@ -166,14 +166,14 @@ def test_a_destructive_learning_rate_stops_within_3_steps_and_the_last_checkpoin
 def test_sigkill_then_resume_logs_every_step_once(tmp_path, kill_at):
     run_dir = str(tmp_path / "run")
     sets = ["--set", "run.tensorboard=true", "--set", "checkpoint.every_steps=3"]
-    proc = subprocess.Popen([sys.executable, WORKER, run_dir, "8", *sets], env=worker_env(), cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    kill_at_line(proc, f"STEP {kill_at}", lambda: 0.3)
+    proc = subprocess.Popen([sys.executable, WORKER, run_dir, "8", "--sleep", "0.3", *sets], env=worker_env(),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    kill_at_line(proc, f"STEP {kill_at}", lambda: 0.1)
     logged = [r["step"] for r in read_metrics(run_dir, "train")]
-    assert logged and set(logged) <= set(range(1, kill_at + 2)), logged  # flushed as they were logged
+    assert logged == list(range(1, len(logged) + 1)) and len(logged) >= kill_at - 1, logged  # flushed as logged
     assert [s for s, _ in read_scalars(run_dir)["train/loss"]] == logged
     result = train(tiny_config(run_dir, 8, "run.tensorboard=true", "checkpoint.every_steps=3"))
-    assert 0 < result.start_step < kill_at + 1
+    assert 0 <= result.start_step <= kill_at  # step 3's save may not have committed: then from scratch
     rows = [(r["step"], r["loss"]) for r in read_metrics(run_dir, "train")]
     assert [s for s, _ in rows] == list(range(1, 9))  # every step exactly once
     assert [(s, pytest.approx(v)) for s, v in read_scalars(run_dir)["train/loss"]] == rows  # TensorBoard agrees
