@@ -190,3 +190,57 @@ def test_the_main_job_with_a_destructive_learning_rate_stops_naming_the_cause(tm
     events = [r for r in read_metrics(tmp_path / "run") if r["split"] == "guard/update_ratio"]
     assert events and events[0]["step"] <= 2, events  # the first update with a non-zero lr (warmup starts at 0)
     assert not os.path.exists(tmp_path / "run" / "checkpoints" / "50")  # stopped long before the first checkpoint
+
+
+# ----------------------------------------------------------------------------- unclear messages made clear
+def test_malformed_config_files_name_line_and_column(tmp_path):
+    from trainers.config import config_file_overrides
+
+    (tmp_path / "bad.yaml").write_text("run:\n  steps: 3\n  name: [a\nlr:\n  x: 1\n")
+    (tmp_path / "bad.json").write_text('{"run": {"steps": 3,}}')
+    with pytest.raises(ValueError, match=r"bad.yaml' is not valid YAML at line 4, column 3"):
+        config_file_overrides(str(tmp_path / "bad.yaml"))
+    with pytest.raises(ValueError, match=r"bad.json' is not valid JSON at line 1, column 21"):
+        config_file_overrides(str(tmp_path / "bad.json"))
+
+
+def test_a_text_file_given_as_npy_is_named(tmp_path):
+    (tmp_path / "ids.npy").write_text("1 2 3\n")
+    with pytest.raises(ValueError, match=r"is not a .npy file \(it starts b'1 2 3\\n': text\).*data.corpus=text"):
+        DataConfig(corpus="npy", path=str(tmp_path / "ids.npy"))
+
+
+def test_user_code_errors_are_user_errors_with_the_users_frame(tmp_path, monkeypatch, capsys):
+    (tmp_path / "badtask.py").write_text("def helper():\n    return {}['missing']\n\n\ndef task():\n    return helper()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert cli.main(["badtask:task", "--print-config"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "task raised KeyError: 'missing' at " in err and "badtask.py:2 in helper" in err, err
+    assert "internal error" not in err
+
+
+@pytest.mark.parametrize("exc, needles", [
+    (OSError(30, "Read-only file system", "/ro/runs/x"), ["cannot use '/ro/runs/x': Read-only file system", "run.run_dir"]),
+    (RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 9.1GiB"),
+     ["out of device memory: RESOURCE_EXHAUSTED", "--dry-run --devices 8", "model.remat_policy=full", "fsdp"]),
+])
+def test_os_errors_and_out_of_memory_name_the_key_and_the_fix(monkeypatch, capsys, exc, needles):
+    from trainers.launch import command
+
+    def fail(args):
+        raise exc
+
+    monkeypatch.setattr(command, "run", fail)
+    assert cli.main(["gpt-small", "--simulate-devices", "8"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert all(n in err for n in needles) and "internal error" not in err, err
+
+
+def test_spmd_launch_says_which_processes_failed():
+    import io
+
+    from trainers.launch import local
+
+    out = io.StringIO()
+    assert local.launch([sys.executable, "-c", "import sys; sys.exit(3)"], processes=2, out=out) == 3
+    assert "exited with status 3" in out.getvalue(), out.getvalue()

@@ -351,9 +351,13 @@ def config_file_overrides(path: str) -> list[str]:
             data = json.loads(text)
         else:
             data = yaml.safe_load(text)  # YAML is a superset of JSON
-    except Exception as e:  # json.JSONDecodeError, yaml.YAMLError
-        raise ValueError(f"--config {path!r} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: "
-                         f"{str(e).splitlines()[0]}") from None
+    except Exception as e:  # json.JSONDecodeError, yaml.YAMLError: where, then what
+        mark = getattr(e, "problem_mark", None)
+        where = (f"line {e.lineno}, column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else
+                 f"line {mark.line + 1}, column {mark.column + 1}: {getattr(e, 'problem', None) or e}" if mark else
+                 str(e).splitlines()[0])
+        raise ValueError(f"--config {path!r} is not valid {'JSON' if path.endswith('.json') else 'YAML'} at "
+                         f"{where}") from None
     if not isinstance(data, dict):
         raise ValueError(f"--config {path!r} must hold a mapping of config keys, got {type(data).__name__}")
     out: list[str] = []

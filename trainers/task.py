@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
+import sysconfig
+import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -66,7 +69,38 @@ class Task:
 def _build(data: Any, cfg: Config) -> Any:
     """``data``, or ``data(cfg)`` when it is a factory (a callable that is not itself a dataset)."""
     is_dataset = hasattr(data, "__getitem__") or hasattr(data, "__iter__")
-    return data(cfg) if callable(data) and not is_dataset else data
+    return call_user(data, "the task's data function", cfg) if callable(data) and not is_dataset else data
+
+
+class UserCodeError(ValueError):
+    """Code outside the toolkit (a task factory, a data function) raised: the message names it and its frame."""
+
+
+def call_user(fn: Callable, what: str, *args: Any) -> Any:
+    """``fn(*args)``; an exception from code outside the toolkit becomes a :class:`UserCodeError` naming
+    ``what`` and the innermost frame of that code (the toolkit's own functions are called as they are)."""
+    if getattr(fn, "__module__", "").split(".")[0] in ("meshes", "spmd", "trainers"):
+        return fn(*args)
+    try:
+        return fn(*args)
+    except Exception as exc:
+        raise _user_error(exc, f"{what} {getattr(fn, '__qualname__', fn)!s}") from exc
+
+
+def _user_error(exc: BaseException, what: str) -> UserCodeError:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)[1:] if _is_user_file(f.filename)]
+    at = f" at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    return UserCodeError(f"{what} raised {type(exc).__name__}: {exc}{at}; the error is in that code, not in the "
+                         "toolkit (--debug shows the traceback)")
+
+
+def _is_user_file(filename: str) -> bool:
+    """Whether a traceback frame is the user's: not the toolkit's packages, not an installed library, not Python's."""
+    path = os.path.abspath(filename)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ours = any(path.startswith(os.path.join(root, pkg) + os.sep) for pkg in ("meshes", "spmd", "trainers"))
+    installed = "site-packages" in path or path.startswith(os.path.abspath(sysconfig.get_paths()["stdlib"]))
+    return not ours and not installed and not filename.startswith("<frozen")
 
 
 def lm_model(model_cfg: Any) -> Callable[[nnx.Rngs], nnx.Module]:
@@ -117,6 +151,8 @@ def load_task(target: str) -> Task:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ValueError(f"task {target!r}: cannot import module {module_name!r} ({exc})") from None
+    except Exception as exc:  # the module's own code failed while it was imported
+        raise _user_error(exc, f"task {target!r}: importing {module_name!r}") from exc
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -124,7 +160,7 @@ def load_task(target: str) -> Task:
             raise ValueError(f"task {target!r}: module {module_name!r} has no attribute {attr!r}; it has: {', '.join(names)}")
         obj = getattr(obj, part)
     if not isinstance(obj, Task) and callable(obj):
-        obj = obj()
+        obj = call_user(obj, f"task {target!r}:")
     if not isinstance(obj, Task):
         raise ValueError(f"task {target!r} is of type {type(obj).__name__}, not a trainers.Task (or a function returning one)")
     return obj

@@ -71,6 +71,16 @@ def check_text_file(path: str | os.PathLike, key: str = "data.path") -> None:
                          "spmd-tokenize folder (data.corpus=tokens); UTF-16 text must be converted to UTF-8 first")
 
 
+def check_npy_file(path: str | os.PathLike, key: str = "data.path") -> None:
+    """ValueError when ``path`` is not a ``.npy`` file (its first bytes are not numpy's magic string)."""
+    with open(path, "rb") as f:
+        head = f.read(6)
+    if head != b"\x93NUMPY":
+        kind = "text" if head and all(32 <= b < 127 or b in b"\t\r\n" for b in head) else "not numpy"
+        raise ValueError(f"{key}={str(path)!r} is not a .npy file (it starts {head!r}: {kind}); corpus 'npy' reads a "
+                         "1-D integer array saved with numpy.save. For a text file use data.corpus=text")
+
+
 def check_text_files(root: str | os.PathLike, relpaths: Sequence[str], key: str = "data.path", limit: int = 256) -> None:
     """:func:`check_text_file` on the first ``limit`` files of a text folder (``relpaths`` under ``root``)."""
     for rel in list(relpaths)[:limit]:

@@ -105,6 +105,8 @@ def _check_path(corpus: str, path: str) -> None:
                          f"corpus {corpus!r} reads {valid}")
     if corpus == "text":  # binary data read as bytes trains without a word: refuse it here
         checks.check_text_file(p) if os.path.isfile(p) else checks.check_text_files(p, corpus_lib.text_files(p))
+    elif os.path.isfile(p):
+        checks.check_npy_file(p)
 
 
 def _has_text_file(root: str) -> bool:

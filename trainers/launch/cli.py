@@ -164,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # a bug: say so, briefly, and how to see more
             if _interrupted.is_set():  # e.g. an import that Ctrl-C broke half-way
                 raise KeyboardInterrupt from e
+            if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():  # the config's, not a bug
+                return _report(e, EXIT_USAGE, debug, _oom_hint(args), text="out of device memory: "
+                               + next((line for line in str(e).splitlines() if line.strip()), type(e).__name__))
             if debug:
                 traceback.print_exc()
             return _error(f"internal error: {type(e).__name__}: {e}"
@@ -177,10 +180,23 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
-def _report(e: BaseException, code: int, debug: bool, hint: str = "") -> int:
+def _report(e: BaseException, code: int, debug: bool, hint: str = "", text: str = "") -> int:
     if debug:
         traceback.print_exc()
-    return _error((str(e).strip() or type(e).__name__) + hint, code)
+    if not text and isinstance(e, OSError) and e.filename:  # raw "[Errno 30] ...": say which path and which key
+        text = f"cannot use {e.filename!r}: {e.strerror or e}"
+        hint = hint or ("\n  (the run writes under run.run_dir, set with --run-dir, and checkpoints under "
+                        "checkpoint.directory; give a path this user can write)")
+    return _error((text or str(e).strip() or type(e).__name__) + hint, code)
+
+
+def _oom_hint(args: argparse.Namespace) -> str:
+    """Where the memory estimate is and the changes that lower it, as flags of this command."""
+    devices = args.simulate_devices or "N"
+    return (f"\n  estimate per-device memory first: spmd-train {args.target} --dry-run --devices {devices} --hardware H "
+            f"(the same flags); spmd-plan {args.target} --devices {devices} --hardware H lists layouts that fit\n"
+            "  what lowers it: --set model.remat_policy=full (recompute activations), a larger fsdp axis "
+            "(--mesh fsdp=-1), a smaller data.global_batch or run.grad_accum > 1")
 
 
 def _mesh_hint(message: str, args: argparse.Namespace) -> str:

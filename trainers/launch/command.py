@@ -15,7 +15,7 @@ from trainers.loop import train
 from trainers.planning.dryrun import dry_run
 from trainers.planning.fresh_process import check_simulated
 from trainers.recipes import RECIPES, recipe, tiny_run
-from trainers.task import load_task
+from trainers.task import UserCodeError, load_task
 
 
 def is_task_target(target: str) -> bool:
@@ -28,6 +28,8 @@ def load_target(target: str):
     what was given and what is valid otherwise)."""
     try:
         return load_task(target)
+    except UserCodeError:  # the task's own code failed: its message says where
+        raise
     except ValueError as e:
         raise ValueError(f"{e} (TARGET is a recipe, one of {', '.join(RECIPES)}, or a task as package.module:attribute "
                          "naming a trainers.Task or a function returning one)") from None
