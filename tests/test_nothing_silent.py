@@ -4,6 +4,7 @@ naming the key and the fix (or stopped, or kept), against a negative control tha
 import dataclasses
 import os
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -244,3 +245,24 @@ def test_spmd_launch_says_which_processes_failed():
     out = io.StringIO()
     assert local.launch([sys.executable, "-c", "import sys; sys.exit(3)"], processes=2, out=out) == 3
     assert "exited with status 3" in out.getvalue(), out.getvalue()
+
+
+@pytest.mark.slow
+def test_ctrl_c_inside_native_code_is_answered_within_a_second(tmp_path):
+    """A command stuck in C code (XLA making devices, a compile; here a BLAS loop) cannot see the
+    KeyboardInterrupt; the grace timer ends it within ``cli.INTERRUPT_GRACE_S``."""
+    from helpers.fault_worker import default_signals
+
+    code = ("import sys, numpy as np\nfrom trainers.launch import cli, command\n"
+            "def stuck(args):\n    a = np.ones((6000, 6000), np.float32)\n    print('STUCK', flush=True)\n"
+            "    a @ a @ a @ a\n"  # seconds in BLAS, one Python instruction: only the grace timer can end it
+            "command.run = stuck\nsys.argv = ['spmd-train', 'gpt-small']\nsys.exit(cli.main())\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=worker_env(1), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=default_signals)
+    assert proc.stdout.readline().strip() == "STUCK"
+    time.sleep(0.5)
+    sent = time.perf_counter()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == cli.EXIT_INTERRUPTED and "interrupted (Ctrl-C)" in err, (proc.returncode, err[-2000:])
+    assert time.perf_counter() - sent < cli.INTERRUPT_GRACE_S + 0.5

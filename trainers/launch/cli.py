@@ -126,6 +126,25 @@ def _interrupt_once(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _watch_native_code() -> None:
+    """Start the grace timer from a thread when Ctrl-C arrives while the main thread is inside C code
+    (XLA making devices, a compile), where the Python handler cannot run until it returns: the C-level
+    handler writes the signal to a wakeup pipe at once, and this thread reads it. While the run's
+    PreemptionWatcher owns SIGINT (training: stop at the step, save, exit 76) it does nothing."""
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while True:
+            if signal.SIGINT in os.read(read, 64) and signal.getsignal(signal.SIGINT) in (_interrupt_once, signal.SIG_DFL):
+                timer = threading.Timer(INTERRUPT_GRACE_S, _exit_now, (EXIT_INTERRUPTED, True))
+                timer.daemon = True
+                timer.start()
+
+    threading.Thread(target=watch, name="ctrl-c-watch", daemon=True).start()
+
+
 def _exit_now(code: int, say: bool = False) -> None:
     """Leave without interpreter teardown: jax's compile threads and atexit hooks can crash it after an
     interrupt. Checkpoints are written atomically, so nothing on disk is half-done."""
@@ -143,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = args.debug or os.environ.get("SPMD_DEBUG", "") not in ("", "0")
     if argv is None and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _interrupt_once)  # the run's PreemptionWatcher takes over while it trains
+        _watch_native_code()
     try:
         # imported after parsing: --help and --version answer without starting jax
         from meshes import MeshError
