@@ -131,10 +131,9 @@ def make_train_step(
         ok = flags["ok"] if flags is not None else jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         if max_update_ratio > 0 or max_param_growth > 0:  # the update, measured before it is applied
             proposed, _ = tx.update(grads, state["opt_state"], params)
-            param_norm = global_norm(params)
-            update_flags = guard.check_update(state.get("guard"), global_norm(proposed), param_norm,
-                                              global_norm(optax.apply_updates(params, proposed)),
-                                              max_update_ratio, max_param_growth)
+            param_norm, update_norm = global_norm(params), global_norm(proposed)
+            update_flags = guard.check_update(state.get("guard"), update_norm, param_norm, param_norm + update_norm,
+                                              max_update_ratio, max_param_growth)  # |p + u| <= |p| + |u|
             ok = ok & ~update_flags["update_ratio_high"] & ~update_flags["param_norm_high"]
             flags = {**(flags or {}), **update_flags, "ok": ok}
 

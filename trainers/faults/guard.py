@@ -66,8 +66,9 @@ def init_state(window: int) -> dict[str, jax.Array]:
 def check_update(guard_state: dict[str, jax.Array] | None, update_norm: jax.Array, param_norm: jax.Array,
                  new_param_norm: jax.Array, max_update_ratio: float, max_param_growth: float) -> dict[str, jax.Array]:
     """Flags of one step's proposed update (traced), before it is applied: ``update_ratio_high`` when
-    ``|update| > max_update_ratio x |params|``, ``param_norm_high`` when the params after it would be
-    non-finite or above ``max_param_growth x`` their norm before the first update (0 turns a check off)."""
+    ``|update| > max_update_ratio x |params|``, ``param_norm_high`` when ``new_param_norm`` (the train
+    step passes the bound ``|params| + |update|``) is not finite or above ``max_param_growth x`` the
+    params' norm before the first update (0 turns a check off)."""
     ratio = update_norm / jnp.maximum(param_norm, jnp.finfo(jnp.float32).tiny)
     high = ~jnp.isfinite(update_norm) | ((param_norm > 0) & (ratio > max_update_ratio)) if max_update_ratio > 0 \
         else jnp.zeros((), bool)
@@ -140,8 +141,8 @@ class GuardEvent:
                     f"times their norm (limit run.max_update_ratio={self.threshold:.3g}); it was not applied. The "
                     "learning rate is far too large for this model (lr.peak_lr), or the optimizer state is broken")
         if self.kind == "param_norm":
-            return (f"step {self.step} (batch {self.data_index}): the params after this update would have norm "
-                    f"{self.value:.6g}, above the limit {self.threshold:.6g} (run.max_param_growth x their norm "
+            return (f"step {self.step} (batch {self.data_index}): the params after this update could have norm "
+                    f"{self.value:.6g} (|params| + |update|), above the limit {self.threshold:.6g} (run.max_param_growth x their norm "
                     f"{self.median:.6g} before the first update; non-finite counts too); it was not applied")
         what = "loss or gradient norm is not finite" if self.kind == "nonfinite" else self.kind.replace("_", " ")
         return (f"step {self.step} (batch {self.data_index}): {what}: value {self.value:.6g}, "
