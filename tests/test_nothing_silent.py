@@ -268,3 +268,24 @@ def test_ctrl_c_inside_native_code_is_answered_within_a_second(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == cli.EXIT_INTERRUPTED and "interrupted (Ctrl-C)" in err, (proc.returncode, err[-2000:])
     assert time.perf_counter() - sent < cli.INTERRUPT_GRACE_S + 0.5
+
+
+def test_out_of_memory_gives_the_estimate_and_the_nearest_layout_that_fits(monkeypatch, capsys, tmp_path):
+    from trainers.hardware import custom
+    from trainers.launch import command
+    from trainers.planning import oom
+
+    cfg = override(recipe("gpt-125m"), ["mesh.axes=data=8", "rules=dp"])
+    text = oom.explain(cfg, 8, "NVIDIA H100 80GB HBM3", "RESOURCE_EXHAUSTED: Out of memory allocating 12.5GiB",
+                       hardware=custom("h100", hbm_bytes=1.2e9, name="h100-small"), target="gpt-125m")
+    assert "estimated per device on mesh data=8 (8 devices): 1.97 GiB = params" in text and "of 1.12 GiB" in text, text
+    assert "nearest layout that fits: --mesh fsdp=8 --rules fsdp" in text, text  # one axis and its rule set changed
+    assert oom.hardware_of("NVIDIA H100 80GB HBM3").name == "h100" and oom.hardware_of("cpu") is None
+
+    def oom_at_start(cfg, task=None):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9.1GiB")
+
+    monkeypatch.setattr(command, "train", oom_at_start)  # the command's own path: the run's config is known
+    assert cli.main([*TINY, "--simulate-devices", "8", "--run-dir", str(tmp_path / "run")]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "out of device memory: RESOURCE_EXHAUSTED" in err and "estimated per device on mesh data=2,fsdp=2,tensor=2 (8 devices)" in err, err

@@ -12,6 +12,7 @@ import meshes
 from trainers.config import Config, RunConfig, config_file_overrides, override
 from trainers.launch.cli import EXIT_INTERNAL, EXIT_OK, EXIT_PREEMPTED
 from trainers.loop import train
+from trainers.planning import oom
 from trainers.planning.dryrun import dry_run
 from trainers.planning.fresh_process import check_simulated
 from trainers.recipes import RECIPES, recipe, tiny_run
@@ -98,7 +99,15 @@ def run(args: argparse.Namespace) -> int:
     if is_task:  # imported only now: its module may start jax
         task = load_target(args.target)
         cfg = build_config(args, task)
-    result = train(cfg, task)
+    try:
+        result = train(cfg, task)
+    except Exception as e:  # out of memory is the config's: say by how much and what fits
+        if task is not None or not oom.is_oom(e):
+            raise
+        import jax
+
+        raise oom.OutOfMemoryError(oom.explain(cfg, jax.device_count(), jax.devices()[0].device_kind, e,
+                                               target=args.target)) from e
     if result.eval_losses:
         first, last = min(result.eval_losses), max(result.eval_losses)
         print(f"eval loss {result.eval_losses[first]:.3f} (step {first}) -> {result.eval_losses[last]:.3f} (step {last}); "
