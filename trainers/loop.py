@@ -37,7 +37,7 @@ from trainers.faults.preemption import PreemptionWatcher
 from trainers.lr import make_lr_schedule
 from trainers.state import ShardedState, State, create_state
 from trainers.step import eval_view, loss_and_metrics, make_eval_step, make_train_step
-from trainers.task import Task, lm_task
+from trainers.task import Task, call_user, lm_task
 from trainers.trace import StepProfiler
 from trainers.validate import check_batch, check_heads, name_config_key
 
@@ -229,7 +229,8 @@ def train(
     if cfg.local_sgd.enabled:
         groups_of(mesh, cfg.local_sgd)
     try:
-        sharded = create_state(lambda: task.model(nnx.Rngs(run.seed)), tx, state_rules, mesh, seed=run.seed,
+        sharded = create_state(lambda: call_user(task.model, "the task's model function", nnx.Rngs(run.seed)), tx,
+                               state_rules, mesh, seed=run.seed,
                                path_rules=task.path_rules, pipeline=cfg.pipeline)
     except RulesError as e:  # a dim that does not divide by its mesh axes
         raise RulesError(name_config_key(e) if task.name == "lm" else str(e)) from None

@@ -84,6 +84,8 @@ def call_user(fn: Callable, what: str, *args: Any) -> Any:
     try:
         return fn(*args)
     except Exception as exc:
+        if type(exc).__module__.split(".")[0] in ("meshes", "spmd", "trainers"):
+            raise  # the toolkit's own error, raised for the user's call: its message already says what is wrong
         raise _user_error(exc, f"{what} {getattr(fn, '__qualname__', fn)!s}") from exc
 
 
