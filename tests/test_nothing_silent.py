@@ -220,6 +220,14 @@ def test_user_code_errors_are_user_errors_with_the_users_frame(tmp_path, monkeyp
     err = capsys.readouterr().err
     assert "task raised KeyError: 'missing' at " in err and "badtask.py:2 in helper" in err, err
     assert "internal error" not in err
+    from trainers.task import UserCodeError, call_user
+
+    def model(rngs):
+        return 1 / 0
+
+    with pytest.raises(UserCodeError, match=r"the task's model function .*model raised ZeroDivisionError.*"
+                                            r"test_nothing_silent.py:\d+ in model"):
+        call_user(model, "the task's model function", None)
 
 
 @pytest.mark.parametrize("exc, needles", [

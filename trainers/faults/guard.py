@@ -1,8 +1,10 @@
 """Loss-spike and divergence guard: detect bad steps inside the train step, act on them on the host.
 
 In the step, a replicated window ``state["guard"]`` of the last accepted losses and gradient norms
-flags a non-finite or spiking step, whose update is not applied. In the loop, :class:`Guard` logs each
-:class:`GuardEvent` and applies ``run.guard``: ``skip``, ``rollback`` or ``stop``. See docs/faults.md.
+flags a non-finite or spiking step, and :func:`check_update` a proposed update too large for the
+params (``run.max_update_ratio``, ``run.max_param_growth``); a flagged update is not applied. In the
+loop, :class:`Guard` logs each :class:`GuardEvent` and applies ``run.guard``: ``skip``, ``rollback``
+or ``stop`` (a destructive update always stops the run). See docs/faults.md.
 """
 
 from __future__ import annotations
