@@ -184,8 +184,9 @@ def test_sigkill_then_resume_logs_every_step_once(tmp_path, kill_at):
 
 
 @pytest.mark.slow
-def test_the_main_job_with_a_destructive_learning_rate_stops_naming_the_cause(tmp_path):
-    cmd = [sys.executable, "-m", "trainers.launch.cli", "gpt-small", "--simulate-devices", "8", "--run-dir",
+@pytest.mark.parametrize("tiny", [[], ["--tiny"]], ids=["main-job", "tiny-2-steps"])
+def test_the_main_job_with_a_destructive_learning_rate_stops_naming_the_cause(tmp_path, tiny):
+    cmd = [sys.executable, "-m", "trainers.launch.cli", "gpt-small", *tiny, "--simulate-devices", "8", "--run-dir",
            str(tmp_path / "run"), "--set", "lr.peak_lr=1e30", "--set", "run.progress=false"]
     proc = subprocess.run(cmd, cwd=REPO, env=worker_env(1), capture_output=True, text=True, timeout=300)
     assert proc.returncode == cli.EXIT_DIVERGED, proc.stderr[-3000:]
@@ -297,3 +298,10 @@ def test_out_of_memory_gives_the_estimate_and_the_nearest_layout_that_fits(monke
     assert cli.main([*TINY, "--simulate-devices", "8", "--run-dir", str(tmp_path / "run")]) == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert "out of device memory: RESOURCE_EXHAUSTED" in err and "estimated per device on mesh data=2,fsdp=2,tensor=2 (8 devices)" in err, err
+
+
+def test_the_docs_give_preemption_its_exit_status():
+    faults = open(os.path.join(REPO, "docs", "faults.md")).read()
+    readme = open(os.path.join(REPO, "README.md")).read()
+    assert "`spmd-train` then exits 76" in faults and "exits 0 (all processes" not in faults
+    assert f"| {cli.EXIT_PREEMPTED} | preempted" in readme
