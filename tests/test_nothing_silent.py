@@ -105,6 +105,15 @@ def test_a_dry_run_of_100000_devices_answers_within_30_s_under_2_gb():
     assert seconds < 30 and rss_gb < 2, (seconds, rss_gb)
 
 
+def test_the_planner_ranks_100000_devices_without_compiling(capsys):
+    from trainers.launch import plan
+
+    t0 = time.perf_counter()
+    plan.main(["gpt-small", "--tiny", "--devices", "100000"])
+    err = capsys.readouterr().err
+    assert "more than the 4096 a compile check simulates; ranking analytically" in err and time.perf_counter() - t0 < 30
+
+
 # ----------------------------------------------------------------------------- the run directory
 def _tiny_state():
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
