@@ -137,7 +137,8 @@ def lm_windows(cfg: Config, split: str) -> TokenWindows:
     data = cfg.data
     tokens = load_corpus(data, split)
     what = f"corpus {data.corpus!r}" + (f" at data.path={data.path!r}" if data.path else "") + f" ({split} split)"
-    check_token_ids(tokens, data.vocab_size, what=what)
+    if data.corpus != "tokens":  # a prepared folder's ids were checked against its vocab when it was read
+        check_token_ids(tokens, data.vocab_size, what=what)
     windows = TokenWindows(tokens, data.seq_len)
     if split == "train":
         check_windows(len(windows), data.global_batch, data.seq_len, tokens.shape[0], what=what)
