@@ -314,3 +314,28 @@ def test_the_docs_give_preemption_its_exit_status():
     readme = open(os.path.join(REPO, "README.md")).read()
     assert "`spmd-train` then exits 76" in faults and "exits 0 (all processes" not in faults
     assert f"| {cli.EXIT_PREEMPTED} | preempted" in readme
+
+
+def test_two_ctrl_cs_during_the_stops_save_keep_the_step(tmp_path, monkeypatch, caplog):
+    """The first Ctrl-C stops the run at the step in flight; the second arrives while that step's async
+    save is committing: answered with a warning, and the step is committed (before: lost)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a foreground process
+    real_wait = Checkpointer.wait
+    pressed = []
+
+    def wait_with_a_second_ctrl_c(self, *args, **kwargs):
+        if not pressed:
+            pressed.append(1)
+            signal.raise_signal(signal.SIGINT)
+        return real_wait(self, *args, **kwargs)
+
+    monkeypatch.setattr(Checkpointer, "wait", wait_with_a_second_ctrl_c)
+    run_dir = str(tmp_path / "run")
+    try:
+        result = train(tiny_config(run_dir, 8), step_hook=lambda s: s == 3 and signal.raise_signal(signal.SIGINT))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert pressed and result.preempted and result.final_step == 3
+    assert "Ctrl-C once more abandons it" in caplog.text
+    with Checkpointer(os.path.join(run_dir, "checkpoints"), CheckpointConfig(), read_only=True) as ck:
+        assert ck.valid_steps()[-1] == 3  # the step in flight is committed
