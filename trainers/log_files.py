@@ -1,7 +1,8 @@
 """A run directory's logs across crashes: each logged step once after a resume, and read back as TensorBoard shows it.
 
 A resumed run logs again every step after its checkpoint, so :func:`truncate_metrics` drops the
-records past the resumed step from ``metrics.jsonl`` (and a line torn by a kill), and
+records past the resumed step from ``metrics.jsonl`` (and a line torn by a kill; a guard rollback
+keeps the guard's own records), and
 :class:`trainers.logger.RunLogger` reopens TensorBoard with ``purge_step``, which hides the old
 events from that step on. :func:`read_scalars` reads the event files back with those purges applied.
 """
@@ -18,9 +19,10 @@ METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 
 
-def truncate_metrics(run_dir: str | Path, step: int) -> int:
-    """Keep the records of ``run_dir/metrics.jsonl`` with ``step <= step`` (rewritten atomically);
-    returns how many were dropped (records past the step, and any torn or unreadable line)."""
+def truncate_metrics(run_dir: str | Path, step: int, keep_splits: tuple[str, ...] = ()) -> int:
+    """Keep the records of ``run_dir/metrics.jsonl`` with ``step <= step``, and those whose split starts
+    with one of ``keep_splits`` (rewritten atomically); returns how many were dropped (records past the
+    step, and any torn or unreadable line)."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return 0
@@ -31,7 +33,7 @@ def truncate_metrics(run_dir: str | Path, step: int) -> int:
                 continue
             try:
                 record = json.loads(line)
-                keep = int(record["step"]) <= step
+                keep = int(record["step"]) <= step or str(record.get("split", "")).startswith(keep_splits or ("\0",))
             except (ValueError, KeyError, TypeError):  # a line torn by a kill
                 keep = False
             if keep:

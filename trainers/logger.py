@@ -94,13 +94,14 @@ class RunLogger:
             self._tb = ScalarWriter(self.run_dir / TENSORBOARD_DIR, purge_step=self._purge_step)
         return self._tb
 
-    def resume_at(self, step: int) -> None:
-        """A run resumed at ``step`` logs every later step again: drop their records from metrics.jsonl
-        (:func:`trainers.log_files.truncate_metrics`) and hide them in TensorBoard (``purge_step``)."""
+    def resume_at(self, step: int, keep_splits: tuple[str, ...] = ()) -> None:
+        """A run resumed (or rolled back) at ``step`` logs every later step again: drop their records from
+        metrics.jsonl except the splits in ``keep_splits`` (:func:`trainers.log_files.truncate_metrics`) and
+        hide them in TensorBoard (``purge_step``)."""
         if not self.is_main or self.closed:
             return
         self._jsonl.close()
-        truncate_metrics(self.run_dir, step)
+        truncate_metrics(self.run_dir, step, keep_splits)
         self._jsonl = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")
         if self._tb is not None:
             self._tb.close()

@@ -346,6 +346,7 @@ def train(
                         if local is None:
                             state = {**state, "guard": guard_lib.window_from_json(data_state.get("guard"),
                                                                                   run.spike_window, mesh)}
+                        logger.resume_at(step, keep_splits=(guard_lib.SPLIT_PREFIX,))  # the events stay
                         guard.rolled_back(step, skip_batches, at)
                         t_last, steps_since = time.perf_counter(), 0
                         continue
