@@ -81,6 +81,15 @@ def test_a_global_batch_larger_than_the_corpus_is_refused(tmp_path):
     assert len(lm_windows(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, global_batch=16)), "train")) == 23
 
 
+def test_a_task_with_fewer_examples_than_a_global_batch_is_refused():
+    cfg = override(recipe("gpt-small", tiny=True), ["data.global_batch=16"])
+    examples = [{"x": np.zeros(3, np.float32)}] * 12
+    task = Task(model=lambda r: None, loss=lambda m, b, r: 0.0, data=examples, name="few")
+    with pytest.raises(ValueError, match=r"task 'few'.s data has 12 examples, fewer than data.global_batch=16"):
+        task.train_source(cfg)
+    assert len(dataclasses.replace(task, data=examples * 2).train_source(cfg)) == 24  # negative control
+
+
 def test_absurd_step_counts_and_device_counts_are_refused(capsys):
     with pytest.raises(ValueError, match=r"run.steps=100000000000000000000 is beyond the int32 step counter"):
         RunConfig(steps=10**20)

@@ -20,7 +20,7 @@ from flax import nnx
 
 from trainers.config import Config
 from trainers.data import TokenWindows, load_corpus
-from trainers.data.checks import check_token_ids, check_windows
+from trainers.data.checks import check_examples, check_token_ids, check_windows
 from trainers.step import LossFn, MetricFn, lm_loss_fn
 
 
@@ -60,7 +60,10 @@ class Task:
             raise TypeError(f"Task.config must be a trainers.Config, got {type(self.config).__name__}")
 
     def train_source(self, cfg: Config) -> Any:
-        return _build(self.data, cfg)
+        source = _build(self.data, cfg)
+        if hasattr(source, "__len__") and hasattr(source, "__getitem__"):  # examples the loader batches
+            check_examples(len(source), cfg.data.global_batch, what=f"task {self.name!r}'s data")
+        return source
 
     def eval_source(self, cfg: Config) -> Any:
         return None if self.eval_data is None else _build(self.eval_data, cfg)

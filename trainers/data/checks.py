@@ -95,3 +95,12 @@ def check_windows(n_windows: int, global_batch: int, seq_len: int, n_tokens: int
             f"step, but {what} has {n_tokens:,} tokens: {n_windows} windows. Lower data.global_batch to at most "
             f"{max(n_windows, 1)} or data.seq_len, or use a larger corpus (data.max_tokens, data.validation_fraction)"
         )
+
+
+def check_examples(n_examples: int, global_batch: int, *, what: str = "the task's data") -> None:
+    """ValueError when a random-access source has fewer examples than one global batch (each batch would
+    hold some examples twice)."""
+    if n_examples < global_batch:
+        raise ValueError(f"{what} has {n_examples} examples, fewer than data.global_batch={global_batch}: every batch "
+                         f"would repeat some of them. Lower data.global_batch to at most {max(n_examples, 1)} (a "
+                         "multiple of the batch-sharding devices) or give more examples")
