@@ -348,3 +348,20 @@ def test_two_ctrl_cs_during_the_stops_save_keep_the_step(tmp_path, monkeypatch, 
     assert "Ctrl-C once more abandons it" in caplog.text
     with Checkpointer(os.path.join(run_dir, "checkpoints"), CheckpointConfig(), read_only=True) as ck:
         assert ck.valid_steps()[-1] == 3  # the step in flight is committed
+
+
+def test_a_state_guard_window_saved_before_param_norm0_still_restores(tmp_path):
+    """Local SGD keeps its guard windows in the checkpointed state; steps written before the update
+    checks lack ``param_norm0``: they restore with it NaN (set again at the next accepted step)."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    rep = jax.NamedSharding(mesh, jax.P())
+    put = lambda a: jax.device_put(np.asarray(a), rep)
+    old = {"params": _tiny_state(), "guard": {"loss": put(np.ones(3, np.float32)), "grad_norm": put(np.ones(3, np.float32)),
+                                              "count": put(np.int32(3))}}
+    with Checkpointer(tmp_path / "ck", CheckpointConfig(async_save=False)) as ck:
+        ck.save(1, old, {}, force=True)
+        new = {**old, "guard": {**old["guard"], "param_norm0": put(np.float32(2.0))}}
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), new)
+        step, state, _ = ck.restore(abstract)
+    assert step == 1 and np.isnan(float(state["guard"]["param_norm0"])) and int(state["guard"]["count"]) == 3
+    assert state["guard"]["param_norm0"].sharding == rep
