@@ -251,6 +251,8 @@ def test_user_code_errors_are_user_errors_with_the_users_frame(tmp_path, monkeyp
 
 @pytest.mark.parametrize("exc, needles", [
     (OSError(30, "Read-only file system", "/ro/runs/x"), ["cannot use '/ro/runs/x': Read-only file system", "run.run_dir"]),
+    (OSError(13, "Permission denied", "/data/corpus.txt"), ["cannot use '/data/corpus.txt': Permission denied",
+                                                           "paths come from data.path"]),
     (RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 9.1GiB"),
      ["out of device memory: RESOURCE_EXHAUSTED", "--dry-run --devices 8", "model.remat_policy=full", "fsdp"]),
 ])

@@ -179,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
             return _report(e, EXIT_COORDINATOR, debug)
         except MeshError as e:
             return _report(e, EXIT_USAGE, debug, _mesh_hint(str(e), args))
-        except (ValueError, OSError, ConsistencyError, NoUsableCheckpointError) as e:
+        except OSError as e:
+            return _report(e, EXIT_USAGE, debug, _path_hint(e, args))
+        except (ValueError, ConsistencyError, NoUsableCheckpointError) as e:
             return _report(e, EXIT_USAGE, debug)
         except Exception as e:  # a bug: say so, briefly, and how to see more
             if _interrupted.is_set():  # e.g. an import that Ctrl-C broke half-way
@@ -205,9 +207,20 @@ def _report(e: BaseException, code: int, debug: bool, hint: str = "", text: str 
         traceback.print_exc()
     if not text and isinstance(e, OSError) and e.filename:  # raw "[Errno 30] ...": say which path and which key
         text = f"cannot use {e.filename!r}: {e.strerror or e}"
-        hint = hint or ("\n  (the run writes under run.run_dir, set with --run-dir, and checkpoints under "
-                        "checkpoint.directory; give a path this user can write)")
     return _error((text or str(e).strip() or type(e).__name__) + hint, code)
+
+
+def _path_hint(e: OSError, args: argparse.Namespace) -> str:
+    """Which config key a path in an OS error comes from: the run directory's, or the others that name paths."""
+    if not e.filename:
+        return ""
+    path = os.path.abspath(os.fspath(e.filename))
+    run_dir = os.path.abspath(args.run_dir) if args.run_dir else None
+    if (run_dir and path.startswith(run_dir)) or (not run_dir and f"{os.sep}runs{os.sep}" in path + os.sep):
+        return ("\n  (the run writes under run.run_dir, set with --run-dir, and checkpoints under checkpoint.directory; "
+                "give a directory this user can write)")
+    return ("\n  (paths come from data.path, data.tokenizer, --config, run.run_dir / --run-dir, checkpoint.directory "
+            "and checkpoint.init_from)")
 
 
 def _oom_hint(args: argparse.Namespace) -> str:
