@@ -13,8 +13,8 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 
-from benchmarks import (attention, calibration, checkpoint, comms, common, context, gpu, interchange, local_sgd, loss, memory,
-                        mfu, overhead, packing, pipeline, remat, scaling, steptime)
+from benchmarks import (attention, calibration, checkpoint, comms, common, context, gpu, guard, interchange, local_sgd, loss,
+                        memory, mfu, overhead, packing, pipeline, remat, scaling, steptime)
 
 BENCHMARKS: dict[str, Callable[..., int]] = {
     "overhead": overhead.main,
@@ -28,6 +28,7 @@ BENCHMARKS: dict[str, Callable[..., int]] = {
     "pipeline": pipeline.main,
     "mfu": mfu.main,
     "checkpoint": checkpoint.main,
+    "guard": guard.main,
     "scaling": scaling.main,
     "local_sgd": local_sgd.main,
     "gpu": gpu.main,

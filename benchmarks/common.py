@@ -44,8 +44,8 @@ from spmd.models import GPT, GPTConfig, lm_loss
 
 SIMULATED_DEVICES = 8
 RESULTS = Path(__file__).resolve().with_name("RESULTS.md")
-ORDER = ("overhead", "comms", "steptime", "memory", "attention", "context", "loss", "remat", "pipeline", "mfu", "checkpoint", "scaling", "local_sgd", "gpu",
-         "calibration", "packing", "interchange")
+ORDER = ("overhead", "comms", "steptime", "memory", "attention", "context", "loss", "remat", "pipeline", "mfu", "checkpoint", "guard", "scaling",
+         "local_sgd", "gpu", "calibration", "packing", "interchange")
 _COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 
 # name -> (mesh axis sizes, rule preset): the parallel layouts the layout benchmarks compare.

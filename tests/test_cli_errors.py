@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from helpers.fault_worker import default_signals
 from trainers.launch import cli, local
 from trainers.recipes import RECIPES
 
@@ -114,7 +115,7 @@ def test_launch_finds_the_toolkit_without_path(tmp_path):
 def test_ctrl_c_at_any_moment_exits_cleanly(tmp_path, after_s):
     proc = subprocess.Popen([sys.executable, "-m", "trainers", "gpt-small", "--simulate-devices", "8", "--run-dir",
                              str(tmp_path / "run"), "--set", "run.progress=false"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_signals)
     time.sleep(after_s)
     proc.send_signal(signal.SIGINT)
     try:

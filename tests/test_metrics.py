@@ -252,13 +252,43 @@ def test_non_main_process_writes_nothing(tmp_path, capsys):
 
 
 def test_progress_bar_and_message(tmp_path, capsys):
-    with RunLogger(tmp_path, total_steps=4, use_tensorboard=False) as log:
+    with RunLogger(tmp_path, total_steps=4, use_tensorboard=False, tty=True) as log:
         log.message("starting run")
         log.log(2, {"loss": 1.25, "tokens_per_s": 5e4})
         assert log._bar.n == 2
     captured = capsys.readouterr()
     assert "starting run" in captured.out
     assert "loss=1.25" in captured.err and "tok/s=5e+04" in captured.err
+
+
+def test_progress_off_a_terminal_is_one_plain_line_per_logged_step(tmp_path, capsys):
+    with RunLogger(tmp_path, total_steps=60, use_tensorboard=False, tty=False) as log:
+        for step in range(10, 61, 10):
+            log.log(step, {"loss": 1.0 / step})
+        log.log(60, {"loss": 0.5}, prefix="eval")  # not a progress line
+        assert log._bar is None
+    err = capsys.readouterr().err
+    assert "\r" not in err and err.splitlines() == [f"step {s}/60: loss={1.0 / s:.4g}" for s in range(10, 61, 10)]
+
+
+def test_resume_keeps_each_logged_step_once_in_jsonl_and_tensorboard(tmp_path):
+    """A kill after step 3 (a torn last line), a resume from step 2: every step once, the resumed values."""
+    from trainers.log_files import read_scalars
+
+    with RunLogger(tmp_path, progress=False) as log:
+        for step in (1, 2, 3):
+            log.log(step, {"loss": float(step)})
+        assert read_scalars(tmp_path)["train/loss"] == [(1, 1.0), (2, 2.0), (3, 3.0)]  # flushed at each step
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "spl')  # torn by the kill
+    with RunLogger(tmp_path, progress=False) as log:
+        log.resume_at(2)
+        for step in (3, 4):
+            log.log(step, {"loss": 10.0 * step})
+    rows = [(r["step"], r["loss"]) for r in read_metrics(tmp_path, "train")]
+    assert rows == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+    assert read_scalars(tmp_path)["train/loss"] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+    assert len(list((tmp_path / "tensorboard").glob("events.*"))) == 2  # negative control: the old file still holds step 3
 
 
 def test_run_logger_rejects_bad_inputs(tmp_path):

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from helpers.fault_worker import REPO, last_train_losses, tiny_config, worker_env
+from helpers.fault_worker import REPO, default_signals, last_train_losses, tiny_config, worker_env
 from trainers.checkpoint import Checkpointer
 from trainers.loop import train
 from trainers.faults.preemption import PreemptionWatcher, barrier
@@ -35,6 +35,24 @@ def _checkpoint_steps(run_dir):
 
 
 # ----------------------------------------------------------------------------- the watcher itself
+@pytest.fixture(autouse=True)
+def _sigint_default():
+    """SIGINT as in a foreground process, even when the suite runs as a background job (SIGINT ignored)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_an_ignored_signal_stays_ignored():
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with PreemptionWatcher():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # as the CLI leaves it
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # negative control: SIGTERM is watched
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_handlers_are_installed_only_inside_and_restored():
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     with PreemptionWatcher() as watcher:
@@ -49,6 +67,16 @@ def test_second_sigint_interrupts():
     with PreemptionWatcher() as watcher:
         signal.raise_signal(signal.SIGINT)
         assert watcher.reason == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+
+
+def test_a_second_sigint_while_the_stop_saves_is_answered_not_obeyed(caplog):
+    with PreemptionWatcher() as watcher:
+        signal.raise_signal(signal.SIGINT)
+        assert watcher.should_stop(3)  # agreed: the loop now writes the checkpoint of step 3
+        signal.raise_signal(signal.SIGINT)  # warned, the save goes on
+        assert "Ctrl-C once more abandons it" in caplog.text
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
 
@@ -94,7 +122,7 @@ def test_sigterm_at_random_steps_resumes_exactly(tmp_path, reference):
 def _run_worker(run_dir, *args, send=None, at_step=None):
     """Run the worker; with ``send``, signal it once it printed ``STEP at_step``. Returns (rc, output, result)."""
     proc = subprocess.Popen([sys.executable, WORKER, run_dir, str(STEPS), *args], env=worker_env(), cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=default_signals)
     lines = []
     try:
         for line in proc.stdout:

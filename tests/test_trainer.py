@@ -177,13 +177,14 @@ def test_config_is_frozen():
 
 
 def test_run_stops_after_consecutive_bad_steps(tmp_path):
-    # an absurd LR blows the params up to ~1e30 in one step; every later loss overflows to inf/NaN,
-    # each such step is skipped (no update) and the run stops after max_bad_steps in a row
+    # with the update checks off, an absurd LR blows the params up to ~1e30 in one step; every later
+    # loss overflows to inf/NaN, each such step is skipped (no update) and the run stops after
+    # max_bad_steps in a row (with the checks on, step 1's update is refused: tests/test_nothing_silent.py)
     from trainers.loop import DivergenceError
 
     cfg = tiny(tmp_path, "run.steps=8", "lr.kind=constant", "lr.warmup_steps=0",
                "lr.peak_lr=1e30", "optimizer.clip_norm=none", "run.max_bad_steps=3", "run.eval_batches=0",
-               "checkpoint.every_steps=100")
+               "checkpoint.every_steps=100", "run.max_update_ratio=0", "run.max_param_growth=0")
     with pytest.raises(DivergenceError, match=r"3 consecutive steps ending at step \d+ had a non-finite loss"):
         train(cfg)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -98,6 +98,10 @@ class RunConfig:
     guard: str = "skip"  # bad step (non-finite or spike): "skip" its update | "rollback" to a checkpoint | "stop"
     spike_factor: float = 10.0  # a spike is loss or grad norm > factor x running median; 0 turns spikes off
     spike_window: int = 32  # accepted steps in the running median (spikes are flagged once it is full)
+    # a proposed update is not applied, and the run stops naming the cause, when |update| > max_update_ratio x
+    # |params| or the params would exceed max_param_growth x their norm before the first update; 0 turns one off
+    max_update_ratio: float = 1.0
+    max_param_growth: float = 10.0
     preemption_check_every: int = 1  # steps between multi-process agreements on a stop request
     profile_steps: str = ""  # "START:END": a jax.profiler trace of those steps (inclusive) in run_dir/tensorboard
     profile_processes: str = "first"  # which processes trace: "first" (process 0) or "all"
@@ -106,12 +110,16 @@ class RunConfig:
     sample_prompt: str = "Once upon a time"  # text, encoded with data.tokenizer (or as bytes)
 
     def __post_init__(self) -> None:
-        from trainers.faults.guard import validate
+        from trainers.faults.guard import validate, validate_update_limits
 
         for name in ("steps", "grad_accum", "eval_every", "log_every", "max_bad_steps", "preemption_check_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"run.{name} must be >= 1, got {getattr(self, name)}")
+        if self.steps > 2**31 - 1:  # the state's step counter is int32
+            raise ValueError(f"run.steps={self.steps} is beyond the int32 step counter (at most {2**31 - 1}); "
+                             "give the number of optimizer steps to run (--steps N)")
         validate(self.guard, self.spike_factor, self.spike_window)
+        validate_update_limits(self.max_update_ratio, self.max_param_growth)
         check_fsdp_gather(self.fsdp_gather)
         parse_steps(self.profile_steps)
         if self.profile_processes not in PROCESSES:
@@ -354,9 +362,13 @@ def config_file_overrides(path: str) -> list[str]:
             data = json.loads(text)
         else:
             data = yaml.safe_load(text)  # YAML is a superset of JSON
-    except Exception as e:  # json.JSONDecodeError, yaml.YAMLError
-        raise ValueError(f"--config {path!r} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: "
-                         f"{str(e).splitlines()[0]}") from None
+    except Exception as e:  # json.JSONDecodeError, yaml.YAMLError: where, then what
+        mark = getattr(e, "problem_mark", None)
+        where = (f"line {e.lineno}, column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else
+                 f"line {mark.line + 1}, column {mark.column + 1}: {getattr(e, 'problem', None) or e}" if mark else
+                 str(e).splitlines()[0])
+        raise ValueError(f"--config {path!r} is not valid {'JSON' if path.endswith('.json') else 'YAML'} at "
+                         f"{where}") from None
     if not isinstance(data, dict):
         raise ValueError(f"--config {path!r} must hold a mapping of config keys, got {type(data).__name__}")
     out: list[str] = []

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,9 +19,9 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-METRICS_FILE = "metrics.jsonl"
+from trainers.log_files import METRICS_FILE, TENSORBOARD_DIR, ScalarWriter, truncate_metrics
+
 CONFIG_FILE = "config.json"
-TENSORBOARD_DIR = "tensorboard"
 _RESERVED = ("step", "split", "time")
 
 # Metrics shown in the progress bar's postfix: (metric key, label, format).
@@ -63,7 +64,10 @@ class RunLogger:
         total_steps: int | None = None,
         use_tensorboard: bool = True,
         progress: bool = True,
+        tty: bool | None = None,
     ) -> None:
+        """``progress``: a tqdm bar where stderr is a terminal (``tty``, default: detected), else one plain
+        line per logged train step (schedulers, ``nohup`` and CI logs get no carriage returns)."""
         if total_steps is not None and total_steps < 0:
             raise ValueError(f"total_steps must be >= 0 or None, got {total_steps!r}")
         self.run_dir = Path(run_dir)
@@ -73,16 +77,36 @@ class RunLogger:
         self._jsonl = None
         self._tb = None
         self._bar = None
+        self._lines = False  # plain progress lines instead of a bar
+        self._use_tb, self._purge_step = use_tensorboard, None
+        self.total_steps = total_steps
         if not self.is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")
-        if use_tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(logdir=str(self.run_dir / TENSORBOARD_DIR))
-        if progress:
+        if progress and (sys.stderr.isatty() if tty is None else tty):
             self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
+        self._lines = progress and self._bar is None
+
+    def _tensorboard(self):
+        """The TensorBoard writer, made at the first record (after :meth:`resume_at` set its purge step)."""
+        if self._tb is None and self._use_tb and self.is_main:
+            self._tb = ScalarWriter(self.run_dir / TENSORBOARD_DIR, purge_step=self._purge_step)
+        return self._tb
+
+    def resume_at(self, step: int, keep_splits: tuple[str, ...] = ()) -> None:
+        """A run resumed (or rolled back) at ``step`` logs every later step again: drop their records from
+        metrics.jsonl except the splits in ``keep_splits`` (:func:`trainers.log_files.truncate_metrics`) and
+        hide them in TensorBoard (``purge_step``)."""
+        if not self.is_main or self.closed:
+            return
+        self._jsonl.close()
+        truncate_metrics(self.run_dir, step, keep_splits)
+        self._jsonl = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        self._purge_step = step + 1
 
     @property
     def metrics_path(self) -> Path:
@@ -115,10 +139,13 @@ class RunLogger:
         record.update({k: _json_value(v) for k, v in values.items()})
         self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
         self._jsonl.flush()
-        if self._tb is not None:
-            for key, value in values.items():
-                self._tb.add_scalar(f"{prefix}/{key}", value, global_step=step)
+        tb = self._tensorboard()
+        if tb is not None:  # on disk when this returns: a kill loses no logged step
+            tb.add(step, {f"{prefix}/{key}": value for key, value in values.items()})
         self._update_postfix(values, prefix)
+        if self._lines and prefix == "train":
+            total = f"/{self.total_steps}" if self.total_steps else ""
+            print(f"step {step}{total}: {self.postfix}", file=sys.stderr, flush=True)
         if self._bar is not None:
             if prefix == "train" and step > self._bar.n:
                 self._bar.update(step - self._bar.n)
@@ -175,7 +202,10 @@ def read_metrics(run_dir: str | Path, split: str | None = None) -> list[dict[str
         for line in f:
             if not line.strip():
                 continue
-            rec = json.loads(line)
+            try:
+                rec = json.loads(line)
+            except ValueError:  # a last line torn by a kill (a resumed run drops it)
+                continue
             if split is None or rec.get("split") == split:
                 records.append({k: (math.nan if v is None else v) for k, v in rec.items()})
     return records

@@ -28,6 +28,7 @@ from trainers.blame import InternalError, TaskError, describe_batch, first_batch
 from trainers.checkpoint import Checkpointer, NoUsableCheckpointError, resolve_init_from
 from trainers.config import Config, changes_since_last_run
 from trainers.data import ExampleLoader, IterLoader, process_rows, to_global
+from trainers.data.checks import check_batch_ids
 from trainers.data.loader import eval_batches
 from trainers.data.packing import per_token
 from trainers.faults.guard import DivergenceError, Guard, GuardEvent
@@ -39,7 +40,7 @@ from trainers.faults.preemption import PreemptionWatcher
 from trainers.lr import make_lr_schedule
 from trainers.state import ShardedState, State, create_state
 from trainers.step import eval_view, loss_and_metrics, make_eval_step, make_train_step
-from trainers.task import Task, lm_task
+from trainers.task import Task, call_user, lm_task
 from trainers.trace import StepProfiler
 from trainers.validate import check_batch, check_heads, name_config_key
 
@@ -220,17 +221,17 @@ def train(
     if cfg.local_sgd.enabled:
         groups_of(mesh, cfg.local_sgd)
     try:
-        sharded = create_state(lambda: task.model(nnx.Rngs(run.seed)), tx, state_rules, mesh, seed=run.seed,
+        sharded = create_state(lambda: call_user(task.model, "the task's model function", nnx.Rngs(run.seed)), tx,
+                               state_rules, mesh, seed=run.seed,
                                path_rules=task.path_rules, pipeline=cfg.pipeline)
     except RulesError as e:  # a dim that does not divide by its mesh axes
         raise RulesError(name_config_key(e) if task.name == "lm" else str(e)) from None
-    if is_main:  # the config has passed every check that needs no step: record it
-        write_config(run.directory, cfg.to_dict())
     stepped = guard_lib.add_window(sharded, run.spike_window, mesh)  # what the step carries: state + guard window
     batch_sharding = spmd.batch_sharding(rules, mesh, dims=("batch",))
     train_step = make_train_step(stepped, tx, state_rules, mesh, batch_sharding, schedule=schedule,
                                  grad_accum=run.grad_accum, loss_fn=task.loss, spike_factor=run.spike_factor,
-                                 fsdp_gather=run.fsdp_gather, jit=not cfg.local_sgd.enabled)
+                                 fsdp_gather=run.fsdp_gather, jit=not cfg.local_sgd.enabled,
+                                 max_update_ratio=run.max_update_ratio, max_param_growth=run.max_param_growth)
     local = LocalSGD(cfg.local_sgd, stepped, train_step, mesh, batch_sharding, steps=run.steps) \
         if cfg.local_sgd.enabled else None
     if local is not None:
@@ -252,6 +253,9 @@ def train(
         ckpt.close()
         logger.close()
         raise
+    if is_main:  # every check has passed, the checkpoint's included: record the config
+        write_config(run.directory, cfg.to_dict())
+    logger.resume_at(start)  # steps after `start` are logged again: their old records are dropped
     if "train" in data_state:
         train_data.set_state(data_state["train"])
     if local is None:  # local SGD keeps each group's window in the checkpointed state
@@ -288,6 +292,8 @@ def train(
                 index, batch = _next_batch(train_data, skip_batches)
                 if batch_hook is not None:
                     batch = batch_hook(index, batch)
+                if task.vocab_size is not None:  # ids outside the vocab are refused before they reach the model
+                    check_batch_ids(batch, task.vocab_size, task.token_keys, where=f"task {task.name!r}, batch {index}")
                 batch = to_global(batch, batch_sharding, data_cfg.global_batch)
                 if meter is None:
                     with first_batch(task.name, batch, "tracing the loss"):
@@ -310,7 +316,8 @@ def train(
                 stop = watcher.should_stop(step)
                 save = ckpt.should_save(step, force=stop or step == run.steps)
                 log_now = step % run.log_every == 0 or step == run.steps or step == start + 1
-                if log_now or save:  # fetch flags and metrics; the guard acts before anything is saved
+                if log_now or save or guard_lib.peek_bad(pending):  # fetch flags and metrics; the guard acts
+                    # before anything is saved, and within 3 steps of a bad one
                     fetched = (local.fetch if local else jax.device_get)([m for _, _, m in pending])
                     bad, error = [], None
                     try:
@@ -332,6 +339,7 @@ def train(
                         if local is None:
                             state = {**state, "guard": guard_lib.window_from_json(data_state.get("guard"),
                                                                                   run.spike_window, mesh)}
+                        logger.resume_at(step, keep_splits=(guard_lib.SPLIT_PREFIX,))  # the events stay
                         guard.rolled_back(step, skip_batches, at)
                         t_last, steps_since = time.perf_counter(), 0
                         continue

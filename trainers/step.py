@@ -88,6 +88,8 @@ def make_train_step(
     spike_factor: float = 0.0,
     fsdp_gather: str = "per_microbatch",
     jit: bool = True,
+    max_update_ratio: float = 0.0,
+    max_param_growth: float = 0.0,
 ) -> Callable[[State, Batch], tuple[State, dict[str, jax.Array]]]:
     """The jitted train step for this state, mesh and rule set (``jit=False``: the pure function, for
     callers that transform it first, e.g. :mod:`trainers.local_sgd` maps it over replica groups).
@@ -98,6 +100,8 @@ def make_train_step(
 
     ``spike_factor > 0`` needs a ``"guard"`` window in the state (``trainers.faults.guard.init_state``);
     with a window, the metrics also carry ``ok``, ``loss_spike``, ``grad_norm_spike`` and the medians.
+    ``max_update_ratio`` / ``max_param_growth`` > 0 check the proposed update before it is applied
+    (:func:`trainers.faults.guard.check_update`: one more fused pass over grads, moments and params).
     """
     guard.validate("skip", spike_factor, 1)
     check_fsdp_gather(fsdp_gather)
@@ -141,6 +145,13 @@ def make_train_step(
         grad_norm = global_norm(grads)
         flags = guard.check(state["guard"], loss, grad_norm, spike_factor) if "guard" in state else None
         ok = flags["ok"] if flags is not None else jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        if max_update_ratio > 0 or max_param_growth > 0:  # the update, measured before it is applied
+            proposed, _ = tx.update(grads, state["opt_state"], params)
+            param_norm, update_norm = global_norm(params), global_norm(proposed)
+            update_flags = guard.check_update(state.get("guard"), update_norm, param_norm, param_norm + update_norm,
+                                              max_update_ratio, max_param_growth)  # |p + u| <= |p| + |u|
+            ok = ok & ~update_flags["update_ratio_high"] & ~update_flags["param_norm_high"]
+            flags = {**(flags or {}), **update_flags, "ok": ok}
 
         def update(grads, opt_state, params, other, new_other):
             updates, opt_state = tx.update(grads, opt_state, params)
@@ -162,7 +173,8 @@ def make_train_step(
             new_state["model_state"] = new_other
         metrics = {"loss": loss, "grad_norm": grad_norm, "finite": ok, **aux}
         if flags is not None:
-            new_state["guard"] = guard.update(state["guard"], loss, grad_norm, ok)
+            if "guard" in state:
+                new_state["guard"] = guard.update(state["guard"], loss, grad_norm, ok, flags.get("param_norm"))
             metrics.update(flags)
         if schedule is not None:
             metrics["lr"] = schedule(state["step"])

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
+import sysconfig
+import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -19,6 +22,7 @@ from trainers.config import Config
 from trainers.data import TokenWindows, load_corpus
 from trainers.data.config import DOCUMENT_CORPORA
 from trainers.data.packing import packed_stream
+from trainers.data.checks import check_examples, check_token_ids, check_windows
 from trainers.step import LossFn, MetricFn, lm_loss_fn
 
 
@@ -37,6 +41,8 @@ class Task:
     config: Config | None = None
     name: str = "task"
     pipelined: bool = False
+    vocab_size: int | None = None  # set: batch[k] for k in token_keys must hold ids in [0, vocab_size), checked per batch
+    token_keys: tuple[str, ...] = ("inputs", "targets")
 
     def __post_init__(self) -> None:
         for field in ("model", "loss"):
@@ -49,11 +55,17 @@ class Task:
                             f"got {self.eval_metrics!r}")
         if self.flops_per_example is not None and not self.flops_per_example > 0:
             raise ValueError(f"Task.flops_per_example must be > 0 or None, got {self.flops_per_example!r}")
+        if self.vocab_size is not None and (isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int)
+                                            or self.vocab_size < 1):
+            raise ValueError(f"Task.vocab_size must be a positive int or None, got {self.vocab_size!r}")
         if self.config is not None and not isinstance(self.config, Config):
             raise TypeError(f"Task.config must be a trainers.Config, got {type(self.config).__name__}")
 
     def train_source(self, cfg: Config) -> Any:
-        return _build(self.data, cfg)
+        source = _build(self.data, cfg)
+        if hasattr(source, "__len__") and hasattr(source, "__getitem__"):  # examples the loader batches
+            check_examples(len(source), cfg.data.global_batch, what=f"task {self.name!r}'s data")
+        return source
 
     def eval_source(self, cfg: Config) -> Any:
         return None if self.eval_data is None else _build(self.eval_data, cfg)
@@ -62,7 +74,40 @@ class Task:
 def _build(data: Any, cfg: Config) -> Any:
     """``data``, or ``data(cfg)`` when it is a factory (a callable that is not itself a dataset)."""
     is_dataset = hasattr(data, "__getitem__") or hasattr(data, "__iter__")
-    return data(cfg) if callable(data) and not is_dataset else data
+    return call_user(data, "the task's data function", cfg) if callable(data) and not is_dataset else data
+
+
+class UserCodeError(ValueError):
+    """Code outside the toolkit (a task factory, a data function) raised: the message names it and its frame."""
+
+
+def call_user(fn: Callable, what: str, *args: Any) -> Any:
+    """``fn(*args)``; an exception from code outside the toolkit becomes a :class:`UserCodeError` naming
+    ``what`` and the innermost frame of that code (the toolkit's own functions are called as they are)."""
+    if getattr(fn, "__module__", "").split(".")[0] in ("meshes", "spmd", "trainers"):
+        return fn(*args)
+    try:
+        return fn(*args)
+    except Exception as exc:
+        if type(exc).__module__.split(".")[0] in ("meshes", "spmd", "trainers"):
+            raise  # the toolkit's own error, raised for the user's call: its message already says what is wrong
+        raise _user_error(exc, f"{what} {getattr(fn, '__qualname__', fn)!s}") from exc
+
+
+def _user_error(exc: BaseException, what: str) -> UserCodeError:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)[1:] if _is_user_file(f.filename)]
+    at = f" at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    return UserCodeError(f"{what} raised {type(exc).__name__}: {exc}{at}; the error is in that code, not in the "
+                         "toolkit (--debug shows the traceback)")
+
+
+def _is_user_file(filename: str) -> bool:
+    """Whether a traceback frame is the user's: not the toolkit's packages, not an installed library, not Python's."""
+    path = os.path.abspath(filename)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ours = any(path.startswith(os.path.join(root, pkg) + os.sep) for pkg in ("meshes", "spmd", "trainers"))
+    installed = "site-packages" in path or path.startswith(os.path.abspath(sysconfig.get_paths()["stdlib"]))
+    return not ours and not installed and not filename.startswith("<frozen")
 
 
 def lm_model(model_cfg: Any) -> Callable[[nnx.Rngs], nnx.Module]:
@@ -85,8 +130,7 @@ def lm_task(cfg: Config) -> Task:
         eval_metrics = {"document_loss": document_losses, "documents": document_count} \
             if cfg.data.packing_mode == "segments" else {}
     else:
-        data = lambda c: TokenWindows(load_corpus(c.data, "train"), c.data.seq_len)
-        eval_data = lambda c: TokenWindows(load_corpus(c.data, "validation"), c.data.seq_len)
+        data, eval_data = (lambda c: lm_windows(c, "train")), (lambda c: lm_windows(c, "validation"))
         eval_metrics = {}
     return Task(
         model=lm_model(model_cfg),
@@ -102,6 +146,20 @@ def lm_task(cfg: Config) -> Task:
     )
 
 
+def lm_windows(cfg: Config, split: str) -> TokenWindows:
+    """The windows of one split of ``cfg.data``'s corpus, checked before anything compiles: every id in
+    ``[0, data.vocab_size)``, and (train) at least one global batch of windows."""
+    data = cfg.data
+    tokens = load_corpus(data, split)
+    what = f"corpus {data.corpus!r}" + (f" at data.path={data.path!r}" if data.path else "") + f" ({split} split)"
+    if data.corpus != "tokens":  # a prepared folder's ids were checked against its vocab when it was read
+        check_token_ids(tokens, data.vocab_size, what=what)
+    windows = TokenWindows(tokens, data.seq_len)
+    if split == "train":
+        check_windows(len(windows), data.global_batch, data.seq_len, tokens.shape[0], what=what)
+    return windows
+
+
 def load_task(target: str) -> Task:
     """The :class:`Task` named ``"package.module:attribute"`` (a Task, or a function of no arguments returning one)."""
     module_name, sep, attr = target.partition(":")
@@ -111,6 +169,8 @@ def load_task(target: str) -> Task:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ValueError(f"task {target!r}: cannot import module {module_name!r} ({exc})") from None
+    except Exception as exc:  # the module's own code failed while it was imported
+        raise _user_error(exc, f"task {target!r}: importing {module_name!r}") from exc
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -118,7 +178,7 @@ def load_task(target: str) -> Task:
             raise ValueError(f"task {target!r}: module {module_name!r} has no attribute {attr!r}; it has: {', '.join(names)}")
         obj = getattr(obj, part)
     if not isinstance(obj, Task) and callable(obj):
-        obj = obj()
+        obj = call_user(obj, f"task {target!r}:")
     if not isinstance(obj, Task):
         raise ValueError(f"task {target!r} is of type {type(obj).__name__}, not a trainers.Task (or a function returning one)")
     return obj

@@ -52,6 +52,13 @@ def worker_env(devices: int = 8) -> dict[str, str]:
     return env
 
 
+def default_signals() -> None:
+    """``preexec_fn`` of a child a test signals: SIGINT and SIGTERM at their defaults, whatever the
+    suite inherited (a suite started in the background has SIGINT ignored, and children inherit that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def kill_at_line(proc, marker: str, delay=lambda: 0.0) -> str:
     """Read ``proc``'s output until the line ``marker``, wait ``delay()`` s, SIGKILL it; its output so far.
     Asserts it died of the SIGKILL (not earlier, of something else)."""

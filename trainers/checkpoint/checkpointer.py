@@ -61,7 +61,7 @@ class Checkpointer:
         self.directory = epath.Path(text if "://" in text else os.path.abspath(text))
         self.config = config
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=config.keep,
+            max_to_keep=None,  # keep-N counts valid steps only: :meth:`_retain`
             enable_async_checkpointing=config.async_save,
             async_options=ocp.options.AsyncOptions(timeout_secs=max(1, int(config.timeout_s))),
             cleanup_tmp_directories=not read_only,  # leftovers of a save interrupted by a crash
@@ -109,6 +109,7 @@ class Checkpointer:
         # (normally long done). Its host buffers are then free: orbax has finished reading them.
         self._finish_handoff()
         self._manager.wait_until_finished()
+        self._retain()
         if step in self._manager.all_steps() or (self.directory / str(step)).exists():
             self._manager.reload()  # the manager's view of the directory becomes what is on disk
             if step in self._manager.all_steps():
@@ -120,7 +121,10 @@ class Checkpointer:
                 self._manager.delete(step)
         state = layer_order.to_natural(state, self.layer_orders)
         if not self._background:
-            return bool(self._manager.save(step, args=storage.save_args(state, data_state), force=True))
+            saved = bool(self._manager.save(step, args=storage.save_args(state, data_state), force=True))
+            if not self.config.async_save:
+                self._retain()
+            return saved
         spare, self._last_copy = (self._last_copy.buffers if self._last_copy else None), None
         copy = HostCopy(state, spare)  # the only blocking work: from here on the caller's arrays are not used
         self._last_copy = copy
@@ -166,6 +170,24 @@ class Checkpointer:
             )
         if error:
             raise error[0]
+        self._retain()
+
+    def _retain(self) -> None:
+        """Delete the oldest valid steps beyond ``config.keep``. A step that is not valid (empty, partial,
+        unreadable) neither counts nor is deleted: restore skips it, and it stays for inspection."""
+        if self.read_only:
+            return
+        doomed = self.valid_steps()[:-self.config.keep]
+        if jax.process_count() > 1:  # every process deletes the same steps (orbax's delete is a barrier)
+            from jax.experimental import multihost_utils
+
+            padded = np.full((64,), -1, np.int64)
+            padded[:min(len(doomed), 64)] = doomed[:64]
+            doomed = [int(s) for s in multihost_utils.broadcast_one_to_all(padded) if s >= 0]
+        if doomed:
+            self._manager.reload()  # its view of the directory becomes what is on disk
+        for step in doomed:
+            self._manager.delete(step)
 
     def close(self) -> None:
         """Wait for pending saves and release orbax's background resources."""

@@ -5,7 +5,8 @@ target (current layout) into the target that step was written with, and turns wh
 into the current layout. :func:`plan` chains every registered conversion that recognises the step;
 the checkpointer calls it once per step it restores. Each conversion applied is logged at info level.
 Built in: the GPT's fused projections (``w_k``, ``w_v`` -> ``w_kv``; ``w_gate``, ``w_up`` ->
-``w_gate_up``). Add one with :func:`register`. See docs/checkpoints.md.
+``w_gate_up``) and a state guard window without ``param_norm0``. Add one with :func:`register`.
+See docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -156,3 +157,25 @@ def fuse(name: str, new: str, olds: tuple[str, ...], axis: int = -2) -> Conversi
 # w_gate, w_up [D, F] -> w_gate_up [D, 2, F] (a leading stacked ``layers`` dim, if any, kept).
 FUSED_KV = register(fuse("gpt fused k/v: w_k, w_v -> w_kv", "w_kv", ("w_k", "w_v")))
 FUSED_GATE_UP = register(fuse("gpt fused gate/up: w_gate, w_up -> w_gate_up", "w_gate_up", ("w_gate", "w_up")))
+
+
+# A guard window saved in the state (local SGD keeps one per replica group) before it held
+# ``param_norm0`` (trainers.faults.guard): read without it, then NaN, as in a fresh window.
+def _window(d: Mapping[str, Any]) -> bool:
+    return {"loss", "grad_norm", "count"} <= set(d)
+
+
+def _add_param_norm0(d: dict[str, Any]) -> dict[str, Any]:
+    count = d["count"]
+    fill = jax.jit(lambda c: jnp.full(c.shape, jnp.nan, jnp.float32), out_shardings=count.sharding)
+    return {**d, "param_norm0": fill(count)}
+
+
+GUARD_PARAM_NORM = register(Conversion(
+    name="guard window without param_norm0",
+    recognises=lambda stored: any_dict(stored, lambda d: _window(d) and "param_norm0" not in d),
+    old_target=lambda abstract: map_dicts(abstract, lambda d: _window(d) and "param_norm0" in d,
+                                          lambda d: {k: v for k, v in d.items() if k != "param_norm0"}),
+    convert=lambda value: map_dicts(value, lambda d: _window(d) and "param_norm0" not in d
+                                    and isinstance(d["count"], jax.Array), _add_param_norm0),
+))

@@ -8,6 +8,7 @@ import os
 import jax
 import numpy as np
 
+from trainers.data import checks
 from trainers.data import corpus as corpus_lib
 from trainers.data import packing as packing_lib
 from trainers.data import prepare as prepare_lib
@@ -141,6 +142,10 @@ def _check_path(corpus: str, path: str) -> None:
     if os.path.isdir(p) and (corpus == "npy" or not _has_text_file(p)):
         raise ValueError(f"data.path={path!r} is a folder with no {'text ' if corpus == 'text' else ''}files; "
                          f"corpus {corpus!r} reads {valid}")
+    if corpus == "text":  # binary data read as bytes trains without a word: refuse it here
+        checks.check_text_file(p) if os.path.isfile(p) else checks.check_text_files(p, corpus_lib.text_files(p))
+    elif os.path.isfile(p):
+        checks.check_npy_file(p)
 
 
 def _has_text_file(root: str) -> bool:

@@ -131,7 +131,8 @@ config = Config(
 task = Task(model=lambda rngs: Decoder(MODEL, rngs=rngs), loss=loss, name="decoder", config=config,
             data=lambda cfg: TokenWindows(load_corpus(cfg.data, "train"), cfg.data.seq_len),
             eval_data=lambda cfg: TokenWindows(load_corpus(cfg.data, "validation"), cfg.data.seq_len),
-            tokens_per_example=config.data.seq_len)
+            tokens_per_example=config.data.seq_len,
+            vocab_size=MODEL.vocab_size)  # each batch's inputs and targets are checked to lie in [0, 256)
 
 if __name__ == "__main__":
     meshes.simulate_cpu_devices_unless_accelerator(8)

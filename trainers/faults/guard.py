@@ -1,8 +1,10 @@
 """Loss-spike and divergence guard: detect bad steps inside the train step, act on them on the host.
 
 In the step, a replicated window ``state["guard"]`` of the last accepted losses and gradient norms
-flags a non-finite or spiking step, whose update is not applied. In the loop, :class:`Guard` logs each
-:class:`GuardEvent` and applies ``run.guard``: ``skip``, ``rollback`` or ``stop``. See docs/faults.md.
+flags a non-finite or spiking step, and :func:`check_update` a proposed update too large for the
+params (``run.max_update_ratio``, ``run.max_param_growth``); a flagged update is not applied. In the
+loop, :class:`Guard` logs each :class:`GuardEvent` and applies ``run.guard``: ``skip``, ``rollback``
+or ``stop`` (a destructive update always stops the run). See docs/faults.md.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 POLICIES = ("skip", "rollback", "stop")
-EVENT_KINDS = ("nonfinite", "loss_spike", "grad_norm_spike")
+EVENT_KINDS = ("nonfinite", "loss_spike", "grad_norm_spike", "update_ratio", "param_norm")
+UPDATE_KINDS = ("update_ratio", "param_norm")  # a destructive update: the lr or the model, not a batch
 SPLIT_PREFIX = "guard/"
 # Per-step flags the train step adds to its metrics for the guard; not logged as train metrics.
-FLAG_KEYS = ("finite", "ok", "loss_spike", "grad_norm_spike", "loss_median", "grad_norm_median")
+FLAG_KEYS = ("finite", "ok", "loss_spike", "grad_norm_spike", "loss_median", "grad_norm_median", "update_ratio_high",
+             "param_norm_high", "param_norm0", "new_param_norm", "max_update_ratio", "max_param_growth")
 
 
 class DivergenceError(RuntimeError):
@@ -43,12 +47,38 @@ def validate(policy: str, spike_factor: float, spike_window: int) -> None:
         raise ValueError(f"run.spike_window must be an integer >= 1, got {spike_window!r}")
 
 
+def validate_update_limits(max_update_ratio: float, max_param_growth: float) -> None:
+    """Raise ValueError naming ``run.max_update_ratio`` / ``run.max_param_growth`` unless each is 0 (off) or valid."""
+    for key, value, least in (("run.max_update_ratio", max_update_ratio, 0.0), ("run.max_param_growth", max_param_growth, 1.0)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            value == 0 or (math.isfinite(value) and value > least)
+        ):
+            raise ValueError(f"{key} must be 0 (check off) or a finite number > {least:g}, got {value!r}")
+
+
 # --------------------------------------------------------------------------------- device side
 def init_state(window: int) -> dict[str, jax.Array]:
     """An empty window: ``{"loss": nan[W], "grad_norm": nan[W], "count": 0}``."""
     validate("skip", 0.0, window)
     empty = jnp.full((window,), jnp.nan, jnp.float32)
-    return {"loss": empty, "grad_norm": empty, "count": jnp.zeros((), jnp.int32)}
+    return {"loss": empty, "grad_norm": empty, "count": jnp.zeros((), jnp.int32),
+            "param_norm0": jnp.full((), jnp.nan, jnp.float32)}  # the param norm before the first accepted update
+
+
+def check_update(guard_state: dict[str, jax.Array] | None, update_norm: jax.Array, param_norm: jax.Array,
+                 new_param_norm: jax.Array, max_update_ratio: float, max_param_growth: float) -> dict[str, jax.Array]:
+    """Flags of one step's proposed update (traced), before it is applied: ``update_ratio_high`` when
+    ``|update| > max_update_ratio x |params|``, ``param_norm_high`` when ``new_param_norm`` (the train
+    step passes the bound ``|params| + |update|``) is not finite or above ``max_param_growth x`` the
+    params' norm before the first update (0 turns a check off)."""
+    ratio = update_norm / jnp.maximum(param_norm, jnp.finfo(jnp.float32).tiny)
+    high = ~jnp.isfinite(update_norm) | ((param_norm > 0) & (ratio > max_update_ratio)) if max_update_ratio > 0 \
+        else jnp.zeros((), bool)
+    ref = guard_state["param_norm0"] if guard_state is not None and "param_norm0" in guard_state else jnp.float32(jnp.nan)
+    grown = (jnp.isfinite(ref) & (new_param_norm > max_param_growth * ref)) if max_param_growth > 0 else jnp.zeros((), bool)
+    return {"update_ratio": ratio, "param_norm": param_norm, "new_param_norm": new_param_norm, "update_ratio_high": high,
+            "param_norm_high": ~jnp.isfinite(new_param_norm) | grown, "param_norm0": ref,
+            "max_update_ratio": jnp.float32(max_update_ratio), "max_param_growth": jnp.float32(max_param_growth)}
 
 
 def check(guard_state: dict[str, jax.Array], loss: jax.Array, grad_norm: jax.Array, spike_factor: float) -> dict[str, jax.Array]:
@@ -76,16 +106,23 @@ def check(guard_state: dict[str, jax.Array], loss: jax.Array, grad_norm: jax.Arr
     }
 
 
-def update(guard_state: dict[str, jax.Array], loss: jax.Array, grad_norm: jax.Array, accepted: jax.Array) -> dict[str, jax.Array]:
-    """The window after this step (traced): accepted values enter the ring buffer, others do not."""
+def update(guard_state: dict[str, jax.Array], loss: jax.Array, grad_norm: jax.Array, accepted: jax.Array,
+           param_norm: jax.Array | None = None) -> dict[str, jax.Array]:
+    """The window after this step (traced): accepted values enter the ring buffer, others do not; the
+    first accepted step's ``param_norm`` (before its update) becomes the reference of ``max_param_growth``."""
     window = guard_state["loss"].shape[0]
     i = guard_state["count"] % window
     put = lambda buf, v: jnp.where(accepted, buf.at[i].set(v.astype(jnp.float32)), buf)
-    return {
+    out = {
         "loss": put(guard_state["loss"], loss),
         "grad_norm": put(guard_state["grad_norm"], grad_norm),
         "count": guard_state["count"] + accepted.astype(jnp.int32),
     }
+    if "param_norm0" in guard_state:
+        ref = guard_state["param_norm0"]
+        out["param_norm0"] = ref if param_norm is None else \
+            jnp.where(jnp.isnan(ref) & accepted, param_norm.astype(jnp.float32), ref)
+    return out
 
 
 # --------------------------------------------------------------------------------- host side
@@ -101,6 +138,14 @@ class GuardEvent:
     median: float
 
     def describe(self) -> str:
+        if self.kind == "update_ratio":
+            return (f"step {self.step} (batch {self.data_index}): the update would move the params by {self.value:.3g} "
+                    f"times their norm (limit run.max_update_ratio={self.threshold:.3g}); it was not applied. The "
+                    "learning rate is far too large for this model (lr.peak_lr), or the optimizer state is broken")
+        if self.kind == "param_norm":
+            return (f"step {self.step} (batch {self.data_index}): the params after this update could have norm "
+                    f"{self.value:.6g} (|params| + |update|), above the limit {self.threshold:.6g} (run.max_param_growth x their norm "
+                    f"{self.median:.6g} before the first update; non-finite counts too); it was not applied")
         what = "loss or gradient norm is not finite" if self.kind == "nonfinite" else self.kind.replace("_", " ")
         return (f"step {self.step} (batch {self.data_index}): {what}: value {self.value:.6g}, "
                 f"threshold {self.threshold:.6g}, running median {self.median:.6g}")
@@ -111,14 +156,34 @@ def events_of(step: int, data_index: int, flags: dict[str, Any], spike_factor: f
     if bool(flags.get("ok", flags["finite"])):
         return []
     loss, gn = float(flags["loss"]), float(flags["grad_norm"])
-    if not bool(flags["finite"]):
+    if not math.isfinite(loss) or not math.isfinite(gn):
         value = loss if not math.isfinite(loss) else gn
         return [GuardEvent(step, data_index, "nonfinite", value, math.nan, float(flags.get("loss_median", math.nan)))]
     events = []
+    if bool(flags.get("update_ratio_high", False)):
+        events.append(GuardEvent(step, data_index, "update_ratio", float(flags["update_ratio"]),
+                                 float(flags["max_update_ratio"]), math.nan))
+    if bool(flags.get("param_norm_high", False)):
+        ref = float(flags["param_norm0"])
+        events.append(GuardEvent(step, data_index, "param_norm", float(flags["new_param_norm"]),
+                                 float(flags["max_param_growth"]) * ref, ref))
     for kind, value, median in (("loss_spike", loss, flags["loss_median"]), ("grad_norm_spike", gn, flags["grad_norm_median"])):
         if bool(flags[kind]):
             events.append(GuardEvent(step, data_index, kind, value, spike_factor * float(median), float(median)))
     return events
+
+
+def peek_bad(pending: Sequence[tuple[int, int, dict[str, Any]]], lag: int = 2) -> bool:
+    """Whether the step ``lag`` steps back among the loop's unfetched ``(step, batch, metrics)`` was bad,
+    read only if its flag is already computed (no stall): the guard then acts within ``lag + 1`` steps
+    rather than at the next log step. One process only (processes must fetch at the same steps)."""
+    if len(pending) <= lag or jax.process_count() > 1:
+        return False
+    metrics = pending[-1 - lag][2]
+    ok = metrics.get("ok", metrics.get("finite"))
+    if ok is None or not getattr(ok, "is_ready", lambda: True)():
+        return False
+    return not bool(np.all(jax.device_get(ok)))
 
 
 class Guard:
@@ -150,6 +215,10 @@ class Guard:
             self.events.append(event)
             self._record(event)
         first = events[0]
+        update = next((e for e in events if e.kind in UPDATE_KINDS), None)
+        if update is not None:  # not a bad batch: skipping or rolling back would meet it again
+            raise DivergenceError(f"run.guard={self.policy!r} stopped the run: {update.describe()}; the params are "
+                                  f"those of step {step - 1}; last good checkpoint: {list(last_checkpoint()) or 'none'}")
         if self.policy == "stop":
             raise DivergenceError(f"run.guard='stop': {first.describe()}; last good checkpoint: {list(last_checkpoint()) or 'none'}")
         if self.policy == "skip" and self.streak >= self.max_bad_steps:
@@ -205,7 +274,10 @@ def window_to_json(guard_state: dict[str, Any]) -> dict[str, Any]:
     """The window as JSON data (NaN as null) for the checkpoint's data item."""
     host = jax.device_get(guard_state)
     as_list = lambda a: [None if not math.isfinite(float(v)) else float(v) for v in np.asarray(a)]
-    return {"loss": as_list(host["loss"]), "grad_norm": as_list(host["grad_norm"]), "count": int(host["count"])}
+    out = {"loss": as_list(host["loss"]), "grad_norm": as_list(host["grad_norm"]), "count": int(host["count"])}
+    if "param_norm0" in host:
+        out["param_norm0"] = as_list(np.reshape(host["param_norm0"], (1,)))[0]
+    return out
 
 
 def window_from_json(data: dict[str, Any] | None, window: int, mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
@@ -229,7 +301,9 @@ def window_from_json(data: dict[str, Any] | None, window: int, mesh: jax.shardin
             keep = order[-window:]
             loss[: len(keep)], grad_norm[: len(keep)], count = old_loss[keep], old_gn[keep], len(keep)
     rep_ = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    host = {"loss": loss, "grad_norm": grad_norm, "count": np.asarray(count, np.int32)}
+    ref = (data or {}).get("param_norm0")  # absent in windows saved before the update checks
+    host = {"loss": loss, "grad_norm": grad_norm, "count": np.asarray(count, np.int32),
+            "param_norm0": np.asarray(np.nan if ref is None else ref, np.float32)}
     # from a callback, not device_put: with many processes device_put compares values across them, and NaN != NaN
     return jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, rep_, lambda index: a[index]), host)
 

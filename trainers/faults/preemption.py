@@ -1,7 +1,7 @@
 """Preemption: turn SIGTERM/SIGINT into "finish this step, checkpoint it, exit cleanly".
 
-:class:`PreemptionWatcher` installs handlers for a ``with`` block; every process agrees on the
-step to stop at. :func:`barrier` is a bounded wait for all processes. See docs/faults.md.
+:class:`PreemptionWatcher` installs handlers for a ``with`` block (a signal ignored when it starts,
+as SIGINT in a background job, stays ignored); every process agrees on the step to stop at. :func:`barrier` is a bounded wait for all processes. See docs/faults.md.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ class PreemptionWatcher:
         self.reason: str | None = None
         self._previous: dict[signal.Signals, Any] = {}
         self._agreed = False
+        self._warned = False  # a second Ctrl-C during the stop's save was answered with a warning
 
     # ------------------------------------------------------------------ handlers
     def __enter__(self) -> PreemptionWatcher:
@@ -43,6 +44,8 @@ class PreemptionWatcher:
             log.warning("not in the main thread: signal handlers not installed; only request() can stop the run")
             return self
         for sig in self.signals:
+            if signal.getsignal(sig) is signal.SIG_IGN:  # ignored when we started (a background job, nohup): stays so
+                continue
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -54,6 +57,11 @@ class PreemptionWatcher:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.reason is not None and signum == signal.SIGINT:
+            if self._agreed and not self._warned:  # the stop's checkpoint is being written: keep it unless insisted
+                self._warned = True
+                log.warning("Ctrl-C: still writing the checkpoint of the step the run stops at; Ctrl-C once more "
+                            "abandons it (the older checkpoints stay)")
+                return
             raise KeyboardInterrupt(f"second {name} while stopping")
         if self.reason is None:
             self.reason = name

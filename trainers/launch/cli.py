@@ -24,7 +24,7 @@ from importlib import metadata
 EXIT_OK = 0  # the run finished (or --print-config / a dry run that fits)
 EXIT_INTERNAL = 1  # an unexpected error: a bug; rerun with --debug for the traceback
 EXIT_USAGE = 2  # a user error: bad flag, config, mesh, data path, checkpoint mismatch (the message names it)
-EXIT_DIVERGED = 3  # run.guard stopped the run: loss or grad norm not finite or spiking (see metrics.jsonl)
+EXIT_DIVERGED = 3  # run.guard stopped the run: loss or grad norm not finite or spiking, or a destructive update
 EXIT_COORDINATOR = 75  # peers or the coordinator never came (meshes.distributed.INIT_TIMEOUT_EXIT_CODE)
 EXIT_PREEMPTED = 76  # stopped by SIGTERM / SIGINT after saving a checkpoint: run the same command to resume
 EXIT_INTERRUPTED = 130  # Ctrl-C before there was anything to save
@@ -56,6 +56,19 @@ def _version() -> str:
            f"{v('orbax-checkpoint')}, python {sys.version.split()[0]})"
 
 
+def _count(least: int):
+    """An argparse type: an integer >= ``least``, else a message naming the value and what is valid."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} is not allowed: give an integer >= {least}")
+        return value
+    return parse
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="spmd-train", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 description="Train a recipe or a task on this host's (or every host's) devices.")
@@ -74,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                    "expert-parallel dp_ep, fsdp_ep, fsdp_tp_ep (every set splits the length over seq)")
     p.add_argument("--steps", type=int, help="shorthand for --set run.steps=N, N >= 1 (the LR schedule ends with the run)")
     p.add_argument("--run-dir", help="shorthand for --set run.run_dir=DIR")
-    p.add_argument("--simulate-devices", type=int, default=0, metavar="N",
+    p.add_argument("--simulate-devices", type=_count(0), default=0, metavar="N",
                    help="run on N simulated CPU devices (laptops, CI); 0 = the real devices")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--debug", action="store_true",
@@ -82,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true",
                    help="compile the train step for --devices devices (abstract state, nothing allocated), print "
                         "memory, collectives and a roofline step time for --hardware, and exit")
-    p.add_argument("--devices", type=int, metavar="N", help="device count of the dry run (default: this backend's)")
+    p.add_argument("--devices", type=_count(1), metavar="N", help="device count of the dry run (default: this backend's)")
     p.add_argument("--hardware", default="h100", help="dry-run target: h100, h200, a100, tpu-v4, tpu-v5e, tpu-v5p, cpu")
     p.add_argument("--coordinator", metavar="HOST:PORT",
                    help="process 0's address for a multi-host run (default: $SPMD_COORDINATOR or cluster detection)")
@@ -99,7 +112,7 @@ def _error(message: object, code: int = EXIT_USAGE) -> int:
 
 
 _interrupted = threading.Event()  # Ctrl-C was pressed before the run's PreemptionWatcher took over
-INTERRUPT_GRACE_S = 10.0  # after a first Ctrl-C the process is gone within this, whatever it was doing
+INTERRUPT_GRACE_S = 1.0  # after a first Ctrl-C the process is gone within this, whatever it was doing
 
 
 def _interrupt_once(signum, frame) -> None:
@@ -111,6 +124,25 @@ def _interrupt_once(signum, frame) -> None:
     timer.daemon = True
     timer.start()
     raise KeyboardInterrupt
+
+
+def _watch_native_code() -> None:
+    """Start the grace timer from a thread when Ctrl-C arrives while the main thread is inside C code
+    (XLA making devices, a compile), where the Python handler cannot run until it returns: the C-level
+    handler writes the signal to a wakeup pipe at once, and this thread reads it. While the run's
+    PreemptionWatcher owns SIGINT (training: stop at the step, save, exit 76) it does nothing."""
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while True:
+            if signal.SIGINT in os.read(read, 64) and signal.getsignal(signal.SIGINT) in (_interrupt_once, signal.SIG_DFL):
+                timer = threading.Timer(INTERRUPT_GRACE_S, _exit_now, (EXIT_INTERRUPTED, True))
+                timer.daemon = True
+                timer.start()
+
+    threading.Thread(target=watch, name="ctrl-c-watch", daemon=True).start()
 
 
 def _exit_now(code: int, say: bool = False) -> None:
@@ -130,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = args.debug or os.environ.get("SPMD_DEBUG", "") not in ("", "0")
     if argv is None and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _interrupt_once)  # the run's PreemptionWatcher takes over while it trains
+        _watch_native_code()
     try:
         # imported after parsing: --help and --version answer without starting jax
         from meshes import MeshError
@@ -146,11 +179,16 @@ def main(argv: list[str] | None = None) -> int:
             return _report(e, EXIT_COORDINATOR, debug)
         except MeshError as e:
             return _report(e, EXIT_USAGE, debug, _mesh_hint(str(e), args))
-        except (ValueError, OSError, ConsistencyError, NoUsableCheckpointError) as e:
+        except OSError as e:
+            return _report(e, EXIT_USAGE, debug, _path_hint(e, args))
+        except (ValueError, ConsistencyError, NoUsableCheckpointError) as e:
             return _report(e, EXIT_USAGE, debug)
         except Exception as e:  # a bug: say so, briefly, and how to see more
             if _interrupted.is_set():  # e.g. an import that Ctrl-C broke half-way
                 raise KeyboardInterrupt from e
+            if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():  # the config's, not a bug
+                return _report(e, EXIT_USAGE, debug, _oom_hint(args), text="out of device memory: "
+                               + next((line for line in str(e).splitlines() if line.strip()), type(e).__name__))
             if debug:
                 traceback.print_exc()
             return _error(f"internal error: {type(e).__name__}: {e}"
@@ -164,10 +202,34 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
-def _report(e: BaseException, code: int, debug: bool, hint: str = "") -> int:
+def _report(e: BaseException, code: int, debug: bool, hint: str = "", text: str = "") -> int:
     if debug:
         traceback.print_exc()
-    return _error((str(e).strip() or type(e).__name__) + hint, code)
+    if not text and isinstance(e, OSError) and e.filename:  # raw "[Errno 30] ...": say which path and which key
+        text = f"cannot use {e.filename!r}: {e.strerror or e}"
+    return _error((text or str(e).strip() or type(e).__name__) + hint, code)
+
+
+def _path_hint(e: OSError, args: argparse.Namespace) -> str:
+    """Which config key a path in an OS error comes from: the run directory's, or the others that name paths."""
+    if not e.filename:
+        return ""
+    path = os.path.abspath(os.fspath(e.filename))
+    run_dir = os.path.abspath(args.run_dir) if args.run_dir else None
+    if (run_dir and path.startswith(run_dir)) or (not run_dir and f"{os.sep}runs{os.sep}" in path + os.sep):
+        return ("\n  (the run writes under run.run_dir, set with --run-dir, and checkpoints under checkpoint.directory; "
+                "give a directory this user can write)")
+    return ("\n  (paths come from data.path, data.tokenizer, --config, run.run_dir / --run-dir, checkpoint.directory "
+            "and checkpoint.init_from)")
+
+
+def _oom_hint(args: argparse.Namespace) -> str:
+    """Where the memory estimate is and the changes that lower it, as flags of this command."""
+    devices = args.simulate_devices or "N"
+    return (f"\n  estimate per-device memory first: spmd-train {args.target} --dry-run --devices {devices} --hardware H "
+            f"(the same flags); spmd-plan {args.target} --devices {devices} --hardware H lists layouts that fit\n"
+            "  what lowers it: --set model.remat_policy=full (recompute activations), a larger fsdp axis "
+            "(--mesh fsdp=-1), a smaller data.global_batch or run.grad_accum > 1")
 
 
 def _mesh_hint(message: str, args: argparse.Namespace) -> str:

@@ -12,9 +12,11 @@ import meshes
 from trainers.config import Config, RunConfig, config_file_overrides, override
 from trainers.launch.cli import EXIT_INTERNAL, EXIT_OK, EXIT_PREEMPTED
 from trainers.loop import train
+from trainers.planning import oom
 from trainers.planning.dryrun import dry_run
+from trainers.planning.fresh_process import check_simulated
 from trainers.recipes import RECIPES, recipe, tiny_run
-from trainers.task import load_task
+from trainers.task import UserCodeError, load_task
 
 
 def is_task_target(target: str) -> bool:
@@ -27,6 +29,8 @@ def load_target(target: str):
     what was given and what is valid otherwise)."""
     try:
         return load_task(target)
+    except UserCodeError:  # the task's own code failed: its message says where
+        raise
     except ValueError as e:
         raise ValueError(f"{e} (TARGET is a recipe, one of {', '.join(RECIPES)}, or a task as package.module:attribute "
                          "naming a trainers.Task or a function returning one)") from None
@@ -76,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
         if is_task:
             devices = args.devices or args.simulate_devices
             if args.dry_run and devices and not meshes.backend_started():
+                check_simulated(devices)
+            if args.dry_run and devices and not meshes.backend_started():
                 meshes.simulate_cpu_devices(devices)  # what dry_run does itself, before the task's module can start jax
             task = load_target(args.target)
         cfg = build_config(args, task)
@@ -97,7 +103,15 @@ def run(args: argparse.Namespace) -> int:
     if is_task:  # imported only now: its module may start jax
         task = load_target(args.target)
         cfg = build_config(args, task)
-    result = train(cfg, task)
+    try:
+        result = train(cfg, task)
+    except Exception as e:  # out of memory is the config's: say by how much and what fits
+        if task is not None or not oom.is_oom(e):
+            raise
+        import jax
+
+        raise oom.OutOfMemoryError(oom.explain(cfg, jax.device_count(), jax.devices()[0].device_kind, e,
+                                               target=args.target)) from e
     if result.eval_losses:
         first, last = min(result.eval_losses), max(result.eval_losses)
         print(f"eval loss {result.eval_losses[first]:.3f} (step {first}) -> {result.eval_losses[last]:.3f} (step {last}); "

@@ -176,8 +176,10 @@ def launch(
         for r in readers:
             r.join(timeout=5)
     if status is None or status == -1:
-        failed = [_status(p.returncode) for p in procs if p.returncode != 0]
-        status = failed[0] if failed else 0
+        failed = [(i, _status(p.returncode)) for i, p in enumerate(procs) if p.returncode != 0]
+        if failed and status is None:  # every process ended before a failure was seen: say which failed
+            out.write("spmd-launch: " + "; ".join(f"process {i} exited with status {s}" for i, s in failed) + "\n")
+        status = failed[0][1] if failed else 0
     return status
 
 

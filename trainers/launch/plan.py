@@ -14,6 +14,7 @@ import sys
 from spmd.models import param_count
 from trainers.config import override
 from trainers.launch.command import base_config, is_task_target, load_target
+from trainers.planning.fresh_process import MAX_SIMULATED_DEVICES
 from trainers.planning.planner import plan
 from trainers.planning.profile import profile_task
 from trainers.recipes import RECIPES
@@ -39,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"spmd-plan: error: --top must be >= 1, got {args.top}", file=sys.stderr)
         return 2
     is_task = is_task_target(args.target)
+    if args.devices > MAX_SIMULATED_DEVICES and not args.no_compile:  # compiling would simulate them all: rank only
+        print(f"spmd-plan: {args.devices} devices are more than the {MAX_SIMULATED_DEVICES} a compile check simulates; "
+              "ranking analytically (as --no-compile)", file=sys.stderr)
+        args.no_compile = True
     try:
         task = load_target(args.target) if is_task else None
         cfg = override(base_config(args.target, task, tiny=args.tiny), args.overrides)

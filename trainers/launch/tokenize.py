@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     # imported after parsing: --help answers without starting jax
+    from trainers.data import checks
+    from trainers.data import corpus as corpus_lib
     from trainers.data import prepare as prepare_lib
 
     try:
@@ -61,6 +63,12 @@ def main(argv: list[str] | None = None) -> int:
             kw["suffixes"] = tuple(s.strip() for s in args.suffixes.split(",") if s.strip())
             if not kw["suffixes"]:
                 raise ValueError(f"--suffixes={args.suffixes!r} names no file endings; give e.g. .txt,.md")
+        source = os.path.expanduser(args.source)
+        if os.path.isfile(source):  # binary input is refused, not encoded
+            checks.check_text_file(source, key="SOURCE")
+        elif os.path.isdir(source):
+            checks.check_text_files(source, corpus_lib.text_files(source, kw.get("suffixes", corpus_lib.TEXT_SUFFIXES)),
+                                    key="SOURCE")
         metas = prepare_lib.prepare(args.source, args.tokenizer, args.out, validation_fraction=args.validation_fraction,
                                     separator=args.separator, progress=args.progress, **kw)
     except (ValueError, OSError) as e:

@@ -19,7 +19,7 @@ import meshes
 from trainers.config import Config
 from trainers.hardware import Hardware, get_hardware
 from trainers.planning.dryrun import dry_run
-from trainers.planning.fresh_process import call_with_devices, import_root
+from trainers.planning.fresh_process import call_with_devices, check_simulated, import_root
 from trainers.planning.report import DryRunReport
 from trainers.task import Task
 
@@ -31,6 +31,8 @@ def compile_layouts(cfg: Config, layouts: Sequence, devices: int, hardware: str 
     configs = [layout.apply(cfg) for layout in layouts]
     if not configs:
         return []
+    if not (meshes.backend_started() and jax.device_count() == devices):  # simulated: bounded
+        check_simulated(devices, "compiling the picks")
     if not meshes.backend_started():
         meshes.simulate_cpu_devices(devices)
     if jax.device_count() == devices:

@@ -23,7 +23,7 @@ from trainers.lr import make_lr_schedule
 from trainers.optim import make_optimizer
 from trainers.planning.costs import Traffic, layout_costs, layout_roofline, rows_per_device
 from trainers.planning.diagnose import capture_stderr, check_activation_split, check_collectives, parse_remat_warnings
-from trainers.planning.fresh_process import call_with_devices, import_root
+from trainers.planning.fresh_process import call_with_devices, check_simulated, import_root
 from trainers.planning.profile import abstract_batch, profile_task
 from trainers.planning.report import DryRunReport, is_cpu_target
 from trainers.planning.traffic import pipeline_schedule
@@ -49,6 +49,8 @@ def dry_run(cfg: Config, task: Task | str | None = None, *, devices: int | None 
     if devices is None:
         devices = jax.device_count()
     cfg.mesh.sizes(devices)  # bad mesh sizes fail here, before any subprocess
+    if not (meshes.backend_started() and jax.device_count() == devices):  # simulated: bounded
+        check_simulated(devices)
     if not meshes.backend_started():
         meshes.simulate_cpu_devices(devices)
     if jax.device_count() != devices:
