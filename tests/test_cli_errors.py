@@ -131,7 +131,8 @@ def test_print_config_is_a_config_file(capsys, tmp_path):
     """--print-config writes what --config reads (JSON, and the same as YAML); --set still overrides it."""
     import yaml
 
-    from trainers.config import Config, config_file_overrides, override
+    from trainers.config import Config, override
+    from trainers.config_files import config_file_overrides
     from trainers.recipes import recipe
 
     (tmp_path / "run.json").write_text(_printed(capsys, "gpt-small", "--set", "lr.peak_lr=0.002"))

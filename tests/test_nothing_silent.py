@@ -216,7 +216,7 @@ def test_the_main_job_with_a_destructive_learning_rate_stops_naming_the_cause(tm
 
 # ----------------------------------------------------------------------------- unclear messages made clear
 def test_malformed_config_files_name_line_and_column(tmp_path):
-    from trainers.config import config_file_overrides
+    from trainers.config_files import config_file_overrides
 
     (tmp_path / "bad.yaml").write_text("run:\n  steps: 3\n  name: [a\nlr:\n  x: 1\n")
     (tmp_path / "bad.json").write_text('{"run": {"steps": 3,}}')

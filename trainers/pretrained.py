@@ -29,7 +29,8 @@ from spmd.models import GPT, GPTConfig
 from spmd.sharding import abstract_module, path_str
 from spmd.variables import init_model
 from trainers.checkpoint import Checkpointer
-from trainers.config import Config, config_file_overrides, override
+from trainers.config import Config, override
+from trainers.config_files import config_file_overrides
 from trainers.logger import CONFIG_FILE
 
 HF = "hf:"

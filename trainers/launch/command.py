@@ -9,7 +9,8 @@ import dataclasses
 import json
 
 import meshes
-from trainers.config import Config, RunConfig, config_file_overrides, override
+from trainers.config import Config, RunConfig, override
+from trainers.config_files import config_file_overrides
 from trainers.launch.cli import EXIT_INTERNAL, EXIT_OK, EXIT_PREEMPTED
 from trainers.loop import train
 from trainers.planning import oom
