@@ -72,6 +72,14 @@ class ScalarWriter:
         self._writer.write_event(Event(step=int(step), wall_time=time.time(), summary=summary))
         self._writer.flush()
 
+    def add_text(self, tag: str, text: str, global_step: int) -> None:
+        """A text entry (TensorBoard's text tab), flushed to disk."""
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.summary import text as text_summary
+
+        self._writer.write_event(Event(step=int(global_step), wall_time=time.time(), summary=text_summary(tag, text)))
+        self._writer.flush()
+
     def flush(self) -> None:
         self._writer.flush()
 

@@ -61,9 +61,11 @@ class Task:
         if self.config is not None and not isinstance(self.config, Config):
             raise TypeError(f"Task.config must be a trainers.Config, got {type(self.config).__name__}")
 
-    def train_source(self, cfg: Config) -> Any:
+    def train_source(self, cfg: Config, *, check: bool = True) -> Any:
+        """The train data for ``cfg``; ``check=False`` (the dry run reads one example) skips the check that
+        it holds at least one global batch of examples."""
         source = _build(self.data, cfg)
-        if hasattr(source, "__len__") and hasattr(source, "__getitem__"):  # examples the loader batches
+        if check and hasattr(source, "__len__") and hasattr(source, "__getitem__"):  # examples the loader batches
             check_examples(len(source), cfg.data.global_batch, what=f"task {self.name!r}'s data")
         return source
 
