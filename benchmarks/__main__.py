@@ -13,8 +13,8 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 
-from benchmarks import (attention, calibration, checkpoint, comms, common, context, gpu, guard, interchange, local_sgd, loss,
-                        memory, mfu, overhead, packing, pipeline, remat, scaling, steptime)
+from benchmarks import (attention, calibration, checkpoint, comms, common, context, decode_gpu, gpu, guard, interchange,
+                        local_sgd, loss, memory, mfu, overhead, packing, pipeline, remat, scaling, steptime)
 
 BENCHMARKS: dict[str, Callable[..., int]] = {
     "overhead": overhead.main,
@@ -35,6 +35,7 @@ BENCHMARKS: dict[str, Callable[..., int]] = {
     "calibration": calibration.main,
     "packing": packing.main,
     "interchange": interchange.main,
+    "decode_gpu": decode_gpu.main,
 }
 assert tuple(BENCHMARKS) == common.ORDER
 
