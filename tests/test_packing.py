@@ -18,7 +18,8 @@ from spmd.models.segments import document_positions, skipped_fraction
 from trainers.state import create_state
 from trainers.step import lm_loss_fn, make_train_step, normalize_weights
 
-CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, attention_block=4)
+CFG = GPTConfig(vocab_size=256,  # 64 trips an XLA partitioner check on data x fsdp x tensor under jax 0.12
+                 d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, attention_block=4)
 L, ROWS = 32, 16
 TOL = 1e-5
 ROW_OF: list[int] = []  # the row each document of corpus() was packed into
