@@ -45,6 +45,9 @@ STEPS = 2
 # (loss, parameter update). bf16: the weight-gradient dots round their per-device, per-microbatch partial sums
 # to bf16 before the f32 reduction, and partials cancel: 8 devices x 2 microbatches measured 1.1e-2 (docs/compose.md)
 TOL = {"float32": (1e-5, 1e-5), "bfloat16": (1e-3, 2e-2)}
+# bf16 MoE: a layout's other rounding can flip the top-k choice of a nearly tied token, and a flipped token
+# takes another expert's gradient: measured 2.1e-2 and 5.8e-2 (the same cells in f32: 3.8e-6)
+MOE_BF16_UPDATE = 1e-1
 
 
 PIPES, SEQS = ("pipe_1f1b", "pipe_zb"), ("seq_ring", "seq_allgather")
@@ -198,6 +201,8 @@ def run_cell(cell: dict, reference, workdir: str) -> Outcome:
         return Outcome(cell, "crashed", f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
     losses, p0, p1 = reference
     tol_loss, tol_update = TOL[cell["dtype"]]
+    if cell["model"] == "moe" and cell["dtype"] == "bfloat16":
+        tol_update = MOE_BF16_UPDATE
     loss_err = max(abs(result.losses[s] - losses[s]) / max(abs(losses[s]), 1e-30) for s in losses)
     update = np.sqrt(sum(float(np.sum((a.astype(np.float64) - b) ** 2)) for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p0))))
     diff = np.sqrt(sum(float(np.sum((a.astype(np.float64) - b) ** 2))
