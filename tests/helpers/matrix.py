@@ -68,6 +68,12 @@ def refused(cell: dict) -> bool:
     return bool(pairs_of(cell) & REFUSED)
 
 
+def regroups(cell: dict) -> bool:
+    """Local SGD resumed on a mesh with another ``data`` size: another number of replica groups, refused."""
+    data = dict(a.split("=") for a in LAYOUTS[cell["layout"]][0].removeprefix("mesh.axes=").split(",")).get("data", "1")
+    return cell["local_sgd"] == 1 and cell["resume"] == "other_mesh" and data != RESUME_MESH[0].split("data=")[1][0]
+
+
 def pairs_of(cell: dict) -> set:
     items = sorted(cell.items())
     return {(a, b) for a, b in itertools.combinations(items, 2)}
@@ -120,7 +126,7 @@ class Outcome:
 
     @property
     def ok(self) -> bool:
-        if refused(self.cell):
+        if refused(self.cell) or regroups(self.cell):
             return self.status == "refused" and names_both(self.cell, self.detail)
         return self.status == "equal"
 
@@ -267,6 +273,7 @@ The combinations refused today, and why:
   (`jax.vmap(..., spmd_axis_name="data")`); the pipeline's and the K/V exchange's `shard_map` s are not
   mapped over groups yet;
 - local SGD on a mesh without a `data` axis of size >= 2 (`fsdp=8`): there are no replica groups;
+- a local-SGD checkpoint resumed on a mesh with another `data` size: the groups' states do not regroup;
 - MoE blocks under a pipeline: the expert dispatch is a `shard_map` of its own, not yet nested in the
   pipeline's per-tick branches;
 - a user task under a pipeline: its loss must run its `spmd.Stack` through
