@@ -182,6 +182,10 @@ class Config:
         if self.pipeline.enabled:
             raise ValueError(f"local_sgd.every={every} cannot run with pipeline.schedule={self.pipeline.schedule!r}: "
                              "the pipeline's shard_map is not mapped over replica groups; use one or the other")
+        if self.model.n_experts:
+            raise ValueError(f"local_sgd.every={every} cannot run with MoE blocks (model.n_experts="
+                             f"{self.model.n_experts}): the expert dispatch is a shard_map that is not mapped over "
+                             "replica groups yet; set model.n_experts=0 or local_sgd.every=0")
         seq = dict(self.mesh.spec.ici).get("seq", 1) * dict(self.mesh.spec.dcn).get("seq", 1)
         if seq != 1:
             raise ValueError(f"local_sgd.every={every} cannot run with context parallelism (mesh seq={seq}): the "
