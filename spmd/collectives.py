@@ -84,13 +84,12 @@ def varying_like(x: jax.Array, *like: jax.Array) -> jax.Array:
     carry's type changes and the loop is refused. Starting the carry with its final type avoids that.
     Outside ``shard_map`` (no manual axes), or when ``x`` already varies as ``like``, it returns ``x``.
     """
-    missing = tuple(sorted(set().union(*map(_vma, like)) - set(_vma(x))))
+    missing = tuple(sorted(set().union(*(varying_axes(jax.typeof(a)) for a in like)) - varying_axes(jax.typeof(x))))
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
-def _vma(x: jax.Array) -> frozenset:
-    """The manual axes ``x`` varies over (jax >= 0.10 keeps them in ``manual_axis_type.varying``,
-    earlier releases in ``vma``)."""
-    aval = jax.typeof(x)
+def varying_axes(aval: jax.core.AbstractValue) -> frozenset:
+    """The manual axes an abstract value (``jax.typeof(x)``) varies over (jax >= 0.10 keeps them in
+    ``manual_axis_type.varying``, earlier releases in ``vma``); empty outside ``shard_map``."""
     manual = getattr(aval, "manual_axis_type", None)
     return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))

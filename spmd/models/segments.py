@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from spmd.collectives import varying_axes
+
 PAD_SEGMENT = -1  # the segment of positions the blockwise path pads a length with (never a packer id)
 
 
@@ -58,14 +60,9 @@ def skipping(body: Callable, needed: jax.Array, i: jax.Array) -> Callable:
     return run
 
 
-def _varying(t) -> frozenset:
-    mat = getattr(t, "manual_axis_type", None)
-    return frozenset(getattr(mat, "varying", None) or getattr(t, "vma", None) or ())
-
-
 def _vary_like(a: jax.Array, t) -> jax.Array:
     """``a`` cast to vary over the manual axes ``t`` (an output type) varies over."""
-    missing = tuple(sorted(_varying(t) - _varying(jax.typeof(a))))
+    missing = tuple(sorted(varying_axes(t) - varying_axes(jax.typeof(a))))
     return lax.pcast(a, missing, to="varying") if missing else a
 
 
