@@ -99,9 +99,14 @@ def test_train_and_validation_are_disjoint_and_eval_is_one_finite_pass(tmp_path)
     path = write_jsonl(tmp_path / "a.jsonl", n=400)
     cfg = DataConfig(corpus="jsonl", path=str(path), seq_len=L, global_batch=2, validation_fraction=0.2)
     val = packed_stream(cfg, "validation", train=False)
-    val_docs = {rid for rid, _ in val.docs.records(val.blocks[0])
-                if docs_lib.corpus_lib.split_of(rid, 0.2) == "validation"}
+    val_docs = {rid.rsplit("/", 1)[1] for rid, _ in val.docs.split_records(val.blocks[0], "validation", 0.2)}
     assert 40 < len(val_docs) < 130
+    moved = tmp_path / "elsewhere" / "deeper"  # the split does not depend on where the corpus lives
+    moved.mkdir(parents=True)
+    (moved / "a.jsonl").write_bytes(path.read_bytes())
+    for where in (moved / "a.jsonl", moved, moved / "*.jsonl"):
+        docs = docs_lib.Documents("jsonl", str(where), ("text",))
+        assert {rid.rsplit("/", 1)[1] for rid, _ in docs.split_records(docs.blocks[0], "validation", 0.2)} == val_docs
     n = sum(int(b["weights"].sum() > 0) for b in val)  # a finite pass
     assert n > 0
     assert len(list(val)) == len(list(val))  # iterating again starts over
@@ -135,6 +140,10 @@ def _bad_inputs(tmp_path):
         (dict(corpus="parquet", path=str(tmp_path / "fake.parquet")), ["fake.parquet", "not a Parquet file"]),
         (dict(corpus="jsonl", path=str(tmp_path / "none*.jsonl")), ["none*.jsonl", "matches no file"]),
         (dict(corpus="stdlib", packing="segments"), ["data.packing='segments'", "document corpus"]),
+        (dict(corpus="jsonl", path=str(tmp_path / "long.jsonl"), validation_fraction=0.99), ["long.jsonl",
+                                                                                         "no document in split"]),
+        (dict(corpus="jsonl", path=str(tmp_path / "int.jsonl").replace("int", "a"), global_batch=400),
+         ["a.jsonl", "data.global_batch=400", "at most"]),
     ]
 
 
@@ -149,7 +158,7 @@ def test_bad_inputs_are_one_message_naming_file_and_field(tmp_path):
 
 def test_cli_refuses_bad_documents_with_exit_2_and_writes_nothing(tmp_path, capsys):
     write_jsonl(tmp_path / "a.jsonl")
-    for i, (kw, needles) in enumerate(_bad_inputs(tmp_path)[:6]):
+    for i, (kw, needles) in enumerate(_bad_inputs(tmp_path)[:6] + _bad_inputs(tmp_path)[-2:]):
         run_dir = tmp_path / f"run{i}"
         sets = [a for k, v in {**kw, "seq_len": L}.items() for a in ("--set", f"data.{k}={v}")]
         code = cli.main(["gpt-small", "--tiny", "--run-dir", str(run_dir), *sets])

@@ -6,7 +6,8 @@ when the stream reaches it, so memory holds one block whatever the corpus size. 
 document: ``text_field`` (default ``"text"``), or ``fields`` (e.g. ``("prompt", "response")``)
 concatenated, every field but the last with loss weight 0; a field is text, or a list of token
 ids (pre-tokenized: used as they are). Records are split train/validation by a
-stable hash of ``file@offset`` (:func:`trainers.data.corpus.split_of`); a ``DatasetDict``, or files
+stable hash of ``file@offset``, the file relative to the corpus root, so a moved or remounted corpus
+keeps its split (:func:`trainers.data.corpus.split_of`); a ``DatasetDict``, or files
 named ``train*`` and ``validation*`` (or ``test*``), give their own splits. Bad input is a one-line ValueError
 naming the file, the record and the field. See docs/data.md.
 """
@@ -17,6 +18,7 @@ import dataclasses
 import glob
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +77,17 @@ def resolve_files(fmt: str, path: str) -> list[str]:
     return files
 
 
+def corpus_root(fmt: str, path: str) -> str:
+    """The folder record ids are relative to in the split hash: a folder itself, a file's folder, a
+    glob's folder before its first wildcard, a saved dataset's own path."""
+    p = os.path.expanduser(path)
+    if fmt == "hf" or os.path.isdir(p):
+        return p
+    if any(c in p for c in "*?["):
+        return os.path.dirname(re.split(r"[*?\[]", p, maxsplit=1)[0])
+    return os.path.dirname(p)
+
+
 class Documents:
     """The blocks of a document corpus and how to read their records (see the module docstring)."""
 
@@ -83,6 +96,7 @@ class Documents:
             raise ValueError(f"data.corpus={fmt!r} is not a document format; one of {FORMATS}")
         self.fmt, self.path, self.fields = fmt, path, tuple(fields)
         self._hf = None
+        self.root = corpus_root(fmt, path)
         if fmt == "hf":
             self.files = [path]
         else:
@@ -175,6 +189,17 @@ class Documents:
         return [b for b in self.blocks if b.file.endswith(f"#{split}")]
 
     # ------------------------------------------------------------------------------ reading
+    def split_records(self, block: Block, split: str, validation_fraction: float
+                      ) -> list[tuple[str, tuple[str, ...]]]:
+        """The records of ``block`` in ``split``: all of them unless the split is by hash, then those
+        whose id relative to the corpus root hashes into ``split``."""
+        records = self.records(block)
+        if not self.hash_split:
+            return records
+        n = len(os.path.join(self.root, "")) if self.root else 0
+        return [r for r in records if corpus_lib.split_of(r[0][n:] if r[0].startswith(self.root) else r[0],
+                                                          validation_fraction) == split]
+
     def records(self, block: Block) -> list[tuple[str, tuple[str, ...]]]:
         """``(record id, field values)`` of every record in ``block``, in file order."""
         if self.fmt == "jsonl":

@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 
 from spmd.models import segments
-from trainers.data import corpus as corpus_lib
 from trainers.data.documents import Documents, Encoder
 from trainers.data.loader import _grain_seed
 
@@ -87,9 +86,7 @@ class PackedStream:
         return docs[row :: self.global_batch] if len(self.blocks) < self.global_batch else docs
 
     def _encode(self, epoch: int, block: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        records = self.docs.records(self.blocks[block])
-        if self.docs.hash_split:
-            records = [r for r in records if corpus_lib.split_of(r[0], self.validation_fraction) == self.split]
+        records = self.docs.split_records(self.blocks[block], self.split, self.validation_fraction)
         if self.shuffle:
             records = [records[i] for i in np.random.default_rng([_grain_seed(self.seed), epoch, block]).permutation(
                 len(records))]
@@ -260,9 +257,22 @@ def packed_stream(cfg, split: str, *, train: bool = True) -> PackedStream:
 
 def check(cfg) -> None:
     """A document corpus config reads: files exist and hold the fields as text, and the first block
-    of the train split packs (fields, types, lengths); one-line ValueErrors naming file and field."""
+    of the train split that holds one of its documents packs (fields, types, lengths); one-line
+    ValueErrors naming file and field, or the split when it has no document at all."""
     stream = packed_stream(cfg, "train")
-    stream.documents(0, stream.block_order(0)[0])
+    n, rows = len(stream.blocks), cfg.global_batch
+    if n < rows:  # every row reads its own documents of every block: some block must hold one per row
+        most = max(len(stream._encode(0, b)) for b in range(n))
+        if 0 < most < rows:
+            raise ValueError(f"data.path={cfg.path!r} has {most} document(s) of split 'train' in its largest block, "
+                             f"fewer than the data.global_batch={rows} rows that each read their own; use a "
+                             f"data.global_batch of at most {most}, or more documents")
+    else:
+        most = next((1 for b in range(n) if stream._encode(0, b)), 0)  # in file order, usually the first block
+    if not most:
+        raise ValueError(f"data.path={cfg.path!r} has no document in split 'train' (data.validation_fraction="
+                         f"{cfg.validation_fraction} of the documents are held out, by a hash of where each one is); "
+                         "give more documents or a smaller data.validation_fraction")
 
 
 def per_token(results: dict[str, float]) -> dict[str, float]:

@@ -48,9 +48,7 @@ def prepare_documents(source: str, fmt: str, fields: tuple[str, ...], tokenizer:
         with pq.ParquetWriter(tmp, schema) as writer:
             for block in tqdm(docs.blocks_of(split), unit="block", desc=f"{split} {Path(source).name}",
                               disable=not progress):
-                records = docs.records(block)
-                if docs.hash_split:
-                    records = [r for r in records if corpus_lib.split_of(r[0], validation_fraction) == split]
+                records = docs.split_records(block, split, validation_fraction)
                 if not records:
                     continue
                 columns = [[] for _ in fields]
