@@ -192,11 +192,8 @@ def pipeline_rows(Ms: Sequence[int] = (4, 8, 16)) -> list[Row]:
 
 def accumulation_rows(cfg, batch: int, length: int) -> list[Row]:
     """The trainer step with k microbatches: reductions over the batch axes per step, FSDP gathers, memory."""
-    import optax
-
-    from trainers import create_state, make_train_step
-    from spmd.models import GPT
-    from flax import nnx
+    from trainers import override, recipe
+    from trainers.setup import build
 
     rows = []
     cases = [("dp8", 1, None), ("dp8", 4, None), ("fsdp8", 4, "per_microbatch"), ("fsdp8", 4, "per_step")]
@@ -204,12 +201,13 @@ def accumulation_rows(cfg, batch: int, length: int) -> list[Row]:
         what = f"{name} k={k}" + (f" fsdp_gather={mode}" if mode else "")
         try:
             mesh, rules = common.layout_mesh(name), spmd.get_rules(common.LAYOUTS[name][1])
-            tx = optax.adamw(1e-3)
-            sharded = create_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), tx, rules, mesh)
-            sharding = spmd.batch_sharding(rules, mesh)
-            kwargs = {"fsdp_gather": mode} if mode else {}
-            step = make_train_step(sharded, tx, rules, mesh, sharding, grad_accum=k, **kwargs)
-            compiled = step.lower(sharded.abstract, common.make_batch(cfg.vocab_size, batch, length, sharding)).compile()
+            run_cfg = override(recipe("gpt-small", tiny=True), [
+                f"rules={rules.name}", f"run.grad_accum={k}", f"data.global_batch={batch}", f"data.seq_len={length}",
+                f"data.vocab_size={cfg.vocab_size}", *([f"run.fsdp_gather={mode}"] if mode else [])])
+            setup = build(dataclasses.replace(run_cfg, model=cfg), mesh=mesh)  # the run's own step
+            sharded, sharding = setup.stepped, setup.batch_sharding
+            compiled = setup.train_step.lower(sharded.abstract, common.make_batch(cfg.vocab_size, batch, length,
+                                                                                  sharding)).compile()
             ops = spmd.hlo.collectives(compiled, mesh)
             w = gathered_bytes(sharded.state["params"], "fsdp", mesh)
             red = [o for o in ops if o.kind in ("all-reduce", "reduce-scatter") and set(o.axes) <= set(BATCH_AXES)]

@@ -24,23 +24,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-from flax import nnx
-
-import spmd
 from benchmarks import common
 from trainers.config import Config, override
 from trainers.launch.local import launch
 from trainers.local_sgd import data_bytes
 from trainers.logger import read_metrics
 from trainers.loop import train
-from trainers.lr import make_lr_schedule
-from trainers.optim import make_optimizer
 from trainers.recipes import recipe
-from trainers.state import create_state
-from trainers.step import make_train_step
-from trainers.task import lm_task
+from trainers.setup import build
 
 MESH = "data=2,fsdp=4"
 JSON = Path(__file__).resolve().with_name("local_sgd.json")
@@ -65,14 +56,9 @@ def config(steps: int, quick: bool, run_dir: str, every: int) -> Config:
 
 def dp_bytes_per_step(cfg: Config) -> int:
     """Bytes per device the ordinary train step sends over ``data`` (its compiled HLO; one compile)."""
-    mesh, rules, task = cfg.mesh.build(), spmd.get_rules(cfg.rules), lm_task(cfg)
-    tx = make_optimizer(cfg.optimizer, make_lr_schedule(cfg.lr, cfg.run.steps))
-    sharded = create_state(lambda: task.model(nnx.Rngs(0)), tx, rules, mesh, abstract=True)
-    bs = spmd.batch_sharding(rules, mesh, dims=("batch",))
-    step = make_train_step(sharded, tx, rules, mesh, bs, loss_fn=task.loss, donate=False)
-    shape = (cfg.data.global_batch, cfg.data.seq_len)
-    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=bs) for k in ("inputs", "targets")}
-    return data_bytes(step.lower(sharded.abstract, batch).compile(), mesh)
+    setup = build(cfg, abstract=True)  # abstract: the ordinary (data-parallel) step, also with local_sgd.every set
+    mesh, step, batch = setup.mesh, setup.train_step, setup.abstract_batch()
+    return data_bytes(step.lower(setup.stepped.abstract, batch).compile(), mesh)
 
 
 def curve(run_dir: str, per_step: int = 0) -> list[tuple[int, float, float]]:

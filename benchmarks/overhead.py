@@ -51,11 +51,11 @@ import numpy as np
 from flax import nnx
 
 import meshes
-import spmd
 from benchmarks import common
 from benchmarks.common import RESULTS, minimal_step, setup_devices
 from spmd.models import GPT
-from trainers import Config, create_state, make_optimizer, make_lr_schedule, make_train_step, recipe
+from trainers import Config, create_state, recipe
+from trainers.setup import build
 
 GOAL = 1.03
 
@@ -119,18 +119,15 @@ def _time_round(step: Callable, state: Any, batch: dict[str, jax.Array], steps: 
 
 def measure(what: str, cfg: Config, mesh: jax.sharding.Mesh, rules_name: str, settings: Settings) -> Row:
     """Build both steps for this mesh and rule set, warm them up, time them interleaved."""
-    rules = spmd.get_rules(rules_name)
-    schedule = make_lr_schedule(cfg.lr, cfg.run.steps)
-    tx = make_optimizer(cfg.optimizer, schedule)
-    seed = cfg.run.seed
+    setup = build(dataclasses.replace(cfg, rules=rules_name), mesh=mesh)  # the run's own step (trainers.setup)
+    rules, tx, seed = setup.rules, setup.tx, cfg.run.seed
 
     def make_model() -> GPT:
         return GPT(cfg.model, rngs=nnx.Rngs(seed))
 
-    sharded = create_state(make_model, tx, rules, mesh, seed=seed)
-    batch_sharding = spmd.batch_sharding(rules, mesh)
+    sharded, batch_sharding = setup.stepped, setup.batch_sharding
     batch = make_batch(cfg, batch_sharding)
-    trainer = make_train_step(sharded, tx, rules, mesh, batch_sharding, schedule=schedule)
+    trainer = setup.train_step
     trainer_state: Any = sharded.state
 
     twin = create_state(make_model, tx, rules, mesh, seed=seed)

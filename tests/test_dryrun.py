@@ -1,8 +1,8 @@
 """The dry run compiles the same step as the real run: its state bytes and collectives must match it.
 
 For three layouts of a tiny GPT on 8 simulated devices, the dry run (abstract state, nothing
-allocated) is compared with the real run's step compiled on real arrays (``create_state`` +
-``make_train_step``, as ``trainers.loop.train`` builds them): per-device state bytes within 5%
+allocated) is compared with the real run's step compiled on real arrays (both come from ``trainers.setup.build``, so this
+checks abstract against real, not two assemblies): per-device state bytes within 5%
 (the analytic formula as well as the compiled numbers), collective lists identical. Negative
 controls: two different layouts must differ in both. A pipelined layout (pipe=2, 1F1B, M=4) is
 compared the same way, and its collective-permutes over ``pipe`` against the analytic count.
@@ -17,16 +17,14 @@ import sys
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 import meshes
 import spmd
-from spmd.models import GPT
-from trainers import create_state, make_optimizer, make_lr_schedule, make_train_step, override, recipe
+from trainers import override, recipe
 from trainers.planning.dryrun import dry_run
+from trainers.setup import build
 from trainers.planning.report import DryRunReport
 from trainers.hardware import HARDWARE, Hardware, custom, get_hardware, networks, wire_factor
-from trainers.step import lm_loss_fn
 
 LAYOUTS = {"dp8": ("data=8", "dp"), "fsdp8": ("fsdp=8", "fsdp"), "dp2_tp4": ("data=2,tensor=4", "dp_tp")}
 
@@ -46,20 +44,14 @@ PIPE = ["mesh.axes=data=4,pipe=2", "rules=dp", "data.global_batch=16", "pipeline
 
 
 def real_step(cfg):
-    """The real run's step, compiled on real arrays exactly as trainers.loop.train builds it."""
-    mesh = meshes.make_mesh(meshes.MeshSpec.of(cfg.mesh.axes))
-    rules = spmd.get_rules(cfg.rules)
-    schedule = make_lr_schedule(cfg.lr, cfg.run.steps)
-    tx = make_optimizer(cfg.optimizer, schedule)
-    sharded = create_state(lambda: GPT(cfg.model, rngs=nnx.Rngs(cfg.run.seed)), tx, rules, mesh, seed=cfg.run.seed)
-    batch_sharding = spmd.batch_sharding(rules, mesh)
-    step = make_train_step(sharded, tx, rules, mesh, batch_sharding, schedule=schedule,
-                           loss_fn=lm_loss_fn(cfg.run.z_loss, cfg.pipeline))
+    """The real run's step, compiled on real arrays: trainers.setup.build, as trainers.loop.train calls it."""
+    setup = build(cfg, mesh=meshes.make_mesh(meshes.MeshSpec.of(cfg.mesh.axes)))
     tokens = np.zeros((cfg.data.global_batch, cfg.data.seq_len), np.int32)
-    batch = {k: jax.device_put(tokens, batch_sharding) for k in ("inputs", "targets")}
-    compiled = step.lower(sharded.state, batch).compile()
+    batch = {k: jax.device_put(tokens, setup.batch_sharding) for k in ("inputs", "targets")}
+    compiled = setup.train_step.lower(setup.stepped.state, batch).compile()
     batch_bytes = spmd.inspection.tree_bytes_per_device(batch)
-    return spmd.inspection.memory(compiled), batch_bytes, spmd.hlo.collectives(compiled, mesh), (compiled, mesh)
+    return (spmd.inspection.memory(compiled), batch_bytes, spmd.hlo.collectives(compiled, setup.mesh),
+            (compiled, setup.mesh))
 
 
 @pytest.fixture(scope="module")

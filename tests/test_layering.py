@@ -150,3 +150,69 @@ def test_relative_imports_resolve():
     assert imported_modules("from .layers import param\n", "spmd.models", is_package=True) == [
         (1, "spmd.models.layers")]
     assert imported_modules("from .build import make_mesh\n", "meshes.presets") == [(1, "meshes.build")]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the modules of the tree it imports (anywhere in its source), package faces left out:
+    ``from spmd.pipeline import sends`` is an edge to ``spmd.pipeline.sends``, ``import spmd`` none."""
+    files = {module_name(p): p for package in PACKAGES for p in sources(package)}
+    modules = {m for m, p in files.items() if p.name != "__init__.py"}
+    graph: dict[str, set[str]] = {}
+    for m in modules:
+        edges = set()
+        for _, name in imported_modules(files[m].read_text(), m):
+            for candidate in (name, *(name.rsplit(".", k)[0] for k in (1,))):
+                if candidate in modules and candidate != m:
+                    edges.add(candidate)
+                    break
+        graph[m] = edges
+    # ``from a.b import c`` where ``a.b.c`` is a module: the walk above saw only ``a.b``; add the module
+    for m in modules:
+        tree = ast.parse(files[m].read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                graph[m] |= {f"{node.module}.{a.name}" for a in node.names} & (modules - {m})
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``graph``: one path per strongly connected component of two or more modules."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circles():
+    """No two modules import each other, directly or through others, even from inside a function."""
+    found = cycles(import_graph())
+    assert found == [], "import circles (module groups that import each other):\n" + "\n".join(map(str, found))
+
+
+def test_the_circle_check_finds_a_circle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []

@@ -21,7 +21,6 @@ from flax import nnx
 
 import meshes
 import spmd
-from spmd.rules import RulesError
 from trainers.faults import guard as guard_lib
 from trainers import pretrained
 from trainers.blame import InternalError, TaskError, describe_batch, first_batch
@@ -32,17 +31,16 @@ from trainers.data.checks import check_batch_ids
 from trainers.data.loader import eval_batches
 from trainers.data.packing import per_token
 from trainers.faults.guard import DivergenceError, Guard, GuardEvent
-from trainers.local_sgd import LocalSGD, check_resume, groups_of, inner_rules
+from trainers.local_sgd import LocalSGD, check_resume
 from trainers.logger import RunLogger, write_config
 from trainers.metrics import StepMeter, peak_flops_per_device
-from trainers.optim import make_optimizer
 from trainers.faults.preemption import PreemptionWatcher
-from trainers.lr import make_lr_schedule
-from trainers.state import ShardedState, State, create_state
-from trainers.step import eval_view, loss_and_metrics, make_eval_step, make_train_step
-from trainers.task import Task, call_user, lm_task
+from trainers.state import ShardedState, State
+from trainers.step import eval_view, loss_and_metrics
+from trainers.task import Task, lm_task
+from trainers.setup import build
 from trainers.trace import StepProfiler
-from trainers.validate import check_batch, check_heads, name_config_key
+from trainers.validate import check_batch
 
 log = logging.getLogger(__name__)
 
@@ -209,38 +207,20 @@ def train(
     mesh = mesh or cfg.mesh.build()  # the run's one mesh; everything below takes it as an argument
     meshes.distributed.check_consistent(meshes.distributed.fingerprint(mesh, cfg.to_dict()))  # no-op on one process
     rules = spmd.get_rules(cfg.rules)
-    heads = check_heads(cfg.model, rules, dict(mesh.shape)) if task.name == "lm" else []
-    for issue in heads + check_batch(data_cfg.global_batch, run.grad_accum, rules, dict(mesh.shape)):
+    layout = task.checks(cfg, rules, dict(mesh.shape)) if task.checks is not None else []
+    for issue in layout + check_batch(data_cfg.global_batch, run.grad_accum, rules, dict(mesh.shape)):
         raise ValueError(str(issue))  # before any state is built or compiled
     is_main = jax.process_index() == 0
     changes = changes_since_last_run(cfg)  # refuses what cannot be resumed before anything is written
 
-    schedule = make_lr_schedule(cfg.lr, cfg.run.steps)
-    tx = make_optimizer(cfg.optimizer, schedule)
-    state_rules = inner_rules(rules) if cfg.local_sgd.enabled else rules  # local SGD: one replica group's rules
-    if cfg.local_sgd.enabled:
-        groups_of(mesh, cfg.local_sgd)
-    try:
-        sharded = create_state(lambda: call_user(task.model, "the task's model function", nnx.Rngs(run.seed)), tx,
-                               state_rules, mesh, seed=run.seed,
-                               path_rules=task.path_rules, pipeline=cfg.pipeline)
-    except RulesError as e:  # a dim that does not divide by its mesh axes
-        raise RulesError(name_config_key(e) if task.name == "lm" else str(e)) from None
-    stepped = guard_lib.add_window(sharded, run.spike_window, mesh)  # what the step carries: state + guard window
-    batch_sharding = spmd.batch_sharding(rules, mesh, dims=("batch",))
-    train_step = make_train_step(stepped, tx, state_rules, mesh, batch_sharding, schedule=schedule,
-                                 grad_accum=run.grad_accum, loss_fn=task.loss, spike_factor=run.spike_factor,
-                                 fsdp_gather=run.fsdp_gather, jit=not cfg.local_sgd.enabled,
-                                 max_update_ratio=run.max_update_ratio, max_param_growth=run.max_param_growth)
-    local = LocalSGD(cfg.local_sgd, stepped, train_step, mesh, batch_sharding, steps=run.steps) \
-        if cfg.local_sgd.enabled else None
+    setup = build(cfg, task, mesh)
+    sharded, stepped, local = setup.sharded, setup.stepped, setup.local
+    train_step, eval_step, batch_sharding = setup.train_step, setup.eval_step, setup.batch_sharding
     if local is not None:
-        train_step = local.train_step
         fresh = lambda params: local.start(stepped.state if params is None else {**stepped.state, "params": params})
     else:
         fresh = lambda params: sharded.state if params is None else {**sharded.state, "params": params}
     eval_source = task.eval_source(cfg) if run.eval_batches else None
-    eval_step = make_eval_step(sharded, rules, mesh, batch_sharding, loss_fn=task.loss, metrics=task.eval_metrics)
 
     train_data = _loader(task.train_source(cfg), data_cfg.global_batch, data_cfg.seed, batch_sharding)
     ckpt = Checkpointer(cfg.checkpoint.resolve_directory(run.directory), cfg.checkpoint,

@@ -186,7 +186,7 @@ def sampling_hook(cfg: Config, task: Any, sharded: Any, mesh: Mesh, rules: Any, 
     ``run.sample_prompt`` from the current parameters (``generate`` under the run's mesh and rules,
     temperature 0.8, seeded by the step), written to the log and TensorBoard's text tab."""
     every = cfg.run.sample_every
-    if not every or task.name != "lm" or cfg.pipeline.enabled or cfg.local_sgd.enabled:
+    if not every or not task.generates or cfg.pipeline.enabled or cfg.local_sgd.enabled:
         return step_hook
     from spmd.models import generate
 

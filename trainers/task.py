@@ -24,6 +24,7 @@ from trainers.data.config import DOCUMENT_CORPORA
 from trainers.data.packing import packed_stream
 from trainers.data.checks import check_examples, check_token_ids, check_windows
 from trainers.step import LossFn, MetricFn, lm_loss_fn
+from trainers.validate import check_heads, name_config_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,9 @@ class Task:
     pipelined: bool = False
     vocab_size: int | None = None  # set: batch[k] for k in token_keys must hold ids in [0, vocab_size), checked per batch
     token_keys: tuple[str, ...] = ("inputs", "targets")
+    checks: Callable[[Config, Any, Mapping[str, int]], list] | None = None  # (cfg, rules, mesh sizes) -> layout Issues
+    explain: Callable[[Exception], str] | None = None  # a RulesError on the model -> a message naming config keys
+    generates: bool = False  # the model is a spmd.models.GPT that spmd.models.generate samples (run.sample_every)
 
     def __post_init__(self) -> None:
         for field in ("model", "loss"):
@@ -145,6 +149,9 @@ def lm_task(cfg: Config) -> Task:
         config=cfg,
         name="lm",
         pipelined=True,
+        checks=lambda c, rules, sizes: check_heads(c.model, rules, dict(sizes)),
+        explain=name_config_key,
+        generates=True,
     )
 
 

@@ -23,6 +23,8 @@ from spmd.constraints import constrain
 from spmd.models import attention as attention_lib
 from spmd.models import context
 from spmd.models.loss import chunked_lm_loss, lm_loss
+from spmd.models.loss import head_logits as _head_logits
+from spmd.models.loss import with_moe_losses as _with_moe_losses
 from spmd.models.layers import Attention, GatedMLP, RMSNorm, param, weight
 from spmd.models.moe import MoE
 from spmd.models.router import ROUTERS
@@ -318,24 +320,3 @@ class GPT(nnx.Module):
 
         return pipelined_loss(pipeline, stage_fn, head_fn, block_state, (norm_state, self.out_weight), x_BLD,
                               targets_BL)
-
-
-def _with_moe_losses(cfg: GPTConfig, loss: jax.Array, aux: dict, stats: dict) -> tuple[jax.Array, dict]:
-    """``loss + aux_loss_weight * aux_loss + router_z_loss_weight * z_loss`` (means over the MoE blocks),
-    with the MoE statistics (means over MoE blocks) as ``moe_*`` metrics."""
-    n_moe = cfg.n_layers // cfg.moe_every
-    means = {f"moe_{k}": v / n_moe for k, v in stats.items()}
-    loss = loss + cfg.aux_loss_weight * means["moe_aux_loss"] + cfg.router_z_loss_weight * means["moe_z_loss"]
-    return loss, {**aux, **means}
-
-
-def _head_logits(cfg: GPTConfig, x_BLD: jax.Array, w: nnx.Param | jax.Array) -> jax.Array:
-    """``x[B, L, D] -> logits[B, L, V]`` in f32 through the head weight ``w`` (``W[D, V]``, or the
-    embedding ``E[V, D]`` when ``cfg.tie_embeddings``, scaled by ``D**-0.5`` unless not ``tied_head_scale``)."""
-    dt = cfg.compute_dtype
-    if cfg.tie_embeddings:
-        logits_BLV = jnp.einsum("bld,vd->blv", x_BLD, weight(w, dt))
-        logits_BLV = logits_BLV * cfg.d_model**-0.5 if cfg.tied_head_scale else logits_BLV
-    else:
-        logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, weight(w, dt))
-    return constrain(logits_BLV.astype(jnp.float32), ("batch", "length", "vocab"))

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
+
+from spmd.constraints import constrain
+from spmd.models.layers import weight
 
 
 def lm_loss(logits_BLV: jax.Array, targets_BL: jax.Array, *, z_loss: float = 0.0,
@@ -98,3 +103,24 @@ def chunked_lm_loss(x_BLD: jax.Array, logits_fn: Callable[[jax.Array], jax.Array
     if weights is not None:  # weights[B, L]: as lm_loss
         return _with_z_loss(jnp.mean(weights * unchunk(ce_NBC)), lambda: unchunk(lse_NBC), z_loss, weights)
     return _with_z_loss(jnp.mean(unchunk(ce_NBC)), lambda: unchunk(lse_NBC), z_loss)
+
+
+def with_moe_losses(cfg: Any, loss: jax.Array, aux: dict, stats: dict) -> tuple[jax.Array, dict]:
+    """For a ``spmd.models.GPTConfig`` ``cfg``: ``loss + aux_loss_weight * aux_loss + router_z_loss_weight * z_loss`` (means over the MoE blocks),
+    with the MoE statistics (means over MoE blocks) as ``moe_*`` metrics."""
+    n_moe = cfg.n_layers // cfg.moe_every
+    means = {f"moe_{k}": v / n_moe for k, v in stats.items()}
+    loss = loss + cfg.aux_loss_weight * means["moe_aux_loss"] + cfg.router_z_loss_weight * means["moe_z_loss"]
+    return loss, {**aux, **means}
+
+
+def head_logits(cfg: Any, x_BLD: jax.Array, w: nnx.Param | jax.Array) -> jax.Array:
+    """For a ``spmd.models.GPTConfig`` ``cfg``: ``x[B, L, D] -> logits[B, L, V]`` in f32 through the head weight ``w`` (``W[D, V]``, or the
+    embedding ``E[V, D]`` when ``cfg.tie_embeddings``, scaled by ``D**-0.5`` unless not ``tied_head_scale``)."""
+    dt = cfg.compute_dtype
+    if cfg.tie_embeddings:
+        logits_BLV = jnp.einsum("bld,vd->blv", x_BLD, weight(w, dt))
+        logits_BLV = logits_BLV * cfg.d_model**-0.5 if cfg.tied_head_scale else logits_BLV
+    else:
+        logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, weight(w, dt))
+    return constrain(logits_BLV.astype(jnp.float32), ("batch", "length", "vocab"))

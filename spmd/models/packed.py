@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmd.models import context, segments
-from spmd.models.loss import chunked_lm_loss, lm_loss
+from spmd.models.loss import chunked_lm_loss, head_logits, lm_loss, with_moe_losses
 
 PACKED_KEYS = ("segment_ids", "positions", "weights")
 
@@ -49,9 +49,8 @@ def packed_loss(model, tokens_BL: jax.Array, targets_BL: jax.Array, *, z_loss: f
         out = out[0], {**out[1], **_packing_metrics(model.cfg, segment_ids)}
     if stats is None:
         return out
-    from spmd.models.gpt import _with_moe_losses
 
-    return _with_moe_losses(model.cfg, *out, stats)
+    return with_moe_losses(model.cfg, *out, stats)
 
 
 DIGIT = 256  # integers up to 256 are exact in bfloat16: ids and positions travel as two base-256 digits
@@ -62,7 +61,6 @@ def _pipelined(model, tokens_BL, targets_BL, z_loss, pipeline, segment_ids, posi
     included: each row's segment ids and positions ride along as 4 extra channels of the activations
     ``x[B, L, D + 4]`` (base-256 digits, exact in bf16; the stages pass them on untouched), and the
     weights with the targets (``[B, L, 2]`` int32, the weight's f32 bits)."""
-    from spmd.models.gpt import _head_logits
     from spmd.pipeline import pipelined_loss
 
     cfg, d = model.cfg, model.cfg.d_model
@@ -93,7 +91,7 @@ def _pipelined(model, tokens_BL, targets_BL, z_loss, pipeline, segment_ids, posi
     def head_fn(head, y_BLE, tw_BL2):
         x_BLD = nnx.merge(norm_def, head[0])(y_BLE[..., :d])
         w_BL = jax.lax.bitcast_convert_type(tw_BL2[..., 1], jnp.float32)
-        return lm_loss(_head_logits(cfg, x_BLD, head[1]), tw_BL2[..., 0], z_loss=z_loss, onehot=True, weights=w_BL)
+        return lm_loss(head_logits(cfg, x_BLD, head[1]), tw_BL2[..., 0], z_loss=z_loss, onehot=True, weights=w_BL)
 
     w_BL = jnp.ones(targets_BL.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
     tw_BL2 = jnp.stack([targets_BL.astype(jnp.int32), jax.lax.bitcast_convert_type(w_BL, jnp.int32)], -1)

@@ -315,6 +315,9 @@ def add_window(sharded: Any, window: int, mesh: jax.sharding.Mesh) -> Any:
     if "guard" in sharded.state:
         raise ValueError(f"the state already has a 'guard' window; keys: {sorted(sharded.state)}")
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    window_state = jax.jit(lambda: init_state(window), out_shardings=rep)()
+    if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(sharded.state)):  # an abstract state
+        window_state = jax.eval_shape(lambda: init_state(window))
+    else:
+        window_state = jax.jit(lambda: init_state(window), out_shardings=rep)()
     return ShardedState(sharded.model, {**sharded.state, "guard": window_state},
                    {**sharded.shardings, "guard": jax.tree.map(lambda _: rep, window_state)})

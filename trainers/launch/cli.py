@@ -20,14 +20,8 @@ import threading
 import traceback
 from importlib import metadata
 
-# Exit statuses (README, "Exit statuses"): schedulers requeue on PREEMPTED and the coordinator's 75.
-EXIT_OK = 0  # the run finished (or --print-config / a dry run that fits)
-EXIT_INTERNAL = 1  # an unexpected error: a bug; rerun with --debug for the traceback
-EXIT_USAGE = 2  # a user error: bad flag, config, mesh, data path, checkpoint mismatch (the message names it)
-EXIT_DIVERGED = 3  # run.guard stopped the run: loss or grad norm not finite or spiking, or a destructive update
-EXIT_COORDINATOR = 75  # peers or the coordinator never came (meshes.distributed.INIT_TIMEOUT_EXIT_CODE)
-EXIT_PREEMPTED = 76  # stopped by SIGTERM / SIGINT after saving a checkpoint: run the same command to resume
-EXIT_INTERRUPTED = 130  # Ctrl-C before there was anything to save
+from trainers.launch.exits import (EXIT_COORDINATOR, EXIT_DIVERGED, EXIT_INTERNAL, EXIT_INTERRUPTED,  # noqa: F401
+                                   EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE)
 
 # The recipes' names, for --help without importing jax (tests check it equals trainers.recipes.RECIPES).
 RECIPE_NAMES = ("gpt-small", "gpt-small-pp", "gpt-125m", "gpt-350m", "gpt-moe")

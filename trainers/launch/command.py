@@ -11,7 +11,7 @@ import json
 import meshes
 from trainers.config import Config, RunConfig, override
 from trainers.config_files import config_file_overrides
-from trainers.launch.cli import EXIT_INTERNAL, EXIT_OK, EXIT_PREEMPTED
+from trainers.launch.exits import EXIT_INTERNAL, EXIT_OK, EXIT_PREEMPTED
 from trainers.loop import train
 from trainers.planning import oom
 from trainers.planning.dryrun import dry_run

@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from trainers.launch.cli import EXIT_OK, EXIT_USAGE
+from trainers.launch.exits import EXIT_OK, EXIT_USAGE
 
 
 def _simulate(n: int) -> None:

@@ -12,23 +12,19 @@ from __future__ import annotations
 import time
 
 import jax
-from flax import nnx
 
 import meshes
 import spmd
 from spmd.models import flops_per_step, param_count
 from trainers.config import Config
 from trainers.hardware import Hardware, get_hardware
-from trainers.lr import make_lr_schedule
-from trainers.optim import make_optimizer
 from trainers.planning.costs import Traffic, layout_costs, layout_roofline, rows_per_device
 from trainers.planning.diagnose import capture_stderr, check_activation_split, check_collectives, parse_remat_warnings
 from trainers.planning.fresh_process import call_with_devices, check_simulated, import_root
 from trainers.planning.profile import abstract_batch, profile_task
 from trainers.planning.report import DryRunReport, is_cpu_target
 from trainers.planning.traffic import pipeline_schedule
-from trainers.state import create_state
-from trainers.step import make_train_step
+from trainers.setup import build
 from trainers.task import Task, lm_task, load_task
 from trainers.validate import Issue, batch_axes
 
@@ -98,21 +94,15 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
 
     # not cfg.mesh.build: the ICI x DCN sizes as one spec, since this process holds every planned slice
     mesh = meshes.make_mesh(meshes.MeshSpec.of(sizes), devices=jax.devices()[:devices], axis_type=cfg.mesh.axis_type)
-    schedule = make_lr_schedule(cfg.lr, cfg.run.steps)
-    tx = make_optimizer(cfg.optimizer, schedule)
-    sharded = create_state(lambda: run.model(nnx.Rngs(cfg.run.seed)), tx, rules, mesh, seed=cfg.run.seed,
-                           path_rules=run.path_rules, abstract=True, pipeline=cfg.pipeline)
-    batch_sharding = spmd.batch_sharding(rules, mesh, dims=("batch",))
-    step = make_train_step(sharded, tx, rules, mesh, batch_sharding, schedule=schedule, grad_accum=cfg.run.grad_accum,
-                           loss_fn=run.loss, fsdp_gather=cfg.run.fsdp_gather)
+    setup = build(cfg, run, mesh, abstract=True)  # the run's own step (trainers.setup), on shapes only
+    step, state = setup.train_step, setup.stepped.abstract
     if profile is None:
-        tokens = jax.ShapeDtypeStruct((cfg.data.global_batch, cfg.data.seq_len), jax.numpy.int32, sharding=batch_sharding)
-        batch = {"inputs": tokens, "targets": tokens}
+        batch = setup.abstract_batch()
     else:
-        batch = abstract_batch(profile.example, cfg.data.global_batch, batch_sharding)
+        batch = abstract_batch(profile.example, cfg.data.global_batch, setup.batch_sharding)
     t0 = time.perf_counter()
     with capture_stderr() as log:
-        compiled = step.lower(sharded.abstract, batch).compile()
+        compiled = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
 
     ops = spmd.hlo.collectives(compiled, mesh)
@@ -134,7 +124,7 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
                                          analytic.grads + analytic.state, rows_per_device(cfg, sizes),
                                          batch_axes(rules, sizes))
     issues += check_collectives(ops) + parse_remat_warnings(log[0] if log else "")
-    state_bytes, batch_bytes = compiled_arg_bytes(compiled, (sharded.abstract, batch))
+    state_bytes, batch_bytes = compiled_arg_bytes(compiled, (state, batch))
     return DryRunReport(
         **common, analytic=analytic, compiled=spmd.inspection.memory(compiled), state_bytes=state_bytes,
         batch_bytes=batch_bytes, model_bytes=state_bytes + batch_bytes + analytic.grads + analytic.activations,

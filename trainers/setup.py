@@ -1,0 +1,92 @@
+"""The one place a training step is assembled: :func:`build` ``(cfg, task, mesh) -> Setup``.
+
+Rules, LR schedule, optimizer, the state created directly sharded (or abstractly), the guard window,
+the batch sharding, the train step (local SGD: its replica-group form) and the eval step. The loop
+trains with it, the dry run and the planner compile its train step, the benchmarks time it: the dry
+run compiles the real step by construction. See docs/training.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+import spmd
+from spmd.rules import Rules, RulesError
+from trainers.config import Config
+from trainers.faults import guard as guard_lib
+from trainers.local_sgd import LocalSGD, groups_of, inner_rules
+from trainers.lr import make_lr_schedule
+from trainers.optim import make_optimizer
+from trainers.state import ShardedState, create_state
+from trainers.step import make_eval_step, make_train_step
+from trainers.task import Task, call_user, lm_task
+
+
+@dataclasses.dataclass
+class Setup:
+    """Everything a run steps with. ``sharded``: the state as created (what checkpoints hold);
+    ``stepped``: what the train step carries (``sharded`` plus the guard window; local SGD: one
+    group's); ``local``: the local-SGD form of the run (None when ``local_sgd.every`` is 0)."""
+
+    cfg: Config
+    task: Task
+    mesh: Mesh
+    rules: Rules
+    state_rules: Rules  # the state's rules: ``rules``, or one replica group's under local SGD
+    schedule: optax.Schedule
+    tx: optax.GradientTransformation
+    sharded: ShardedState
+    stepped: ShardedState
+    batch_sharding: NamedSharding
+    train_step: Callable
+    eval_step: Callable
+    local: LocalSGD | None = None
+
+    def abstract_batch(self, example: dict[str, Any] | None = None) -> dict[str, jax.ShapeDtypeStruct]:
+        """The global batch as shapes with the batch sharding: ``example`` (one example's arrays), or
+        the LM task's ``inputs``/``targets`` of ``data.seq_len`` tokens."""
+        rows, length = self.cfg.data.global_batch, self.cfg.data.seq_len
+        example = example or {k: jax.ShapeDtypeStruct((length,), jax.numpy.int32) for k in ("inputs", "targets")}
+        return {k: jax.ShapeDtypeStruct((rows, *v.shape), v.dtype, sharding=self.batch_sharding)
+                for k, v in example.items()}
+
+
+def build(cfg: Config, task: Task | None = None, mesh: Mesh | None = None, *, abstract: bool = False,
+          donate: bool = True) -> Setup:
+    """The setup of ``task`` (default: the built-in GPT task of ``cfg``) on ``mesh`` (default:
+    ``cfg.mesh.build()``). ``abstract=True`` creates shapes and shardings only (the dry run, the
+    planner); there the train step is the ordinary jitted one also under local SGD, whose inner step
+    it is. ``donate=False`` keeps the input state alive after a step (benchmarks that replay it)."""
+    task = lm_task(cfg) if task is None else task
+    mesh = mesh or cfg.mesh.build()
+    run = cfg.run
+    rules = spmd.get_rules(cfg.rules)
+    schedule = make_lr_schedule(cfg.lr, run.steps)
+    tx = make_optimizer(cfg.optimizer, schedule)
+    grouped = cfg.local_sgd.enabled and not abstract
+    state_rules = inner_rules(rules) if grouped else rules
+    if grouped:
+        groups_of(mesh, cfg.local_sgd)
+    try:
+        sharded = create_state(lambda: call_user(task.model, "the task's model function", nnx.Rngs(run.seed)), tx,
+                               state_rules, mesh, seed=run.seed, path_rules=task.path_rules, pipeline=cfg.pipeline,
+                               abstract=abstract)
+    except RulesError as e:  # a dim that does not divide by its mesh axes: named as the task's config keys
+        raise RulesError(task.explain(e) if task.explain is not None else str(e)) from None
+    stepped = guard_lib.add_window(sharded, run.spike_window, mesh)
+    batch_sharding = spmd.batch_sharding(rules, mesh, dims=("batch",))
+    train_step = make_train_step(stepped, tx, state_rules, mesh, batch_sharding, schedule=schedule,
+                                 grad_accum=run.grad_accum, loss_fn=task.loss, spike_factor=run.spike_factor,
+                                 fsdp_gather=run.fsdp_gather, jit=not grouped, donate=donate,
+                                 max_update_ratio=run.max_update_ratio, max_param_growth=run.max_param_growth)
+    local = LocalSGD(cfg.local_sgd, stepped, train_step, mesh, batch_sharding, steps=run.steps) if grouped else None
+    eval_step = make_eval_step(sharded, rules, mesh, batch_sharding, loss_fn=task.loss, metrics=task.eval_metrics)
+    return Setup(cfg, task, mesh, rules, state_rules, schedule, tx, sharded, stepped, batch_sharding,
+                 local.train_step if local is not None else train_step, eval_step, local)
