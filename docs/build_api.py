@@ -174,12 +174,35 @@ def page(package: str) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+# Names removed in 0.1 (pre-1.0: no aliases are kept): old name -> where it is now.
+REMOVED = {
+    "spmd.DP, DP_TP, FSDP, FSDP_TP, LOGICAL_DIMS, NONE, TP, RulesError": "spmd.rules (same names)",
+    "spmd.PRESETS, spmd.rules.PRESETS": "spmd.rules.RULE_SETS",
+    "spmd.abstract_model, spmd.variables.abstract_model": "spmd.sharding.abstract_module",
+    "spmd.logical_dims, path_str, replicated, spec_for": "spmd.sharding (same names)",
+    "spmd.Memory, format_sharding_table, memory, sharding_table, tree_bytes_per_device": "spmd.inspection (same names)",
+    "spmd.flops": "spmd.inspection.compiled_flops",
+    "spmd.Collective, format_collectives, summarize": "spmd.hlo (same names)",
+    "spmd.PipelineConfig, Schedule, get_schedule": "spmd.pipeline (same names)",
+    "spmd.ModelVars, format_decisions": "spmd.variables (same names)",
+    "spmd.current": "spmd.constraints.active_layout",
+    "trainers.lr.ScheduleConfig, make_schedule": "trainers.lr.LRConfig, make_lr_schedule",
+    "Config.schedule, override keys schedule.*": "Config.lr, keys lr.*",
+    "trainers.state.Sharded": "trainers.state.ShardedState",
+    "trainers.planning.planner.estimate": "trainers.planning.planner.estimate_layout",
+    "trainers.launch.cli.EXIT_*": "trainers.launch.exits (cli still imports them)",
+}
+
+
 def index(names: list[str]) -> str:
     lines = ["# API reference", "",
              "Generated from the docstrings by `docs/build_api.py`; do not edit by hand. "
              "Regenerate with `.venv/bin/python docs/build_api.py`.", ""]
     for package in names:
         lines.append(f"- [`{package}`]({package}.md): {summary(importlib.import_module(package))}")
+    lines += ["", "## Removed in 0.1", "", "Old names are not kept as aliases before 1.0. Where each one went:", "",
+              "| old | now |", "|---|---|"]
+    lines += [f"| {old} | {new} |" for old, new in REMOVED.items()]
     return "\n".join(lines) + "\n"
 
 

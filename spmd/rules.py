@@ -12,7 +12,6 @@ Table and what communicates: docs/sharding.md.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Mapping, Sequence
 
 from jax.sharding import PartitionSpec as P
@@ -190,10 +189,3 @@ def get_rules(name: str | Rules) -> Rules:
         return RULE_SETS[name]
     except KeyError:
         raise RulesError(f"unknown rule set {name!r}; valid presets: {', '.join(RULE_SETS)}") from None
-
-
-def __getattr__(name: str) -> object:
-    if name == "PRESETS":  # the old name of RULE_SETS (meshes.PRESETS is the hardware mesh presets)
-        warnings.warn("spmd.rules.PRESETS is deprecated; use spmd.rules.RULE_SETS", DeprecationWarning, stacklevel=2)
-        return RULE_SETS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -204,11 +203,3 @@ def init_model(make: Callable[[], nnx.Module], rules: Rules | str, mesh: Mesh, *
 
         params, other = jax.jit(init, out_shardings=(shardings["params"], shardings["other"]))()
     return ModelVars(graphdef, params, other, shardings, keys, decisions)
-
-
-def __getattr__(name: str) -> object:
-    if name == "abstract_model":  # the old name of spmd.sharding.abstract_module here
-        warnings.warn("spmd.variables.abstract_model is deprecated; use spmd.sharding.abstract_module",
-                      DeprecationWarning, stacklevel=2)
-        return abstract_module
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import spmd
-import trainers.loop as loop
+import trainers.setup as setup_lib
 from trainers.config import override
 from trainers.launch import cli, command
 from trainers.launch.local import launch
@@ -29,7 +29,7 @@ H1 = ["local_sgd.every=1", "local_sgd.outer_optimizer=sgd", "local_sgd.outer_lr=
 _made: list = []  # every trainers.local_sgd.LocalSGD the runs below built, to inspect its compiled steps
 
 
-class _Recorded(loop.LocalSGD):
+class _Recorded(setup_lib.LocalSGD):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         _made.append(self)
@@ -48,7 +48,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("local_sgd")
     common = ["run.steps=5", "run.eval_every=5", "run.eval_batches=1", "checkpoint.every_steps=3", *SGD]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(loop, "LocalSGD", _Recorded)
+        patch.setattr(setup_lib, "LocalSGD", _Recorded)  # trainers.setup.build makes it
         dp = train(tiny(root / "dp", *common), keep_state=True)
         h1 = train(tiny(root / "h1", *common, *H1, "run.grad_accum=2"), keep_state=True)  # 2 microbatches per group
         h1_local = _made[-1]

@@ -317,14 +317,11 @@ def test_schedule_length_defaults_to_the_run_length():
     assert cfg.lr.for_run(cfg.run.steps).total_steps == 40
 
 
-def test_old_schedule_names_still_work_with_a_warning():
+def test_the_old_schedule_names_are_refused_naming_the_new_ones():
     import trainers.lr
     from trainers.config import Config, override
 
-    with pytest.warns(DeprecationWarning, match="now 'lr.peak_lr'"):
-        cfg = override(Config(), ["schedule.peak_lr=0.5"])
-    assert cfg.lr.peak_lr == 0.5
-    with pytest.warns(DeprecationWarning, match="Config.schedule is now Config.lr"):
-        assert cfg.schedule is cfg.lr
-    with pytest.warns(DeprecationWarning, match="trainers.lr.ScheduleConfig is now trainers.lr.LRConfig"):
-        assert trainers.lr.ScheduleConfig is LRConfig
+    with pytest.raises(ValueError, match="unknown config key 'schedule.peak_lr'; did you mean lr.peak_lr"):
+        override(Config(), ["schedule.peak_lr=0.5"])
+    assert not hasattr(Config(), "schedule") and Config().lr == LRConfig()
+    assert not hasattr(trainers.lr, "ScheduleConfig") and not hasattr(trainers.lr, "make_schedule")

@@ -219,12 +219,11 @@ def test_spec_for_indivisible_replicate_logs_a_warning(mesh, caplog):
     assert caplog.records == []
 
 
-def test_old_names_warn_and_reach_the_new_objects():
-    with pytest.warns(DeprecationWarning, match="RULE_SETS"):
-        assert spmd.rules.PRESETS is spmd.rules.RULE_SETS
-    with pytest.warns(DeprecationWarning, match="spmd.rules.FSDP"):
-        assert spmd.FSDP is spmd.rules.FSDP
-    with pytest.warns(DeprecationWarning, match="compiled_flops"):
-        assert spmd.flops is spmd.inspection.compiled_flops
+def test_names_that_left_the_package_face_are_gone():
+    """Pre-1.0: a moved name is not kept as an alias (docs/api/README.md lists where each one went)."""
+    for old in ("FSDP", "flops", "PRESETS", "abstract_model", "Schedule", "current"):
+        assert not hasattr(spmd, old), old
+    assert not hasattr(spmd.rules, "PRESETS") and not hasattr(spmd.variables, "abstract_model")
+    assert spmd.rules.FSDP is not None and spmd.inspection.compiled_flops is not None  # where they live
     with pytest.raises(AttributeError):
         spmd.no_such_name

@@ -16,7 +16,6 @@ import math
 import os
 import types
 import typing
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -200,12 +199,6 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    @property
-    def schedule(self) -> LRConfig:
-        """Old name of :attr:`lr`."""
-        warnings.warn("Config.schedule is now Config.lr", DeprecationWarning, stacklevel=2)
-        return self.lr
-
 
 # Keys a resumed run may not change: the checkpoint's shapes (model), the data stream the saved position
 # points into, the optimizer state's structure. Everything else (LR, steps, cadences, mesh, rules) may.
@@ -314,19 +307,13 @@ def override(cfg: Config, assignments: Iterable[str]) -> Config:
     """Apply ``section.field=value`` overrides; unknown keys and bad values raise ValueError.
 
     All overrides are applied together before any validation, so their order does not matter
-    (``run.steps=4 lr.warmup_steps=1`` is as good as the reverse). Keys of the old ``schedule``
-    section are read as ``lr`` keys, with a DeprecationWarning.
+    (``run.steps=4 lr.warmup_steps=1`` is as good as the reverse).
     """
     keys = valid_keys(cfg)
     tree: dict[str, Any] = {}
     for item in assignments:
         key, sep, text = item.partition("=")
         key = key.strip()
-        old_section = "schedule."  # the LR section's old name
-        if key.startswith(old_section):
-            key = "lr." + key[len(old_section):]
-            warnings.warn(f"config key {item.partition('=')[0].strip()!r} is now {key!r}", DeprecationWarning,
-                          stacklevel=2)
         if not sep:
             raise ValueError(f"override {item!r} is not of the form key=value (e.g. model.d_model=256)")
         if key not in keys:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from dataclasses import dataclass
 
 import optax
@@ -154,15 +153,3 @@ def scale_lr(base_lr: float, global_batch: int, base_batch: int, rule: str = "li
             raise ValueError(f"scale_lr {name}={value!r} must be an integer > 0")
     ratio = global_batch / base_batch
     return float(base_lr * (ratio if rule == "linear" else math.sqrt(ratio)))
-
-
-_RENAMED = {"ScheduleConfig": ("LRConfig", LRConfig), "make_schedule": ("make_lr_schedule", make_lr_schedule)}
-
-
-def __getattr__(name: str):
-    """Old names (``ScheduleConfig``, ``make_schedule``) keep working, with a DeprecationWarning."""
-    if name in _RENAMED:
-        new, obj = _RENAMED[name]
-        warnings.warn(f"trainers.lr.{name} is now trainers.lr.{new}", DeprecationWarning, stacklevel=2)
-        return obj
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -93,13 +93,3 @@ def create_state(
         state["model_state"], shardings["model_state"] = model.other, model.shardings["other"]
     orders = stack_orders(abstract_module(make_model)) if order is not None and not order.natural else ()
     return ShardedState(model, state, shardings, orders)
-
-
-def __getattr__(name: str):
-    """``Sharded``, the old name of :class:`ShardedState`, keeps working with a DeprecationWarning."""
-    if name == "Sharded":
-        import warnings
-
-        warnings.warn("trainers.state.Sharded is now trainers.state.ShardedState", DeprecationWarning, stacklevel=2)
-        return ShardedState
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -65,6 +65,11 @@ def init_state(window: int) -> dict[str, jax.Array]:
             "param_norm0": jnp.full((), jnp.nan, jnp.float32)}  # the param norm before the first accepted update
 
 
+def window_bytes(window: int) -> int:
+    """Bytes of :func:`init_state` ``(window)``: two f32[window], a count and the first param norm."""
+    return 8 * window + 8
+
+
 def check_update(guard_state: dict[str, jax.Array] | None, update_norm: jax.Array, param_norm: jax.Array,
                  new_param_norm: jax.Array, max_update_ratio: float, max_param_growth: float) -> dict[str, jax.Array]:
     """Flags of one step's proposed update (traced), before it is applied: ``update_ratio_high`` when

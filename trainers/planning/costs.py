@@ -25,14 +25,14 @@ from spmd.models import flops_per_step, flops_per_token
 from spmd.models.router import capacity
 from spmd.rules import axes_of
 from trainers.config import Config
+from trainers.faults.guard import window_bytes
 from trainers.hardware import Hardware
 from trainers.optim import make_optimizer
 from trainers.planning.diagnose import ParamInfo, diagnose, param_infos, shard_divisors
 from trainers.planning.perf import Work, step_time
 from trainers.planning.profile import TaskProfile, at
-from trainers.planning.traffic import DTYPE_BYTES as _DTYPE_BYTES
-from trainers.planning.traffic import (RECOMPUTES_BLOCK, Traffic, comm_estimate, pipeline_schedule,
-                                       sharded_params, stash_sizes, token_axes)
+from trainers.planning.traffic import (DTYPE_BYTES as _DTYPE_BYTES, RECOMPUTES_BLOCK, Traffic, comm_estimate,
+                                       pipeline_schedule, sharded_params, stash_sizes, token_axes)
 from trainers.validate import Issue, batch_axes
 
 # spmd.remat policies by what a block keeps on the device for the backward pass (else: its input only)
@@ -44,17 +44,17 @@ RECOMPUTES_ATTENTION = ("save_dots", "offload")  # attention's scores and weight
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
     """Per-device bytes."""
-
     params: int
     optimizer: int
     grads: int
     activations: int
     batch: int
     other: int = 0  # model variables that are not parameters (batch statistics, RNG streams)
+    guard: int = 0  # the guard's window (trainers.faults.guard.window_bytes)
 
     @property
     def state(self) -> int:
-        return self.params + self.optimizer + self.other
+        return self.params + self.optimizer + self.other + self.guard
 
     @property
     def total(self) -> int:
@@ -151,7 +151,7 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
         gathered = 2 * sum(x.info.size // x.info.shape[0] * dt // x.compute_divisor
                            for x in shards if x.info.dims and x.info.dims[0] == "layers")
     batch = 2 * b * cfg.run.grad_accum * data.seq_len * 4
-    return MemoryEstimate(local, optimizer, grads, int(acts + gathered), batch)
+    return MemoryEstimate(local, optimizer, grads, int(acts + gathered), batch, guard=window_bytes(cfg.run.spike_window))
 
 
 def pipeline_bubble(cfg: Config, pipe: int) -> float:
@@ -280,7 +280,7 @@ def task_memory_estimate(profile: TaskProfile, cfg: Config, sizes: dict[str, int
     grads = params * (2 if cfg.run.grad_accum > 1 else 1)
     b = rows_per_device(cfg, sizes)
     return MemoryEstimate(params, optimizer, grads, profile.activations(b),
-                          profile.example_bytes * b * cfg.run.grad_accum, other)
+                          profile.example_bytes * b * cfg.run.grad_accum, other, window_bytes(cfg.run.spike_window))
 
 
 def _tensor_matmuls(profile: TaskProfile, decided, sizes: dict[str, int], batch: tuple[str, ...]):
