@@ -59,7 +59,7 @@ def _is_cpu_only(platforms: str) -> bool:
 
 def cpu_only_requested() -> bool:
     """Whether ``JAX_PLATFORMS`` (or ``jax.config.jax_platforms``) restricts jax to the CPU."""
-    return _is_cpu_only(os.environ.get("JAX_PLATFORMS", "")) or _is_cpu_only(jax.config.jax_platforms or "")
+    return _is_cpu_only(os.environ.get("JAX_PLATFORMS", "")) or _is_cpu_only(getattr(jax.config, "jax_platforms", None) or "")
 
 
 def accelerator_plugin() -> str | None:

@@ -68,7 +68,7 @@ def _default_spec(shape: tuple[int, ...], rules: Rules, sizes: dict[str, int], m
         return P(), "replicated"
     for i in sorted(range(len(shape)), key=lambda i: (-shape[i], i)):
         if shape[i] % n == 0:
-            entries = [None] * len(shape)
+            entries: list[Any] = [None] * len(shape)
             entries[i] = axes[0] if len(axes) == 1 else axes
             return P(*entries), f"default (dim {i} over {' x '.join(axes)})"
     return P(), f"replicated (no dim divides by {' x '.join(axes)}={n})"

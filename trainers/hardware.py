@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from typing import Any
 
 GB = 1e9
 GIB = 2**30
@@ -104,7 +105,7 @@ def lookup_peak(device_kind: str) -> PeakSpec | None:
     return None
 
 
-def _peaks(kind: str) -> dict[str, float]:
+def _peaks(kind: str) -> dict[str, Any]:
     """``peak_bf16`` / ``peak_f32`` per device of the PEAK_FLOPS entry for ``kind``."""
     spec = lookup_peak(kind)
     return {"peak_bf16": spec.per_device("bfloat16"), "peak_f32": spec.per_device("float32")}
@@ -175,15 +176,15 @@ _NV = "NVIDIA {} Tensor Core GPU datasheet"
 # a few microseconds on NVLink, ~10-20 us across InfiniBand (nccl-tests small-message times); an overlapped
 # NCCL collective occupies SMs and HBM bandwidth, slowing the GEMMs beside it by ~a third of its own time
 # (Rashidi et al., "T3", ASPLOS 2024; Jangda et al., "CoCoNet", ASPLOS 2022).
-_GPU = dict(hbm_eff=0.8, overlap_cost=0.3, ici_latency=5e-6, dcn_latency=15e-6)
-_AMPERE = dict(matmul_eff=0.75, attention_eff=0.5, **_GPU)
-_HOPPER = dict(matmul_eff=0.65, attention_eff=0.4, **_GPU)
+_GPU: dict[str, Any] = dict(hbm_eff=0.8, overlap_cost=0.3, ici_latency=5e-6, dcn_latency=15e-6)
+_AMPERE: dict[str, Any] = dict(matmul_eff=0.75, attention_eff=0.5, **_GPU)
+_HOPPER: dict[str, Any] = dict(matmul_eff=0.65, attention_eff=0.4, **_GPU)
 # TPU MXUs run large bf16 matmuls near peak: MaxText's v5e 32B run (full remat: 4/3 of the model FLOPs
 # executed) reports 66.9% MFU, i.e. >= 89% of peak in its matmuls; Pallas flash attention ~50%; ICI hops
 # ~1 us, DCN ~10 us (the JAX scaling book, "How to think about TPUs").
 # headroom 0.98: XLA plans a TPU program's memory statically (no allocator fragmentation, no NCCL/cuBLAS
 # workspaces; GPUs keep 0.9 for those and the CUDA context): docs/calibration.md.
-_TPU = dict(matmul_eff=0.9, attention_eff=0.5, hbm_eff=0.8, ici_latency=1e-6, dcn_latency=10e-6, headroom=0.98)
+_TPU: dict[str, Any] = dict(matmul_eff=0.9, attention_eff=0.5, hbm_eff=0.8, ici_latency=1e-6, dcn_latency=10e-6, headroom=0.98)
 _GCP = "Google Cloud TPU docs, {} system architecture page"
 
 HARDWARE: dict[str, Hardware] = {
@@ -295,7 +296,7 @@ def get_hardware(name: str | Hardware) -> Hardware:
         raise ValueError(f"unknown hardware {name!r}; valid: {', '.join(HARDWARE)}") from None
 
 
-def custom(base: str | Hardware = "h100", **changes: float | int | str) -> Hardware:
+def custom(base: str | Hardware = "h100", **changes: Any) -> Hardware:
     """A copy of ``base`` with some figures changed, e.g. ``custom("h100", hbm_bytes=2e6, name="tiny")``."""
     hw = get_hardware(base)
     bad = sorted(set(changes) - {f.name for f in dataclasses.fields(Hardware)})

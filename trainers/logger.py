@@ -78,7 +78,8 @@ class RunLogger:
         self._tb = None
         self._bar = None
         self._lines = False  # plain progress lines instead of a bar
-        self._use_tb, self._purge_step = use_tensorboard, None
+        self._use_tb = use_tensorboard
+        self._purge_step: int | None = None
         self.total_steps = total_steps
         if not self.is_main:
             return

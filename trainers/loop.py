@@ -361,7 +361,7 @@ def train(
             profiler.close()
             ckpt.close()
             logger.close()
-    summary = meter.summary() if meter is not None else {}
+    summary: dict[str, Any] = meter.summary() if meter is not None else {}
     if not task.tokens_per_example and "tokens_per_s" in summary:
         summary["examples_per_s"] = summary.pop("tokens_per_s")
     summary = summary | {"peak_flops_per_device": peak, "peak_source": peak_source,

@@ -42,7 +42,7 @@ def lm_loss_fn(z_loss: float = 0.0, pipeline: PipelineConfig | None = None) -> L
             return model.loss(batch["inputs"], batch["targets"], z_loss=z_loss, pipeline=pipeline, **packed)
         return lm_loss(model(batch["inputs"]), batch["targets"], z_loss=z_loss, weights=packed.get("weights"))
 
-    loss_fn.pipelined = pipeline is not None and pipeline.enabled  # runs its own shard_map over the batch axes
+    loss_fn.pipelined = pipeline is not None and pipeline.enabled  # type: ignore[attr-defined]  # runs its own shard_map
     return loss_fn
 
 

@@ -130,6 +130,8 @@ def lm_task(cfg: Config) -> Task:
     from spmd.models.packed import document_count, document_losses
 
     model_cfg = cfg.model
+    data: Callable[[Config], Any]
+    eval_data: Callable[[Config], Any]
     if cfg.data.corpus in DOCUMENT_CORPORA:  # documents packed into rows (trainers.data.packing)
         data, eval_data = (lambda c: packed_stream(c.data, "train")), (lambda c: packed_stream(c.data, "validation",
                                                                                                train=False))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -39,7 +39,7 @@ def _sizes(t: Tensor, shape: tuple[int, ...]) -> dict[str, int]:
     return dict(zip(dims, shape))
 
 
-def _picks(t: Tensor, ranges: Mapping[str, range]) -> Iterator[dict[str, int]]:
+def _picks(t: Tensor, ranges: Mapping[str, Sequence[int]]) -> Iterator[dict[str, int]]:
     src = t.source_dims()
     for values in itertools.product(*(ranges[d] for d in src)):
         yield dict(zip(src, values))

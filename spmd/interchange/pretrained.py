@@ -67,7 +67,9 @@ def load_pretrained(path: str, mesh: Mesh | None = None, rules: Rules | str = "n
     model_vars = init_model(lambda: GPT(cfg, rngs=nnx.Rngs(0)), rules, mesh, abstract=True)
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             model_vars.params, model_vars.shardings["params"])
-    return model_vars.merge(read_params(path, cfg, abstract), model_vars.other)
+    model = model_vars.merge(read_params(path, cfg, abstract), model_vars.other)
+    assert isinstance(model, GPT)
+    return model
 
 
 def save_pretrained(out: str, cfg: GPTConfig, params: Any, *, dtype: str = "float32", family: Family | None = None,

@@ -14,6 +14,7 @@ import json
 import os
 import struct
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import ml_dtypes
@@ -79,7 +80,7 @@ class SafetensorsFolder:
             missing = sorted(k for k in weight_map if k not in self._file_of)
             if missing:
                 raise ValueError(f"{INDEX} lists tensors no file holds: {', '.join(missing[:5])}")
-        self._open: dict[str, object] = {}
+        self._open: dict[str, Any] = {}
         self.bytes_read = 0  # by read(), since construction
 
     @property
@@ -96,7 +97,7 @@ class SafetensorsFolder:
         rows = index[0].indices(shape[0])[:2] if index and shape else (0, shape[0] if shape else 1)
         inner = shape[1:] if shape else ()
         buf = np.empty((rows[1] - rows[0], *inner) if shape else (), dtype)
-        view = memoryview(buf.reshape(-1).view(np.uint8))  # bytes: ml_dtypes have no buffer format
+        view = memoryview(buf.reshape(-1).view(np.uint8))  # type: ignore[arg-type]  # bytes: ml_dtypes have no buffer format
         if self._file_of[name] not in self._open:
             self._open[self._file_of[name]] = open(self._file_of[name], "rb", buffering=0)
         f = self._open[self._file_of[name]]

@@ -62,8 +62,8 @@ def _step(model: GPT, tokens_BL: jax.Array, start: jax.Array, cache: tuple[jax.A
         return x_BLD, (k_BTnK, v_BTnK)
 
     x_BLD, cache = jax.lax.scan(body, x_BLD, (params, rest, *cache))
-    cache = tuple(constrain(c, CACHE_DIMS) for c in cache)
-    return model.logits(model.final_norm(x_BLD[:, -1:]))[:, 0], cache
+    new_cache = tuple(constrain(c, CACHE_DIMS) for c in cache)
+    return model.logits(model.final_norm(x_BLD[:, -1:]))[:, 0], new_cache
 
 
 def sample(logits_BV: jax.Array, key: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:

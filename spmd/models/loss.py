@@ -114,7 +114,7 @@ def with_moe_losses(cfg: Any, loss: jax.Array, aux: dict, stats: dict) -> tuple[
     return loss, {**aux, **means}
 
 
-def head_logits(cfg: Any, x_BLD: jax.Array, w: nnx.Param | jax.Array) -> jax.Array:
+def head_logits(cfg: Any, x_BLD: jax.Array, w: Any) -> jax.Array:
     """For a ``spmd.models.GPTConfig`` ``cfg``: ``x[B, L, D] -> logits[B, L, V]`` in f32 through the head weight ``w`` (``W[D, V]``, or the
     embedding ``E[V, D]`` when ``cfg.tie_embeddings``, scaled by ``D**-0.5`` unless not ``tied_head_scale``)."""
     dt = cfg.compute_dtype

@@ -102,7 +102,7 @@ class HostCopy:
 def _host_view_aliases(array: jax.Array) -> bool:
     """Whether ``np.asarray`` of this array's shards views their own buffers (which the next
     donating step overwrites) instead of returning a transferred copy: on CPU, and in host memory."""
-    return array.sharding.memory_kind not in (None, "device") or next(iter(array.sharding.device_set)).platform == "cpu"
+    return array.sharding.memory_kind not in (None, "device") or next(iter(array.sharding.device_set)).platform == "cpu"  # type: ignore[attr-defined]
 
 
 def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -115,7 +115,7 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 def _host_sharding(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
     """``sharding`` in pinned host memory on accelerators (orbax does not record the memory kind)."""
-    device = next(iter(sharding.device_set))
+    device: Any = next(iter(sharding.device_set))
     if device.platform == "cpu" or "pinned_host" not in {m.kind for m in device.addressable_memories()}:
         return sharding
     return sharding.with_memory_kind("pinned_host")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 import jax
 import numpy as np
@@ -161,7 +162,7 @@ def load_corpus(cfg: DataConfig, split: str) -> np.ndarray:
     if cfg.corpus in DOCUMENT_CORPORA:
         raise ValueError(f"data.corpus={cfg.corpus!r} is a corpus of documents, not one token array: read it with "
                          "trainers.data.packed_stream(cfg, split) (the built-in task does)")
-    kw = dict(validation_fraction=cfg.validation_fraction)
+    kw: dict[str, Any] = dict(validation_fraction=cfg.validation_fraction)
     if cfg.corpus == "tokens":
         return prepare_lib.tokens_corpus(cfg.path, split, max_tokens=cfg.max_tokens)
     if cfg.tokenizer:  # "stdlib" or "text", encoded with the tokenizer

@@ -53,7 +53,7 @@ def text_files(root: str | os.PathLike, suffixes: Sequence[str] = TEXT_SUFFIXES)
 
 def _walk(root: Path, suffixes: Sequence[str]) -> list[str]:
     """Relative POSIX paths of files under root with one of suffixes, sorted; skipped dirs pruned."""
-    found = []
+    found: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in _SKIPPED_DIRS]
         rel = Path(dirpath).relative_to(root)

@@ -154,7 +154,7 @@ class Documents:
         """The saved dataset's split (a ``DatasetDict``'s own; a plain ``Dataset`` serves both)."""
         if self._hf is None:
             self._hf = _hf_load(self.path)
-        ds = self._hf
+        ds: Any = self._hf
         if hasattr(ds, "keys"):  # DatasetDict
             names = list(ds.keys())
             if split == "train":

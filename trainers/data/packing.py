@@ -170,7 +170,8 @@ class _Row:
             t = np.concatenate([inp, tgt[-1:]])
             wt = np.concatenate([[0.0], w]).astype(np.float32)  # weight of predicting token i
             take = t[self.offset : self.offset + need]
-            toks.append(take), ws.append(wt[self.offset : self.offset + need])
+            toks.append(take)
+            ws.append(wt[self.offset : self.offset + need])
             taken_before = L + 1 - need
             if moved is None and taken_before + take.size > L:  # token L of the window: where the next starts
                 moved = (self.epoch, self.block, self.doc, self.offset + (L - taken_before))

@@ -51,7 +51,7 @@ def prepare_documents(source: str, fmt: str, fields: tuple[str, ...], tokenizer:
                 records = docs.split_records(block, split, validation_fraction)
                 if not records:
                     continue
-                columns = [[] for _ in fields]
+                columns: list[list[np.ndarray]] = [[] for _ in fields]
                 for _, values in records:
                     for i, v in enumerate(values):
                         ids = np.asarray(v, np.int32) if isinstance(v, np.ndarray) else \

@@ -108,7 +108,7 @@ class Decoder(nnx.Module):
         key, embed_key = jax.random.split(key)
         x_BLD = jnp.take(self.tokens[...], tokens_BL, axis=0) + self.positions[: tokens_BL.shape[1]]
         x_BLD = constrain(x_BLD, ("batch", "length", "embed"))
-        x_BLD, _ = self.blocks((self.dropout(x_BLD, rngs=embed_key), key))
+        x_BLD, _ = self.blocks((self.dropout(x_BLD, rngs=embed_key), key))  # type: ignore[arg-type]  # a tuple carry
         return self.norm(x_BLD) @ self.head[...]
 
 

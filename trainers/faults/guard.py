@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -234,7 +234,7 @@ class Guard:
             )
         return events
 
-    def rolled_back(self, to_step: int, skipped_batches: Sequence[int], at_step: int) -> None:
+    def rolled_back(self, to_step: int, skipped_batches: Collection[int], at_step: int) -> None:
         """Log a rollback; raises DivergenceError past ``max_bad_steps`` rollbacks."""
         self.rollbacks += 1
         self.streak = 0
