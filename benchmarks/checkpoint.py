@@ -117,7 +117,7 @@ def large_state(quick: bool) -> tuple[Any, Callable[[Any], Any], str]:
     mesh = common.layout_mesh(LAYOUT if len(jax.devices()) >= 8 else "single")
     rules = common.LAYOUTS.get(LAYOUT, ({}, "none"))[1] if len(jax.devices()) >= 8 else "none"
     sharded = create_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), optax.adamw(1e-3), spmd.get_rules(rules), mesh)
-    state = {"params": sharded.state["params"], "opt_state": sharded.state["opt_state"]}
+    state = {"params": sharded.state.params, "opt_state": sharded.state.opt_state}
     shardings = jax.tree.map(lambda a: a.sharding, state)
 
     def randomize(tree):

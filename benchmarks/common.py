@@ -317,7 +317,7 @@ class GPTSetup:
 
     @property
     def state(self) -> tuple[Any, Any]:
-        return self.sharded.state["params"], self.sharded.state["opt_state"]
+        return self.sharded.state.params, self.sharded.state.opt_state
 
 
 def gpt_setup(cfg: GPTConfig, mesh: jax.sharding.Mesh, rules: str | spmd.Rules, batch: int, length: int, *,

@@ -108,7 +108,7 @@ def layout_rows(name: str, cfg, batch: int, length: int, *, rules: str | None = 
     """Compile the step of one layout and compare each role's collective bytes with its minimum."""
     rules = rules or common.LAYOUTS[name][1]
     setup = common.gpt_setup(cfg, common.layout_mesh(mesh_of or name), rules, batch, length)
-    mesh, params = setup.mesh, setup.sharded.state["params"]
+    mesh, params = setup.mesh, setup.sharded.state.params
     ops = spmd.hlo.collectives(setup.compiled, mesh)
     axis = dict(zip(mesh.axis_names, mesh.devices.shape))
     fsdp, tensor, data = axis.get("fsdp", 1), axis.get("tensor", 1), axis.get("data", 1)
@@ -209,7 +209,7 @@ def accumulation_rows(cfg, batch: int, length: int) -> list[Row]:
             compiled = setup.train_step.lower(sharded.abstract, common.make_batch(cfg.vocab_size, batch, length,
                                                                                   sharding)).compile()
             ops = spmd.hlo.collectives(compiled, mesh)
-            w = gathered_bytes(sharded.state["params"], "fsdp", mesh)
+            w = gathered_bytes(sharded.state.params, "fsdp", mesh)
             red = [o for o in ops if o.kind in ("all-reduce", "reduce-scatter") and set(o.axes) <= set(BATCH_AXES)]
             passes = k if mode == "per_microbatch" else 1
             scalars = sum(o.total_bytes for o in red if o.bytes <= SCALAR)

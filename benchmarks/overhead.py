@@ -132,7 +132,7 @@ def measure(what: str, cfg: Config, mesh: jax.sharding.Mesh, rules_name: str, se
 
     twin = create_state(make_model, tx, rules, mesh, seed=seed)
     minimal = minimal_step(twin, tx, rules, mesh, batch_sharding)
-    minimal_state: Any = (twin.state["params"], twin.state["opt_state"])
+    minimal_state: Any = (twin.state.params, twin.state.opt_state)
 
     # Compile (ahead of time: the jit cache keeps the executables, and XLA's cost model compares
     # what each step computes and moves, a noise-free complement to the timings), then warm up.
@@ -156,7 +156,7 @@ def measure(what: str, cfg: Config, mesh: jax.sharding.Mesh, rules_name: str, se
     # Both took the same steps from the same state on the same batch: the params must agree, or
     # the baseline is not the same computation.
     diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
-                         trainer_state["params"], minimal_state[0])
+                         trainer_state.params, minimal_state[0])
     return Row(what, mesh.size, statistics.median(trainer_times), statistics.median(minimal_times), ratios,
                _cost_ratio(trainer_cost, minimal_cost, "flops"), _cost_ratio(trainer_cost, minimal_cost, "bytes accessed"),
                max(jax.tree.leaves(diffs)))

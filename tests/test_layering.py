@@ -1,4 +1,5 @@
-"""Imports flow one way: meshes <- spmd <- trainers, and inside trainers: the run <- planning <- launch.
+"""Imports flow one way: meshes <- spmd <- trainers, and inside trainers: the run <- planning <- launch;
+no two modules import each other; only trainers/state.py reads the train state by key.
 Checked on the source with ``ast``.
 
 Every ``import x``, ``from x import y``, relative ``from ..x import y`` (resolved against the
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -216,3 +218,20 @@ def test_no_import_circles():
 def test_the_circle_check_finds_a_circle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+STATE_FIELDS = ("params", "opt_state", "step", "rng", "skipped", "bad_streak", "model_state", "guard", "outer_params",
+                "outer_opt_state")
+STATE_KEY = re.compile(r"\bstate(?:\.get\(|\[)\s*[\"'](" + "|".join(STATE_FIELDS) + r")[\"']")
+
+
+def test_only_the_state_module_reads_the_train_state_by_key():
+    """The train state is a typed ``trainers.state.TrainState``: code reads ``state.params``, not
+    ``state["params"]`` (checkpoints, which store it as a dict, are the one exception; in ``trainers.data``
+    a ``state`` is a loader's position)."""
+    allowed = ("trainers/state.py", "trainers/checkpoint/", "trainers/data/")  # data/: a loader's own position
+    found = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}" for package in (*PACKAGES, "benchmarks")
+             for p in sources(package) if not str(p.relative_to(ROOT)).startswith(allowed)
+             for n, line in enumerate(p.read_text().splitlines(), 1) if STATE_KEY.search(line)]
+    assert found == [], "the train state read by string key:\n" + "\n".join(found)
+    assert STATE_KEY.search('x = sharded.state["params"]') and not STATE_KEY.search('data_state["guard"]')

@@ -103,7 +103,7 @@ def test_outer_step_equals_a_host_reference(runs):
     outer = jax.device_get(state["outer_params"])
     group_params = jax.tree.map(lambda x: np.stack([x + rng.normal(0, 0.01, x.shape).astype(x.dtype) for _ in range(2)]),
                                 outer)
-    moved = jax.device_put({**jax.device_get(state), "params": group_params}, local.shardings)  # donated: a copy
+    moved = jax.device_put({**jax.device_get(state), "params": group_params}, local.shardings.as_dict())  # donated: a copy
     opt_host = jax.device_get(state["outer_opt_state"])
     after = jax.device_get(local.outer_step(moved))
     tx = outer_optimizer(local.cfg)

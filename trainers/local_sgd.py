@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 import spmd
 from spmd.rules import Rules, axes_of
-from trainers.state import ShardedState, State
+from trainers.state import ShardedState, TrainState
 
 OUTER_OPTIMIZERS = ("nesterov", "sgd")
 OUTER_KEYS = ("outer_params", "outer_opt_state")
@@ -125,44 +125,43 @@ class LocalSGD:
         window); ``step_fn``: the pure ordinary step under those rules (``make_train_step(jit=False)``);
         ``batch_sharding``: the global batch's (rows over ``data`` and the inner batch axes)."""
         self.cfg, self.mesh, self.steps, self.groups = cfg, mesh, steps, groups_of(mesh, cfg)
-        if "model_state" in template.state:
+        if template.state.model_state is not None:
             raise ValueError("local_sgd.every >= 1 does not support models with non-parameter state (batch statistics, "
-                             f"RNG streams: {sorted(template.state['model_state'])}); set local_sgd.every=0")
+                             f"RNG streams: {sorted(template.state.model_state)}); set local_sgd.every=0")
         self.tx = outer_optimizer(cfg)
-        params, param_shardings = template.state["params"], template.shardings["params"]
+        params, param_shardings = template.state.params, template.shardings.params
         outer_opt = jax.eval_shape(self.tx.init, params)
-        outer_shardings = {"outer_params": param_shardings,
-                           "outer_opt_state": spmd.optimizer_shardings(self.tx, outer_opt, param_shardings, mesh)}
+        outer_opt_shardings = spmd.optimizer_shardings(self.tx, outer_opt, param_shardings, mesh)
         group = lambda s: NamedSharding(mesh, P(AXIS, *s.spec))
         self.group_shardings = jax.tree.map(group, template.shardings)
-        self.shardings = {**self.group_shardings, **outer_shardings}
+        self.shardings = self.group_shardings.replace(outer_params=param_shardings, outer_opt_state=outer_opt_shardings)
         self.batch_sharding = batch_sharding
         metric = NamedSharding(mesh, P(AXIS))
         G = self.groups
 
-        def start(one: State) -> State:
+        def start(one: TrainState) -> TrainState:
             """Every group from one state (each its own RNG stream), outer params = the params."""
             groups = jax.tree.map(lambda x: jnp.broadcast_to(x, (G, *x.shape)), one)
-            key = jax.random.wrap_key_data(one["rng"])
-            groups["rng"] = jax.vmap(lambda g: jax.random.key_data(jax.random.fold_in(key, g)))(jnp.arange(G))
-            return {**groups, "outer_params": one["params"], "outer_opt_state": self.tx.init(one["params"])}
+            key = jax.random.wrap_key_data(one.rng)
+            rngs = jax.vmap(lambda g: jax.random.key_data(jax.random.fold_in(key, g)))(jnp.arange(G))
+            return groups.replace(rng=rngs, outer_params=one.params, outer_opt_state=self.tx.init(one.params))
 
         self._start = jax.jit(start, out_shardings=self.shardings)
         grouped = jax.vmap(step_fn, spmd_axis_name=AXIS)
 
-        def inner(state: State, batch: Any) -> tuple[State, dict[str, jax.Array]]:
-            groups = {k: v for k, v in state.items() if k not in OUTER_KEYS}
+        def inner(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+            groups = state.replace(outer_params=None, outer_opt_state=None)
             split = jax.tree.map(lambda x: x.reshape(G, x.shape[0] // G, *x.shape[1:]), batch)  # rows stay put
             groups, metrics = grouped(groups, split)
-            return {**state, **groups}, metrics
+            return groups.replace(outer_params=state.outer_params, outer_opt_state=state.outer_opt_state), metrics
 
-        def outer(state: State) -> State:
-            mean = group_mean(state["params"], mesh, G)
-            pseudo_grad = jax.tree.map(jnp.subtract, state["outer_params"], mean)
-            updates, opt_state = self.tx.update(pseudo_grad, state["outer_opt_state"], state["outer_params"])
-            new = optax.apply_updates(state["outer_params"], updates)
+        def outer(state: TrainState) -> TrainState:
+            mean = group_mean(state.params, mesh, G)
+            pseudo_grad = jax.tree.map(jnp.subtract, state.outer_params, mean)
+            updates, opt_state = self.tx.update(pseudo_grad, state.outer_opt_state, state.outer_params)
+            new = optax.apply_updates(state.outer_params, updates)
             params = jax.tree.map(lambda x: jnp.broadcast_to(x, (G, *x.shape)), new)
-            return {**state, "params": params, "outer_params": new, "outer_opt_state": opt_state}
+            return state.replace(params=params, outer_params=new, outer_opt_state=opt_state)
 
         def reduce(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
             """One step's per-group metrics as the run logs them: flags over every group, the rest means."""
@@ -179,9 +178,10 @@ class LocalSGD:
         self.bytes_per_call: dict[str, int] = {}
         self.bytes_sent = 0
         abstract = lambda x, s: jax.ShapeDtypeStruct((G, *x.shape), x.dtype, sharding=s)
-        self.abstract = {**jax.tree.map(abstract, template.abstract, self.group_shardings),
-                         **jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                        {"outer_params": params, "outer_opt_state": outer_opt}, outer_shardings)}
+        one = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+        self.abstract = jax.tree.map(abstract, template.abstract, self.group_shardings).replace(
+            outer_params=jax.tree.map(one, params, param_shardings),
+            outer_opt_state=jax.tree.map(one, outer_opt, outer_opt_shardings))
 
     # ------------------------------------------------------------------------------------ running
     def _call(self, name: str, fn: Any, *args: Any) -> Any:
@@ -192,33 +192,33 @@ class LocalSGD:
         self.bytes_sent += self.bytes_per_call[name]
         return self.compiled[name](*args)
 
-    def start(self, one: State) -> State:
+    def start(self, one: TrainState) -> TrainState:
         """The local-SGD state from one group's state (fresh, or ``init_from`` params)."""
-        return self._start(one)
+        return self._start(TrainState.of(one))
 
-    def train_step(self, state: State, batch: Any) -> tuple[State, dict[str, jax.Array]]:
+    def train_step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         """One inner step of every group: ``(state, metrics[G])``; nothing is sent over ``data``."""
-        return self._call("inner", self._inner, state, batch)
+        return self._call("inner", self._inner, TrainState.of(state), batch)
 
     def due(self, step: int) -> bool:
         """Whether the outer step runs after inner step ``step``: every H steps and at the last step."""
         return step % self.cfg.every == 0 or step == self.steps
 
-    def outer_step(self, state: State) -> State:
+    def outer_step(self, state: TrainState) -> TrainState:
         """Average params over groups (one all-reduce over ``data``), the outer update, re-broadcast."""
-        return self._call("outer", self._outer, state)
+        return self._call("outer", self._outer, TrainState.of(state))
 
     def fetch(self, metrics: list[dict[str, jax.Array]]) -> list[dict[str, Any]]:
         """Per-group step metrics as host values, one dict per step (a few scalars over ``data`` each)."""
         return jax.device_get([self._call("metrics", self._reduce, m) for m in metrics])
 
-    def skipped(self, state: State) -> int:
+    def skipped(self, state: TrainState) -> int:
         """Group-steps skipped by the guard, summed over groups."""
-        return int(jax.device_get(self._skipped(state["skipped"])))
+        return int(jax.device_get(self._skipped(state.skipped)))
 
-    def eval_view(self, state: State) -> State:
+    def eval_view(self, state: TrainState) -> TrainState:
         """What eval reads: the outer (last synchronised) params."""
-        return {"params": state["outer_params"]}
+        return TrainState(state.outer_params)
 
     def summary(self, steps: int) -> dict[str, float]:
         """Bytes per device sent over ``data``: in all, per inner and outer call, and per step run."""

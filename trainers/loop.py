@@ -35,7 +35,7 @@ from trainers.local_sgd import LocalSGD, check_resume
 from trainers.logger import RunLogger, write_config
 from trainers.metrics import StepMeter, peak_flops_per_device
 from trainers.faults.preemption import PreemptionWatcher
-from trainers.state import ShardedState, State
+from trainers.state import ShardedState, TrainState
 from trainers.step import eval_view, loss_and_metrics
 from trainers.task import Task, lm_task
 from trainers.setup import build
@@ -123,7 +123,7 @@ def _model_flops(task: Task, sharded: ShardedState, batch, global_batch: int) ->
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (sharded.state, batch))
 
     def forward(state, batch):
-        model = sharded.model.merge(state["params"], state.get("model_state", {}))
+        model = sharded.model.merge(state.params, state.model_state or {})
         model.train()
         return loss_and_metrics(task.loss(model, batch, nnx.Rngs(0)))[0]
 
@@ -131,7 +131,7 @@ def _model_flops(task: Task, sharded: ShardedState, batch, global_batch: int) ->
 
 
 def _initial_state(cfg: Config, ckpt: Checkpointer, sharded: ShardedState, logger: RunLogger,
-                   local: LocalSGD | None, fresh: Callable[[Any], State]) -> tuple[int, State, dict[str, Any]]:
+                   local: LocalSGD | None, fresh: Callable[[Any], TrainState]) -> tuple[int, TrainState, dict[str, Any]]:
     """``(start step, state, data state)``: resume, else ``init_from`` params, else ``fresh(None)``."""
     if not cfg.run.resume:
         if ckpt.all_steps():
@@ -170,14 +170,14 @@ def _initial_state(cfg: Config, ckpt: Checkpointer, sharded: ShardedState, logge
     return 0, fresh(None), {}
 
 
-def _saved(state: State, local: LocalSGD | None) -> State:
+def _saved(state: TrainState, local: LocalSGD | None) -> TrainState:
     """What checkpoints hold: the state as ``create_state`` makes it, without the guard window
     (local SGD: every group's state with its window, the outer params and outer optimizer state)."""
-    return state if local is not None else {k: v for k, v in state.items() if k != "guard"}
+    return state if local is not None else guard_lib.detach(state)
 
 
-def _skipped(state: State, local: LocalSGD | None) -> int:
-    return local.skipped(state) if local is not None else int(jax.device_get(state["skipped"]))
+def _skipped(state: TrainState, local: LocalSGD | None) -> int:
+    return local.skipped(state) if local is not None else int(jax.device_get(state.skipped))
 
 
 def _next_batch(loader: ExampleLoader | IterLoader, skip: set[int]) -> tuple[int, dict[str, np.ndarray]]:
@@ -217,9 +217,9 @@ def train(
     sharded, stepped, local = setup.sharded, setup.stepped, setup.local
     train_step, eval_step, batch_sharding = setup.train_step, setup.eval_step, setup.batch_sharding
     if local is not None:
-        fresh = lambda params: local.start(stepped.state if params is None else {**stepped.state, "params": params})
+        fresh = lambda params: local.start(stepped.state if params is None else stepped.state.replace(params=params))
     else:
-        fresh = lambda params: sharded.state if params is None else {**sharded.state, "params": params}
+        fresh = lambda params: sharded.state if params is None else sharded.state.replace(params=params)
     eval_source = task.eval_source(cfg) if run.eval_batches else None
 
     train_data = _loader(task.train_source(cfg), data_cfg.global_batch, data_cfg.seed, batch_sharding)
@@ -239,7 +239,7 @@ def train(
     if "train" in data_state:
         train_data.set_state(data_state["train"])
     if local is None:  # local SGD keeps each group's window in the checkpointed state
-        state = {**state, "guard": guard_lib.window_from_json(data_state.get("guard"), run.spike_window, mesh)}
+        state = guard_lib.attach(state, data_state.get("guard"), run.spike_window, mesh)
     else:  # the one group's state the groups were made from is not used again (unless passed through)
         kept = {id(x) for x in jax.tree.leaves(state)}
         [x.delete() for x in jax.tree.leaves(stepped.state) if id(x) not in kept]
@@ -248,7 +248,7 @@ def train(
     if changes:
         logger.message("config changed since this run directory's last run (the old one is kept as config.<n>.json): "
                        + "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changes))
-    n_params = sum(x.size for x in jax.tree.leaves(sharded.state["params"]))
+    n_params = sum(x.size for x in jax.tree.leaves(sharded.state.params))
     logger.message(meshes.describe(mesh).splitlines()[0] + f"; rules {rules.name}; task {task.name}; {n_params:,} params")
     if any(d.source != "annotation" and d.kind == "Param" for d in sharded.model.decisions):
         logger.message("sharding of variables without logical dims:\n" + spmd.variables.format_decisions(
@@ -317,8 +317,7 @@ def train(
                         at, (step, state, data_state) = step, restored
                         train_data.set_state(data_state["train"])
                         if local is None:
-                            state = {**state, "guard": guard_lib.window_from_json(data_state.get("guard"),
-                                                                                  run.spike_window, mesh)}
+                            state = guard_lib.attach(state, data_state.get("guard"), run.spike_window, mesh)
                         logger.resume_at(step, keep_splits=(guard_lib.SPLIT_PREFIX,))  # the events stay
                         guard.rolled_back(step, skip_batches, at)
                         t_last, steps_since = time.perf_counter(), 0
@@ -348,7 +347,7 @@ def train(
                 if save:
                     data_state = {"train": train_data.get_state(), "skip_batches": sorted(skip_batches)}
                     if local is None:
-                        data_state["guard"] = guard_lib.window_to_json(state["guard"])
+                        data_state["guard"] = guard_lib.window_to_json(state.guard)
                     ckpt.save(step, _saved(state, local), data_state, force=True)  # due: decided above
                 if stop:
                     ckpt.wait()

@@ -200,7 +200,7 @@ def sampling_hook(cfg: Config, task: Any, sharded: Any, mesh: Mesh, rules: Any, 
         if step % every:
             return
         state = current_state()
-        model = sharded.model.merge(state["params"], state.get("model_state", {}))
+        model = sharded.model.merge(state.params, state.model_state or {})
         out = np.asarray(jax.device_get(generate(model, np.tile(prompt, (rows, 1)), 32, 0.8, 0, 1.0, step,
                                                  mesh=mesh, rules=rules)))
         texts = [cfg.run.sample_prompt + decode(tokenizer, row) for row in out[:3]]

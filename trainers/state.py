@@ -1,9 +1,10 @@
-"""The train state, created directly sharded (or abstractly: shapes and shardings, no memory).
+"""The train state, a typed pytree created directly sharded (or abstractly: shapes and shardings).
 
-    {"params": {...}, "model_state": {...}, "opt_state": (...), "step": int32[], "rng": uint32[2],
-     "skipped": int32[], "bad_streak": int32[]}
+    TrainState(params={...}, opt_state=(...), step=int32[], rng=uint32[2], skipped=int32[],
+               bad_streak=int32[], model_state={...} | None, guard=window | None)
 
-Nothing is materialised whole on one device; ``abstract=True`` gives ``ShapeDtypeStruct`` leaves.
+Checkpoints hold it as a plain dict of its set fields (:meth:`TrainState.as_dict`), readable by
+orbax alone. Nothing is materialised whole on one device; ``abstract=True`` gives ``ShapeDtypeStruct`` leaves.
 With an interleaved ``pipeline`` the block stacks are created in its chunk order (docs/pipelines.md).
 See docs/training.md.
 """
@@ -11,13 +12,13 @@ See docs/training.md.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
+from flax import nnx, struct
 from jax.sharding import Mesh
 
 import spmd
@@ -27,7 +28,65 @@ from spmd.sharding import abstract_module
 from spmd.stack import reorder_stacks, stack_orders
 from spmd.variables import ModelVars, PathRules, init_model
 
-State = dict[str, Any]
+
+@struct.dataclass
+class TrainState:
+    """What a train step carries. ``model_state``: model variables that are not parameters (batch
+    statistics, RNG streams), None for a model with none; ``guard``: the guard's window
+    (:mod:`trainers.faults.guard`), None outside the step; ``outer_params`` / ``outer_opt_state``:
+    local SGD's synchronised params and outer optimizer state (:mod:`trainers.local_sgd`).
+    ``state["params"]``, ``"guard" in state`` and ``state.get(...)`` read it as a mapping of its set
+    fields (code that holds a state uses the attributes; checkpoints and callers' dicts use the keys)."""
+
+    params: Any
+    opt_state: Any = None
+    step: Any = None
+    rng: Any = None
+    skipped: Any = None
+    bad_streak: Any = None
+    model_state: Any = None
+    guard: Any = None
+    outer_params: Any = None
+    outer_opt_state: Any = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The set fields, by name: the form checkpoints hold."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TrainState:
+        """The state of a dict of fields (a checkpoint's tree); a key that is no field is refused."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"a train state has no fields {unknown}; its fields: {sorted(names)}")
+        return cls(**d)
+
+    @classmethod
+    def of(cls, state: TrainState | Mapping[str, Any]) -> TrainState:
+        """``state`` as a TrainState: itself, or a mapping of fields (e.g. a fetched state edited as a dict)."""
+        return state if isinstance(state, TrainState) else cls.from_dict(dict(state))
+
+    def keys(self) -> list[str]:
+        return list(self.as_dict())
+
+    def __getitem__(self, key: str) -> Any:
+        value = getattr(self, key, None) if isinstance(key, str) else None
+        if value is None:
+            raise KeyError(key)
+        return value
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and getattr(self, key, None) is not None
+
+    def __iter__(self):
+        return iter(self.keys())
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+
+State = TrainState
 
 
 @dataclasses.dataclass
@@ -35,8 +94,8 @@ class ShardedState:
     """A created state with everything needed to step, save and restore it."""
 
     model: ModelVars
-    state: State
-    shardings: State
+    state: TrainState
+    shardings: TrainState  # the sharding of every leaf of ``state``, in the same structure
     layer_orders: tuple = ()  # spmd.stack.stack_orders: stacks not in natural order (checkpoints convert them)
 
     @property
@@ -44,7 +103,7 @@ class ShardedState:
         return self.model.graphdef
 
     @property
-    def abstract(self) -> State:
+    def abstract(self) -> TrainState:
         """Shape/dtype/sharding of every leaf: the target for restoring a checkpoint on this mesh."""
         return jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.state, self.shardings
@@ -87,9 +146,9 @@ def create_state(
     else:
         opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(model.params)
         extra = jax.jit(counters, out_shardings=rep)()
-    state = {"params": model.params, "opt_state": opt_state, **extra}
-    shardings = {"params": model.shardings["params"], "opt_state": opt_shardings, **{k: rep for k in extra}}
-    if jax.tree.leaves(model.other):
-        state["model_state"], shardings["model_state"] = model.other, model.shardings["other"]
+    stateful = bool(jax.tree.leaves(model.other))
+    state = TrainState(model.params, opt_state, **extra, model_state=model.other if stateful else None)
+    shardings = TrainState(model.shardings["params"], opt_shardings, **{k: rep for k in extra},
+                           model_state=model.shardings["other"] if stateful else None)
     orders = stack_orders(abstract_module(make_model)) if order is not None and not order.natural else ()
     return ShardedState(model, state, shardings, orders)

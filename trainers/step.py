@@ -23,7 +23,7 @@ from spmd.pipeline import PipelineConfig
 from trainers import accumulate
 from trainers.faults import guard
 from trainers.optim import global_norm
-from trainers.state import ShardedState, State
+from trainers.state import ShardedState, TrainState
 from trainers.validate import check_fsdp_gather
 
 Batch = Any  # a pytree of arrays with a leading batch dim
@@ -90,7 +90,7 @@ def make_train_step(
     jit: bool = True,
     max_update_ratio: float = 0.0,
     max_param_growth: float = 0.0,
-) -> Callable[[State, Batch], tuple[State, dict[str, jax.Array]]]:
+) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """The jitted train step for this state, mesh and rule set (``jit=False``: the pure function, for
     callers that transform it first, e.g. :mod:`trainers.local_sgd` maps it over replica groups).
 
@@ -98,17 +98,17 @@ def make_train_step(
     per step; ``fsdp_gather`` ("per_microbatch" | "per_step") says when weights sharded over ``fsdp``
     are gathered (:mod:`trainers.accumulate`).
 
-    ``spike_factor > 0`` needs a ``"guard"`` window in the state (``trainers.faults.guard.init_state``);
+    ``spike_factor > 0`` needs a guard window in the state (``trainers.faults.guard.init_state``);
     with a window, the metrics also carry ``ok``, ``loss_spike``, ``grad_norm_spike`` and the medians.
     ``max_update_ratio`` / ``max_param_growth`` > 0 check the proposed update before it is applied
     (:func:`trainers.faults.guard.check_update`: one more fused pass over grads, moments and params).
     """
     guard.validate("skip", spike_factor, 1)
     check_fsdp_gather(fsdp_gather)
-    if spike_factor > 0 and "guard" not in sharded.state:
-        raise ValueError(f"spike_factor={spike_factor} needs a 'guard' window in the state (trainers.faults.guard.init_state); "
-                         f"state keys: {sorted(sharded.state)}")
-    model_vars, param_shardings = sharded.model, sharded.shardings["params"]
+    if spike_factor > 0 and sharded.state.guard is None:
+        raise ValueError(f"spike_factor={spike_factor} needs a guard window in the state (trainers.faults.guard.add_window); "
+                         f"state fields: {sharded.state.keys()}")
+    model_vars, param_shardings = sharded.model, sharded.shardings.params
     loss_fn = loss_fn or lm_loss_fn()
     pipelined = getattr(loss_fn, "pipelined", False)
     rules = spmd.get_rules(rules)
@@ -122,9 +122,9 @@ def make_train_step(
 
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
 
-    def step(state: State, batch: Batch):
-        params, other = state["params"], state.get("model_state", {})
-        key, step_key = jax.random.split(jax.random.wrap_key_data(state["rng"]))
+    def step(state: TrainState, batch: Batch):
+        params, other = state.params, state.model_state if state.model_state is not None else {}
+        key, step_key = jax.random.split(jax.random.wrap_key_data(state.rng))
         batch = normalize_weights(batch)
         with spmd.use_rules(rules, mesh):
             axes = accumulate.reduction_axes(mesh, rules, batch, grad_accum, fsdp_gather)
@@ -143,12 +143,12 @@ def make_train_step(
                                                                           grad_accum=grad_accum,
                                                                           param_shardings=param_shardings)
         grad_norm = global_norm(grads)
-        flags = guard.check(state["guard"], loss, grad_norm, spike_factor) if "guard" in state else None
+        flags = guard.check(state.guard, loss, grad_norm, spike_factor) if state.guard is not None else None
         ok = flags["ok"] if flags is not None else jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         if max_update_ratio > 0 or max_param_growth > 0:  # the update, measured before it is applied
-            proposed, _ = tx.update(grads, state["opt_state"], params)
+            proposed, _ = tx.update(grads, state.opt_state, params)
             param_norm, update_norm = global_norm(params), global_norm(proposed)
-            update_flags = guard.check_update(state.get("guard"), update_norm, param_norm, param_norm + update_norm,
+            update_flags = guard.check_update(state.guard, update_norm, param_norm, param_norm + update_norm,
                                               max_update_ratio, max_param_growth)  # |p + u| <= |p| + |u|
             ok = ok & ~update_flags["update_ratio_high"] & ~update_flags["param_norm_high"]
             flags = {**(flags or {}), **update_flags, "ok": ok}
@@ -160,24 +160,19 @@ def make_train_step(
         # one cond, not a jnp.where per leaf: a per-leaf select keeps both old and new moments alive
         # and makes XLA copy the donated optimizer state every step
         new_params, opt_state, new_other = jax.lax.cond(
-            ok, update, lambda g, o, p, other, _: (p, o, other), grads, state["opt_state"], params, other, new_other)
-        new_state = {
-            "params": new_params,
-            "opt_state": opt_state,
-            "step": state["step"] + 1,
-            "rng": jax.random.key_data(key),
-            "skipped": state["skipped"] + (~ok).astype(jnp.int32),
-            "bad_streak": jnp.where(ok, 0, state["bad_streak"] + 1),
-        }
-        if "model_state" in state:
-            new_state["model_state"] = new_other
+            ok, update, lambda g, o, p, other, _: (p, o, other), grads, state.opt_state, params, other, new_other)
+        window = state.guard
+        if flags is not None and window is not None:
+            window = guard.update(window, loss, grad_norm, ok, flags.get("param_norm"))
+        new_state = state.replace(
+            params=new_params, opt_state=opt_state, step=state.step + 1, rng=jax.random.key_data(key),
+            skipped=state.skipped + (~ok).astype(jnp.int32), bad_streak=jnp.where(ok, 0, state.bad_streak + 1),
+            model_state=new_other if state.model_state is not None else None, guard=window)
         metrics = {"loss": loss, "grad_norm": grad_norm, "finite": ok, **aux}
         if flags is not None:
-            if "guard" in state:
-                new_state["guard"] = guard.update(state["guard"], loss, grad_norm, ok, flags.get("param_norm"))
             metrics.update(flags)
         if schedule is not None:
-            metrics["lr"] = schedule(state["step"])
+            metrics["lr"] = schedule(state.step)
         return new_state, metrics
 
     if not jit:
@@ -197,18 +192,16 @@ def _opens_manual_region(model_vars: Any, params: Any, other: Any) -> bool:
     return any(getattr(node, "opens_manual_region", False) for _, node in nnx.iter_graph(model_vars.merge(params, other)))
 
 
-EVAL_KEYS = ("params", "model_state")
-
-
-def eval_view(state: State) -> State:
-    """What the eval step reads of the train state: params and the other model variables."""
-    return {k: state[k] for k in EVAL_KEYS if k in state}
+def eval_view(state: TrainState) -> TrainState:
+    """What the eval step reads of the train state (or of its shardings): params and the other model
+    variables, every other field None."""
+    return TrainState(state.params, model_state=state.model_state)
 
 
 def make_eval_step(
     sharded: ShardedState, rules: spmd.Rules | str, mesh: Mesh, batch_sharding: NamedSharding, *,
     loss_fn: LossFn | None = None, metrics: Mapping[str, MetricFn] | None = None,
-) -> Callable[[State, Batch, jax.Array], dict[str, jax.Array]]:
+) -> Callable[[TrainState, Batch, jax.Array], dict[str, jax.Array]]:
     """``eval_step(eval_view(state), batch, mask, padded=False) -> sums`` (see the module docstring).
 
     With ``padded=True`` (a batch whose mask has zeros) the loss and its metrics are summed over the
@@ -225,7 +218,7 @@ def make_eval_step(
 
     def step(view, batch, mask_B, padded=False):
         with spmd.use_rules(rules, mesh):
-            model = model_vars.merge(view["params"], view.get("model_state", {}))
+            model = model_vars.merge(view.params, view.model_state if view.model_state is not None else {})
             model.eval()
             count = jnp.sum(mask_B)
             if padded and not getattr(loss_fn, "pipelined", False):  # each row's loss alone: padding weighs nothing
@@ -242,9 +235,16 @@ def make_eval_step(
                 out[name] = jnp.sum(values.astype(jnp.float32) * mask_B)
         return out
 
-    shardings = {k: sharded.shardings[k] for k in EVAL_KEYS if k in sharded.shardings}
-    return jax.jit(step, in_shardings=(shardings, batch_sharding, batch_sharding), out_shardings=spmd.sharding.replicated(mesh),
-                   static_argnums=3)
+    jitted = jax.jit(step, in_shardings=(eval_view(sharded.shardings), batch_sharding, batch_sharding),
+                     out_shardings=spmd.sharding.replicated(mesh), static_argnums=3)
+
+    def eval_step(view: TrainState | Mapping[str, Any], batch: Batch, mask_B: jax.Array, padded: bool = False):
+        if not isinstance(view, TrainState):  # a mapping {"params": ..., "model_state": ...}
+            view = TrainState(view["params"], model_state=view.get("model_state"))
+        return jitted(view, batch, mask_B, padded)
+
+    eval_step.lower = jitted.lower  # type: ignore[attr-defined]
+    return eval_step
 
 
 def _per_row_sums(loss_fn: LossFn, model: nnx.Module, batch: Batch, mask_B: jax.Array) -> dict[str, jax.Array]:

@@ -33,6 +33,7 @@ from trainers.checkpoint.validation import (
     short,
     standard_state,
 )
+from trainers.state import TrainState
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class Checkpointer:
             raise ValueError(f"step must be an integer >= 0, got {step!r}")
         step = int(step)
         data_state = check_data_state(data_state)
-        state = standard_state(state)
+        state = standard_state(state.as_dict() if isinstance(state, TrainState) else state)  # on disk: a dict
         if not self.should_save(step, force=force):
             return False
         # One save in flight at a time, as with orbax's own save: wait for the previous one to commit
@@ -248,11 +249,14 @@ class Checkpointer:
         Raises ValueError if stored shapes/dtypes differ from the target, and
         NoUsableCheckpointError if steps exist but none restores.
         """
+        typed = isinstance(abstract_state, TrainState)
+        abstract_state = abstract_state.as_dict() if typed else abstract_state
         check_abstract(abstract_state)
         found, restored, failures = self._restore_newest(abstract_state, step, lambda stored: (None, stored),
                                                          self._read, "checkpoint")
         if found is not None:
-            return found, *restored
+            state, data_state = restored
+            return found, TrainState.from_dict(state) if typed else state, data_state
         if not failures:
             return None
         listing = "\n".join(f"  step {s}: {r}" for s, r in failures)

@@ -1,6 +1,6 @@
 """Loss-spike and divergence guard: detect bad steps inside the train step, act on them on the host.
 
-In the step, a replicated window ``state["guard"]`` of the last accepted losses and gradient norms
+In the step, a replicated window ``state.guard`` of the last accepted losses and gradient norms
 flags a non-finite or spiking step, and :func:`check_update` a proposed update too large for the
 params (``run.max_update_ratio``, ``run.max_param_growth``); a flagged update is not applied. In the
 loop, :class:`Guard` logs each :class:`GuardEvent` and applies ``run.guard``: ``skip``, ``rollback``
@@ -19,6 +19,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from trainers.state import TrainState
 
 log = logging.getLogger(__name__)
 
@@ -315,14 +317,22 @@ def window_from_json(data: dict[str, Any] | None, window: int, mesh: jax.shardin
 
 def add_window(sharded: Any, window: int, mesh: jax.sharding.Mesh) -> Any:
     """``sharded`` (a ``trainers.state.ShardedState``) with an empty replicated guard window in its state."""
-    from trainers.state import ShardedState
-
-    if "guard" in sharded.state:
-        raise ValueError(f"the state already has a 'guard' window; keys: {sorted(sharded.state)}")
+    if sharded.state.guard is not None:
+        raise ValueError(f"the state already has a guard window; fields: {sharded.state.keys()}")
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(sharded.state)):  # an abstract state
         window_state = jax.eval_shape(lambda: init_state(window))
     else:
         window_state = jax.jit(lambda: init_state(window), out_shardings=rep)()
-    return ShardedState(sharded.model, {**sharded.state, "guard": window_state},
-                   {**sharded.shardings, "guard": jax.tree.map(lambda _: rep, window_state)})
+    return dataclasses.replace(sharded, state=sharded.state.replace(guard=window_state),
+                               shardings=sharded.shardings.replace(guard=jax.tree.map(lambda _: rep, window_state)))
+
+
+def attach(state: TrainState, saved: Any, window: int, mesh: jax.sharding.Mesh) -> TrainState:
+    """``state`` with the window a checkpoint's data state saved (:func:`window_to_json`; None: empty)."""
+    return state.replace(guard=window_from_json(saved, window, mesh))
+
+
+def detach(state: TrainState) -> TrainState:
+    """``state`` without its window: what checkpoints hold (the window is saved as JSON beside it)."""
+    return state.replace(guard=None)
