@@ -6,9 +6,11 @@ no exclude list: a new notebook is picked up by being added) is executed with nb
 on any cell error and checks the figures: at least one per notebook, the designed number for the
 notebooks listed in ``EXPECTED_FIGURES``, and one from every cell that creates a matplotlib figure.
 
-Cheap static checks run on the stored files: valid nbformat, outputs stripped, the device set-up
-in the first code cell, and imports only from the public API of ``meshes``, ``spmd`` and
-``trainers`` (their ``__init__`` exports; submodules only where the package exports them).
+Cheap static checks run on the stored files: valid nbformat, stored with the outputs of their
+current sources (``notebooks/execute.py`` stamps each code cell with its source's hash), the device
+set-up in the first code cell, and imports only from the public API of ``meshes``, ``spmd`` and
+``trainers`` (their ``__init__`` exports; submodules only where the package exports them). The
+execution test also fails when the stored outputs are stale: other output kinds or figure counts.
 
 The kernel shares the test suite's persistent compilation cache (``SPMD_TEST_COMPILE_CACHE`` or
 ``.jax_cache``), so a re-run compiles almost nothing. Execution tests are marked ``slow`` (they
@@ -17,6 +19,7 @@ still run in CI); ``-m "not slow"`` leaves them out locally.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pkgutil
 import re
@@ -33,6 +36,10 @@ import trainers
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = ROOT / "notebooks"
+_spec = importlib.util.spec_from_file_location("notebooks_execute", NOTEBOOK_DIR / "execute.py")
+_execute = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_execute)  # notebooks/execute.py: how the stored outputs were made
+execute, scrub, source_sha = _execute.execute, _execute.scrub, _execute.source_sha
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 IDS = [p.stem for p in NOTEBOOKS]
 
@@ -48,7 +55,6 @@ EXPECTED_FIGURES = {
     "07_bring_your_own_model": 2,  # one digit per class; loss and accuracy curves with the resume marked
     "08_long_context_and_experts": 4,  # seq layout; ring schedule work; dispatch per device and expert; load per expert
 }
-CELL_TIMEOUT_S = 300
 KERNEL = "python3"
 FIGURE_CALL = re.compile(r"\bplt\.(subplots|figure)\(")
 PACKAGES = {"meshes": meshes, "spmd": spmd, "trainers": trainers}
@@ -117,8 +123,12 @@ def test_stored_notebook_is_clean(path: Path):
     assert kernelspec.get("name") == KERNEL, f"{path.name}: kernelspec {kernelspec}, expected name {KERNEL!r}"
     cells = code_cells(nb)
     assert cells, f"{path.name} has no code cells"
-    dirty = [i for i, c in enumerate(cells) if c.outputs or c.execution_count is not None]
-    assert not dirty, f"{path.name}: code cells {dirty} are stored with outputs; strip them before committing"
+    stale = [i for i, c in enumerate(cells) if c.metadata.get("spmd", {}).get("source_sha256") != source_sha(c.source)]
+    assert not stale, (f"{path.name}: code cells {stale} are stored without the outputs of their current source; "
+                       f"run .venv/bin/python notebooks/execute.py {path.stem}")
+    assert all(c.execution_count is not None for c in cells), f"{path.name}: stored with cells that never ran"
+    volatile = [i for i, c in enumerate(cells) for out in c.outputs if scrub(_text(out)) != _text(out)]
+    assert not volatile, f"{path.name}: code cells {volatile} store addresses, temporary paths or timings"
     first = cells[0].source
     assert DEVICE_SETUP.search(first) and "import jax\n" not in first, (
         f"{path.name}: the first code cell must set up the devices before anything imports jax: "
@@ -147,37 +157,32 @@ def test_figure_count_can_be_zero():
     assert (figures(text), figures(image), figures(nbformat.v4.new_code_cell("x"))) == (0, 1, 0)
 
 
-def kernel_env() -> dict[str, str]:
-    """The kernel's environment: 8 simulated CPU devices, Jupyter's inline (Agg) matplotlib backend,
-    this source tree on the path, and the test suite's persistent compilation cache."""
-    env = dict(os.environ)
-    flag = "--xla_force_host_platform_device_count=8"
-    if flag not in env.get("XLA_FLAGS", ""):
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"  # Agg rendering, images as outputs
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
-    cache = os.environ.get("SPMD_TEST_COMPILE_CACHE", str(ROOT / ".jax_cache"))
-    env["JAX_COMPILATION_CACHE_DIR"] = os.path.abspath(cache)
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-    return env
+def _text(out) -> str:
+    """The text of one output (a stream's, or a result's text/plain), for the volatility check."""
+    if out.get("output_type") == "stream":
+        return out.get("text", "")
+    value = out.get("data", {}).get("text/plain", "")
+    return "".join(value) if isinstance(value, list) else value
+
+
+def kinds(cells) -> list[list[str]]:
+    """Per code cell, the kinds of its outputs (stream names, result MIME types), in order."""
+    return [[out.get("name") if out.output_type == "stream" else out.output_type + ":" + ",".join(
+        sorted(k for k in out.get("data", {}) if k != "text/plain")) for out in c.outputs] for c in cells]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_notebook_runs(path: Path, tmp_path: Path, record_property):
-    from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
 
+    stored = nbformat.read(path, as_version=4)
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(
-        nb, kernel_name=KERNEL, timeout=CELL_TIMEOUT_S, startup_timeout=120,
-        resources={"metadata": {"path": str(tmp_path)}},  # cwd: nothing is written next to the notebooks
-    )
+    for cell in code_cells(nb):
+        cell.outputs, cell.execution_count = [], None
     start = time.perf_counter()
-    try:
-        client.execute(env=kernel_env())
+    try:  # cwd: tmp_path, nothing is written next to the notebooks
+        execute(nb, str(tmp_path), os.environ.get("SPMD_TEST_COMPILE_CACHE"))
     except CellExecutionError as err:
         pytest.fail(f"{path.name} failed in a cell:\n{err}", pytrace=False)
     elapsed = time.perf_counter() - start
@@ -196,3 +201,8 @@ def test_notebook_runs(path: Path, tmp_path: Path, record_property):
         assert n_figures == EXPECTED_FIGURES[path.stem], (
             f"{path.name} drew {n_figures} figure(s), designed to draw {EXPECTED_FIGURES[path.stem]}"
         )
+    fresh, old = kinds(cells), kinds(code_cells(stored))
+    assert fresh == old and n_figures == sum(figures(c) for c in code_cells(stored)), (
+        f"{path.name}: the stored outputs are stale (cells whose output kinds differ: "
+        f"{[i for i, (a, b) in enumerate(zip(fresh, old)) if a != b]}); run .venv/bin/python notebooks/execute.py "
+        f"{path.stem}")
