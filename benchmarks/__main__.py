@@ -43,7 +43,9 @@ assert tuple(BENCHMARKS) == common.ORDER
 def main(argv: Sequence[str] | None = None) -> int:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--only", nargs="+", default=list(BENCHMARKS), metavar="NAME",
-                   help=f"benchmarks to run (default all): {', '.join(BENCHMARKS)}")
+                   help="benchmarks to run (default all): " + "; ".join(
+                       f"{name}: {(sys.modules[fn.__module__].__doc__ or '').strip().splitlines()[0]}"
+                       for name, fn in BENCHMARKS.items()))
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     unknown = [name for name in args.only if name not in BENCHMARKS]
     if unknown:
