@@ -190,6 +190,7 @@ REMOVED = {
     "Config.schedule, override keys schedule.*": "Config.lr, keys lr.*",
     "trainers.state.Sharded": "trainers.state.ShardedState",
     "trainers.planning.planner.estimate": "trainers.planning.planner.estimate_layout",
+    "spmd.pipeline.manual": "spmd.manual (shared by pipelines and gradient accumulation)",
     "trainers.launch.cli.EXIT_*": "trainers.launch.exits (cli still imports them)",
 }
 

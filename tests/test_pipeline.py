@@ -14,7 +14,7 @@ import meshes
 import spmd
 from spmd.models import GPT, GPTConfig
 from spmd.pipeline import PipelineConfig, get_schedule
-from spmd.pipeline.manual import manual_batch_axes
+from spmd.manual import manual_batch_axes
 from spmd.pipeline.sends import hlo_sent_bytes
 
 TOL = 1e-5

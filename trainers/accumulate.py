@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from meshes import axis_sizes
 from spmd import collectives
 from spmd.pipeline.config import split_microbatches
-from spmd.pipeline.manual import manual_batch_axes, with_inner_rules
+from spmd.manual import manual_batch_axes, with_inner_rules
 from spmd.rules import Rules, axes_of
 
 

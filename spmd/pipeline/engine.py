@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from spmd.pipeline.layout import ParamLayout, param_layout
-from spmd.pipeline.manual import manual_batch_axes, with_inner_rules
+from spmd.manual import manual_batch_axes, with_inner_rules
 from spmd.pipeline.order import NATURAL, LayerOrder, order_of
 from spmd.pipeline.schedules import BACKWARD, FORWARD, IDLE, WEIGHT, Schedule
 from spmd.pipeline.sends import send_plan

@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from spmd import collectives
-from spmd.pipeline.manual import param_axes
+from spmd.manual import param_axes
 from spmd.rules import Rules, RulesError, axes_of
 from spmd.sharding import spec_for, variable_dims
 

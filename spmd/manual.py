@@ -1,7 +1,8 @@
-"""Which mesh axes run Manual inside the pipeline's ``shard_map``, and the rule set model code sees there.
+"""Which mesh axes run Manual inside a ``shard_map`` over the batch, and the rule set model code sees there.
 
-``pipe`` is always manual; so are the axes the rule set splits ``batch`` over (``data``, ``fsdp``)
-while each microbatch's rows still divide (:func:`manual_batch_axes`). Inside, the model's
+Shared by the pipeline engine (``axis="pipe"``, always manual) and gradient accumulation's once-per-step
+reduction: the axes the rule set splits ``batch`` over (``data``, ``fsdp``) run manual while each
+microbatch's rows still divide (:func:`manual_batch_axes`). Inside, the model's
 activation constraints are re-targeted at the partly manual mesh with those axes stripped
 (:func:`with_inner_rules`): a constraint may only name automatic axes (``tensor``).
 """
