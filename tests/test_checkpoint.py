@@ -516,6 +516,34 @@ def test_a_step_in_the_earlier_format_still_restores(tmp_path):
     assert (metadata[6]["use_zarr3"], metadata[7]["use_zarr3"]) == (False, True)  # the two formats side by side
 
 
+def test_a_train_state_is_stored_as_the_dict_of_its_fields(tmp_path):
+    """A typed ``TrainState`` is saved as the plain dict of its set fields (what orbax alone reads, and what
+    dict states wrote before it existed) and restored as a ``TrainState``; a dict checkpoint restores onto one."""
+    from trainers.state import TrainState
+
+    d = _state(seed=3)
+    typed = TrainState(d["params"], d["opt"], d["step"], model_state={"stat": d["params"]["b"]})
+    with _ckpt(tmp_path) as ck:
+        assert ck.save(1, typed, {"pos": 1})
+        ck.wait()
+        step, restored, _ = ck.restore(_abstract(typed))
+    assert step == 1 and isinstance(restored, TrainState) and restored.guard is None
+    assert _trees_bit_equal(restored, typed) and sorted(restored.keys()) == ["model_state", "opt_state", "params", "step"]
+    plain = _plain_orbax_restore(tmp_path / "ckpt", 1, _abstract(typed.as_dict()))
+    assert isinstance(plain, dict) and _trees_bit_equal(plain, typed.as_dict())
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(tmp_path / "written_as_dict") as manager:  # a checkpoint of a dict state
+        manager.save(2, args=ocp.args.Composite(state=ocp.args.StandardSave(typed.as_dict()),
+                                                data=ocp.args.JsonSave({"pos": 2})))
+        manager.wait_until_finished()
+    with Checkpointer(tmp_path / "written_as_dict", CheckpointConfig(every_steps=1)) as ck:
+        _, again, _ = ck.restore(_abstract(typed))
+    assert isinstance(again, TrainState) and _trees_bit_equal(again, typed)
+    with pytest.raises(ValueError, match="no fields \\['opt'\\]"):
+        TrainState.from_dict(d)  # a dict that is not a train state's fields is refused by name
+
+
 # ----------------------------------------------------------------------------- saving in the background
 def _numpy(tree):
     return jax.tree.map(np.asarray, tree)
