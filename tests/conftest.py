@@ -4,6 +4,7 @@ import os
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    + " --xla_cpu_enable_concurrency_optimized_scheduler=false"  # meshes.simulate.CPU_FLAGS: one collective order
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
