@@ -28,6 +28,7 @@ def compile_layouts(cfg: Config, layouts: Sequence, devices: int, hardware: str 
                     headroom: float | None = None, task: Task | str | None = None) -> list[DryRunReport]:
     """The dry run of ``cfg`` under each of ``layouts`` (:class:`trainers.planning.planner.Layout`), in order."""
     hw = get_hardware(hardware)
+    headroom = hw.headroom if headroom is None else headroom
     configs = [layout.apply(cfg) for layout in layouts]
     if not configs:
         return []
@@ -42,13 +43,49 @@ def compile_layouts(cfg: Config, layouts: Sequence, devices: int, hardware: str 
                          f"{jax.device_count()} runs in a subprocess, which must rebuild task {task.name!r}: pass its "
                          "'package.module:attribute' name instead of the Task object")
     root = import_root(task) if task is not None else None
-    return call_with_devices(f"{__name__}:dry_runs", [configs, task, devices, hw, headroom], {}, devices, path=root)
+    try:
+        return call_with_devices(f"{__name__}:dry_runs", [configs, task, devices, hw, headroom], {}, devices, path=root)
+    except RuntimeError as e:  # the child itself died (a crash, not an exception): one child per config
+        if len(configs) == 1:
+            return [failed_report(configs[0], devices, hw, headroom, _last_line(str(e)))]
+    return [r for c in configs for r in compile_layouts(c, [_Fixed()], devices, hw, headroom=headroom, task=task)]
+
+
+class _Fixed:
+    """A layout that leaves a config as it is (:func:`compile_layouts` of one config)."""
+
+    def apply(self, cfg: Config) -> Config:
+        return cfg
 
 
 def dry_runs(configs: list[Config], task: Task | str | None, devices: int, hw: Hardware,
              headroom: float) -> list[DryRunReport]:
-    """One dry run per config, in this process (whose backend has ``devices`` devices)."""
-    return [dry_run(c, task, devices=devices, hardware=hw, headroom=headroom) for c in configs]
+    """One dry run per config, in this process (whose backend has ``devices`` devices); a config whose
+    build or compile raises gets a report with the error's first line (:func:`failed_report`)."""
+    out = []
+    for c in configs:
+        try:
+            out.append(dry_run(c, task, devices=devices, hardware=hw, headroom=headroom))
+        except Exception as e:  # noqa: BLE001 - one failing candidate must not end the plan
+            first = next((line for line in str(e).splitlines() if line.strip()), "")
+            out.append(failed_report(c, devices, hw, headroom, f"{type(e).__name__}: {first}".rstrip(": ")))
+    return out
+
+
+def failed_report(cfg: Config, devices: int, hw: Hardware, headroom: float, error: str) -> DryRunReport:
+    """The report of a dry run that raised: nothing compiled (it never fits), ``error`` says why."""
+    try:
+        mesh = tuple(cfg.mesh.sizes(devices).items())
+    except ValueError:
+        mesh = ()
+    return DryRunReport(name=cfg.run.name, devices=devices, mesh=mesh, dcn_axes=(), rules=cfg.rules, hardware=hw,
+                        headroom=headroom, params=0, model_flops=0.0, analytic=None, compiled=None, state_bytes=0,
+                        batch_bytes=0, error=error)
+
+
+def _last_line(text: str) -> str:
+    """The last non-empty line of a child's error output (a crash's message)."""
+    return next((line.strip() for line in reversed(text.splitlines()) if line.strip()), text)
 
 
 def confirm_picks(cfg: Config, ranked: Sequence, k: int, devices: int, hw: Hardware, headroom: float,

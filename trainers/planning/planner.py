@@ -290,7 +290,8 @@ class Plan:
     def why_none(self) -> str:
         """One paragraph: why no layout is chosen (blockers, memory, or compiles that did not fit)."""
         if self.ranked and self.compiled:
-            tried = "; ".join(f"{e.layout}: {fmt_bytes(r.peak_bytes)}" for e, r in zip(self.ranked, self.compiled))
+            tried = "; ".join(f"{e.layout}: " + (f"compile failed: {r.error}" if r.error else fmt_bytes(r.peak_bytes))
+                              for e, r in zip(self.ranked, self.compiled))
             return (f"none of the {len(self.compiled)} compiled picks for {self.devices} devices fits "
                     f"{self.hardware.name} (budget {fmt_bytes(self.budget)}): {tried}")
         head = f"no layout of {self.devices} devices fits {self.hardware.name} (budget {fmt_bytes(self.budget)})"
