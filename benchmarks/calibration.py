@@ -30,7 +30,7 @@ RANK_GOAL = (5, 1.10)  # within the planner's top 5, or within 10% of its best s
 def run_rows(run: cal.PublishedRun, point: cal.Point, ranked: tuple[int, float] | None) -> list[Row]:
     """The rows of one published run."""
     lo, hi = cal.RATIO_BOUNDS
-    layout = ",".join(f"{a}={n}" for a, n in run.mesh) + f" {run.rules} remat={run.remat}"
+    layout = ",".join(f"{a}={n}" for a, n in run.mesh) + f" {run.rules} remat={run.remat}" + (f" accum={run.grad_accum}" if run.grad_accum > 1 else "")
     fig = f"{run.published:g} TFLOP/s/chip" if run.tflops else f"{run.published:g} tokens/s/device"
     mem = point.costs.memory.total
     rows = [

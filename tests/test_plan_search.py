@@ -12,6 +12,7 @@ import pytest
 
 from trainers import override, recipe
 from trainers.launch.plan import main
+from trainers.planning import calibration as cal
 from trainers.planning import confirm as confirm_lib
 from trainers.planning.planner import plan
 
@@ -58,3 +59,14 @@ def test_a_failing_config_in_the_fresh_process_gets_its_own_report():
     assert [bool(r.error) for r in reports] == [True, False]
     assert "{'data': 3}" in reports[0].error and "\n" not in reports[0].error and not reports[0].fits
     assert reports[1].fits and reports[1].compiled is not None
+
+
+def test_accumulation_holds_one_gradient_copy_and_the_published_30b_run_fits():
+    """MPT-30B on 8 A100s (FSDP, 21 microbatches of 3): it ran, so it must fit; a second f32 copy would not."""
+    run = next(r for r in cal.RUNS if r.grad_accum > 1 and r.hardware == "a100")
+    point = cal.estimate(run)
+    mem = point.costs.memory
+    assert point.fits and mem.grads == mem.params  # f32 parameters: one f32 gradient copy
+    assert mem.total + mem.grads > point.budget  # negative control: two copies would be rejected
+    result = plan(run.config(), 8, "a100", nearest=0)
+    assert result.ranked and any(e.layout.rules == "fsdp" and e.layout.sizes.get("fsdp") == 8 for e in result.ranked)

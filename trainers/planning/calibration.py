@@ -29,11 +29,16 @@ TT_A100 = "pytorch/torchtitan docs/performance.md @0413364"
 MT_V5P = "AI-Hypercomputer/maxtext MaxText/configs/v5p/README.md @76bd53b, {}.sh"
 MT_V5P_32B = "AI-Hypercomputer/maxtext README.md and MaxText/configs/v5p/32b.sh @9501baa"
 MT_V5E = "AI-Hypercomputer/maxtext MaxText/configs/v5e/README.md @76bd53b, {}.sh"
+LLMF = ("mosaicml/llm-foundry scripts/train/benchmarking/README.md @061f2c7, table {}; "
+        "scripts/train/yamls/pretrain/mpt-30b.yaml")
 
 LLAMA3_8B = dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336)
 LLAMA3_70B = dict(vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=28672)
 LLAMA2_13B = dict(vocab_size=32000, d_model=5120, n_layers=40, n_heads=40, d_ff=13824)
 LLAMA2_70B = dict(vocab_size=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=28672)
+# MPT-30B (d_model 7168, 56 heads, 48 layers, vocab 50368, GELU MLP of 4 D): the toolkit's SwiGLU at the
+# same MLP parameters and FLOPs, 3 D F = 8 D^2 (F = 8 D / 3, rounded down to a multiple of 8)
+MPT_30B = dict(vocab_size=50368, d_model=7168, n_layers=48, n_heads=56, d_ff=19112)
 
 
 def maxtext_model(scale: int) -> dict:
@@ -60,6 +65,7 @@ class PublishedRun:
     source: str
     tflops: bool = False  # MaxText reports model TFLOP/s per chip (PaLM counting, as spmd.models.flops_per_token)
     note: str = ""
+    grad_accum: int = 1  # microbatches per step (batch_per_device counts all of them)
 
     @property
     def devices(self) -> int:
@@ -70,7 +76,8 @@ class PublishedRun:
         mesh_arg = ",".join(f"{a}={n}" for a, n in self.mesh)
         cfg = Config(model=model, rules=self.rules,
                      data=DataConfig(seq_len=self.seq_len, global_batch=self.batch_per_device * self.devices))
-        return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, axes=mesh_arg))
+        return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, axes=mesh_arg),
+                                   run=dataclasses.replace(cfg.run, grad_accum=self.grad_accum))
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -110,6 +117,12 @@ RUNS: tuple[PublishedRun, ...] = (
                  MT_V5E.format("32b"), tflops=True, note="remat full; 66.86% MFU"),
     PublishedRun("maxtext-64b v5e-256", maxtext_model(64), 2048, 2, "tpu-v5e", (("fsdp", 256),), "fsdp", "full", 118,
                  MT_V5E.format("64b"), tflops=True, note="remat full; 59.90% MFU"),
+    PublishedRun("mpt-30b fsdp8 a100 accum21", MPT_30B, 2048, 63, "a100", (("fsdp", 8),), "fsdp", "full", 916,
+                 LLMF.format("A100 80GB"), grad_accum=21,
+                 note="FULL_SHARD, activation checkpointing, microbatch 3 x 21; 55.3% MFU"),
+    PublishedRun("mpt-30b fsdp8 h100 accum21", MPT_30B, 2048, 63, "h100", (("fsdp", 8),), "fsdp", "full", 2002,
+                 LLMF.format("H100 80GB BF16"), grad_accum=21,
+                 note="FULL_SHARD, activation checkpointing, microbatch 3 x 21; 38.1% MFU"),
 )
 
 
@@ -172,7 +185,7 @@ def table(points: list[Point] | None = None, ranks: dict[str, tuple[int, float]]
     for p in points:
         r = p.run
         fig = f"{r.published:g} TFLOP/s/chip" if r.tflops else f"{r.published:g} tokens/s/device"
-        layout = ",".join(f"{a}={n}" for a, n in r.mesh) + f" {r.rules} remat={r.remat}"
+        layout = ",".join(f"{a}={n}" for a, n in r.mesh) + f" {r.rules} remat={r.remat}" + (f" accum={r.grad_accum}" if r.grad_accum > 1 else "")
         row = (f"| {r.name} | {r.devices} {r.hardware} | {layout} | {fig} | {r.tokens_per_device:,.0f} | "
                f"{p.tokens_per_device:,.0f} | {p.ratio:.2f} | {p.costs.memory.total / 1e9:.1f} / {p.hbm / 1e9:.1f} ({p.budget / 1e9:.1f}) GB |")
         if ranks:
