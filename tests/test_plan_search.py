@@ -10,11 +10,13 @@ import dataclasses
 
 import pytest
 
+import spmd
 from trainers import override, recipe
 from trainers.launch.plan import main
 from trainers.planning import calibration as cal
 from trainers.planning import confirm as confirm_lib
-from trainers.planning.planner import plan
+from trainers.planning import dryrun as dryrun_lib
+from trainers.planning.planner import estimate_layout, plan
 
 
 def test_a_compile_that_raises_drops_only_its_candidate(monkeypatch, capsys):
@@ -70,3 +72,46 @@ def test_accumulation_holds_one_gradient_copy_and_the_published_30b_run_fits():
     assert mem.total + mem.grads > point.budget  # negative control: two copies would be rejected
     result = plan(run.config(), 8, "a100", nearest=0)
     assert result.ranked and any(e.layout.rules == "fsdp" and e.layout.sizes.get("fsdp") == 8 for e in result.ranked)
+
+
+def test_pipelined_tensor_all_reduces_count_the_ticks_each_stage_runs(monkeypatch):
+    """pipe=2 x tensor=4, 1F1B: the compiled step's tensor all-reduces sit in the tick loop's switch; weighed by
+    the ticks the busiest stage runs each branch they match the analytic count (bytes within 10%).
+    Negative control: counted on every tick of every branch they are several times more."""
+    cfg = override(recipe("gpt-small", tiny=True), ["mesh.axes=pipe=2,tensor=4", "rules=tp", "model.remat=false",
+                                                    "pipeline.schedule=1f1b", "pipeline.microbatches=4",
+                                                    "data.global_batch=8", "model.dtype=bfloat16", "model.n_layers=8"])
+    report = dryrun_lib.dry_run(cfg, devices=8, hardware="a100")
+    (compiled,) = [x for x in report.traffic if x.kind == "all-reduce" and x.axes == ("tensor",)]
+    (analytic,) = [x for x in report.analytic_traffic if x.kind == "all-reduce" and x.axes == ("tensor",)]
+    assert 0.9 <= compiled.bytes / analytic.bytes <= 1.1, (compiled, analytic)
+    # time: the loss's few small reductions, which the analytic count leaves out, weigh in a tiny model's latency
+    assert 0.9 <= compiled.seconds / analytic.seconds <= 1.15, (compiled, analytic)
+    upper = sum(op.count * op.bytes for op in report.collectives if op.axes == ("tensor",) and op.kind == "all-reduce")
+    assert upper == compiled.bytes  # the report's collectives carry the weighed counts
+    ticks = spmd.pipeline.sends.branch_ticks(spmd.pipeline.get_schedule("1f1b", 2, 4))
+    assert ticks.sum(1).tolist() == [ticks.sum() // 2] * 2 and (ticks[:, 1] + ticks[:, 2]).tolist() == [4, 4]
+    monkeypatch.setattr(dryrun_lib, "branch_weighted", lambda ops, *_: ops)  # every branch on every tick
+    (upper,) = [x for x in dryrun_lib.dry_run(cfg, devices=8, hardware="a100").traffic
+                if x.kind == "all-reduce" and x.axes == ("tensor",)]
+    assert upper.bytes > 2 * analytic.bytes
+
+
+def test_remat_policies_are_searched_and_the_8b_run_gets_selective_remat():
+    """Llama 3 8B on 8 H100s (torchtitan, FSDP, selective AC): the planner proposes a selective policy at or
+    under the published step; the memory model prunes: for the published mesh the policies that keep more
+    are rejected for memory, and full (more recompute than the first that fits) is never estimated."""
+    run = next(r for r in cal.RUNS if r.name == "llama3-8b fsdp8 h100")
+    cfg = run.config()
+    published_step = cfg.data.global_batch * cfg.data.seq_len / run.devices / run.tokens_per_device
+    result = plan(cfg, 8, run.hardware, nearest=0)
+    best = result.best
+    assert best.layout.remat in ("save_dots", "save_all_but_gathered"), best.layout
+    assert best.roofline.step_s <= published_step
+    mine = [e for e in result.ranked + result.rejected if e.layout.mesh_arg == "fsdp=8" and e.layout.rules == "fsdp"]
+    assert [e.layout.remat for e in mine if not e.fits] == [False, "save_all_but_gathered"]
+    assert [e.layout.remat for e in mine if e.fits] == ["save_dots"]
+    assert all(e.memory.total > e.budget for e in mine if not e.fits)
+    # negative control: the on/off search's answer, full remat, is slower than the selective pick
+    full = estimate_layout(cfg, dataclasses.replace(best.layout, remat=True), run.hardware)
+    assert full.fits and full.roofline.step_s > 1.1 * best.roofline.step_s

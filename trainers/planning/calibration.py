@@ -1,6 +1,6 @@
 """Published training runs, expressed in the toolkit, and the planner's estimate for each.
 
-Each :class:`PublishedRun` is a run someone else measured (torchtitan's and MaxText's performance tables):
+Each :class:`PublishedRun` is a run someone else measured (torchtitan's, MaxText's and llm-foundry's tables):
 the model as a GPT config, sequence, per-device batch, devices, hardware, the published layout (mesh,
 rule set, remat policy) and the reported throughput, with the source file. :func:`estimate` prices it
 with the analytic model the planner ranks by (:func:`trainers.planning.costs.layout_costs`) and
