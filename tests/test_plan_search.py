@@ -7,6 +7,7 @@ uses); the negative control is the same plan without the failure, which confirms
 """
 
 import dataclasses
+import json
 
 import pytest
 
@@ -16,6 +17,7 @@ from trainers.launch.plan import main
 from trainers.planning import calibration as cal
 from trainers.planning import confirm as confirm_lib
 from trainers.planning import dryrun as dryrun_lib
+from trainers.planning.fresh_process import encode
 from trainers.planning.planner import estimate_layout, plan
 
 
@@ -115,3 +117,38 @@ def test_remat_policies_are_searched_and_the_8b_run_gets_selective_remat():
     # negative control: the on/off search's answer, full remat, is slower than the selective pick
     full = estimate_layout(cfg, dataclasses.replace(best.layout, remat=True), run.hardware)
     assert full.fits and full.roofline.step_s > 1.1 * best.roofline.step_s
+
+
+def test_a_compiling_process_that_dies_loses_only_the_config_it_died_on(monkeypatch):
+    """The child appends each finished report to its progress file; when it dies (an XLA abort), the parent keeps
+    those, reports the next config as failed with the signal, and compiles the rest in a new child."""
+    good = recipe("gpt-small", tiny=True)
+    configs = [override(good, [f"run.name=c{i}"]) for i in range(4)]
+    calls = []
+
+    def child(function, args, kwargs, devices, path=None):
+        todo = args[0]
+        calls.append([c.run.name for c in todo])
+        if len(calls) == 1:  # finishes c0, dies on c1
+            first = confirm_lib.failed_report(todo[0], devices, args[3], args[4], "")
+            with open(kwargs["progress"], "a") as f:
+                f.write(json.dumps(encode(first)) + "\n")
+            raise RuntimeError(f"{function} in a subprocess with {devices} simulated CPU devices failed (exit -6):\n")
+        return [confirm_lib.failed_report(c, devices, args[3], args[4], "") for c in todo]
+
+    monkeypatch.setattr(confirm_lib, "call_with_devices", child)
+
+    class Fixed:
+        def __init__(self, cfg):
+            self.cfg = cfg
+
+        def apply(self, _):
+            return self.cfg
+
+    reports = confirm_lib.compile_layouts(good, [Fixed(c) for c in configs], 4, "h100")
+    assert calls == [["c0", "c1", "c2", "c3"], ["c2", "c3"]]
+    assert [r.name for r in reports] == ["c0", "c1", "c2", "c3"]
+    assert reports[1].error == "the compiling process was killed by SIGABRT, with no message"
+    assert [bool(r.error) for r in reports] == [False, True, False, False]
+    assert confirm_lib._crash_line("x failed (exit 1):\nF1126 12:00:00 hlo.cc:1] Check failed: a == b\nAborted") == \
+        "F1126 12:00:00 hlo.cc:1] Check failed: a == b"
