@@ -43,8 +43,8 @@ def compile_layouts(cfg: Config, layouts: Sequence, devices: int, hardware: str 
     if _here(devices):  # else a child: a compile that aborts ends only it
         return dry_runs(configs, task, devices, hw, headroom)
     if isinstance(task, Task):
-        raise ValueError(f"compiling layouts for {devices} devices on a backend that started with "
-                         f"{jax.device_count()} runs in a subprocess, which must rebuild task {task.name!r}: pass its "
+        raise ValueError(f"compiling layouts for {devices} devices runs in a subprocess here (this process does "
+                         f"not have that many), which must rebuild task {task.name!r}: pass its "
                          "'package.module:attribute' name instead of the Task object")
     root = import_root(task) if task is not None else None
     reports: list[DryRunReport] = []
