@@ -29,6 +29,7 @@ TT_A100 = "pytorch/torchtitan docs/performance.md @0413364"
 MT_V5P = "AI-Hypercomputer/maxtext MaxText/configs/v5p/README.md @76bd53b, {}.sh"
 MT_V5P_32B = "AI-Hypercomputer/maxtext README.md and MaxText/configs/v5p/32b.sh @9501baa"
 MT_V5E = "AI-Hypercomputer/maxtext MaxText/configs/v5e/README.md @76bd53b, {}.sh"
+MT_V5P_BIG = "AI-Hypercomputer/maxtext MaxText/configs/v5p/README.md @0ed7bd5, {}.sh @0777510"
 LLMF = ("mosaicml/llm-foundry scripts/train/benchmarking/README.md @061f2c7, table {}; "
         "scripts/train/yamls/pretrain/mpt-30b.yaml")
 
@@ -111,6 +112,10 @@ RUNS: tuple[PublishedRun, ...] = (
                  "fsdp_tp_sp", "save_dots", 323, MT_V5P.format("64b"), tflops=True, note="remat minimal; 70.31% MFU; batch 3 since the Llama-style model"),
     PublishedRun("maxtext-128b v5p-256", maxtext_model(128), 2048, 1, "tpu-v5p", (("fsdp", 16), ("tensor", 8)),
                  "fsdp_tp_sp", "save_dots", 315, MT_V5P.format("128b"), tflops=True, note="remat minimal; 68.68% MFU"),
+    PublishedRun("maxtext-256b v5p-1024", maxtext_model(256), 2048, 1, "tpu-v5p", (("fsdp", 64), ("tensor", 8)),
+                 "fsdp_tp_sp", "save_dots", 308, MT_V5P_BIG.format("256b"), tflops=True, note="remat minimal; 67.09% MFU"),
+    PublishedRun("maxtext-512b v5p-1024", maxtext_model(512), 2048, 2, "tpu-v5p", (("fsdp", 64), ("tensor", 8)),
+                 "fsdp_tp_sp", "full", 294, MT_V5P_BIG.format("512b"), tflops=True, note="remat full; 63.99% MFU"),
     PublishedRun("maxtext-16b v5e-256", maxtext_model(16), 2048, 6, "tpu-v5e", (("fsdp", 256),), "fsdp", "full", 120,
                  MT_V5E.format("16b"), tflops=True, note="remat full; 61.10% MFU"),
     PublishedRun("maxtext-32b v5e-256", maxtext_model(32), 2048, 4, "tpu-v5e", (("fsdp", 256),), "fsdp", "full", 132,
