@@ -34,6 +34,9 @@ from trainers.trace import PROCESSES, parse_steps
 from trainers.validate import check_fsdp_gather, check_pipeline
 
 
+AUTO = "auto"  # mesh.axes: the planner picks mesh, rule set and remat (trainers.planning.resolve_auto)
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Mesh axis sizes in the CLI form (``"data=2,tensor=4"``; -1 infers one), DCN sizes across slices."""
@@ -43,13 +46,21 @@ class MeshConfig:
     axis_type: str = "auto"
 
     def __post_init__(self) -> None:
-        self.spec  # validates names and sizes now, not on the pod
+        if self.axes != AUTO:
+            self.spec  # validates names and sizes now, not on the pod
+        elif self.dcn:
+            raise ValueError(f"mesh.axes='auto' with mesh.dcn={self.dcn!r}: the planner chooses single-slice layouts; "
+                             "give mesh.axes explicitly for a multi-slice run")
         if self.axis_type not in meshes.AXIS_TYPES:
             raise ValueError(f"mesh.axis_type {self.axis_type!r} is not one of {sorted(meshes.AXIS_TYPES)}")
 
     @property
     def spec(self) -> meshes.MeshSpec:
         """The validated :class:`meshes.MeshSpec` (ICI sizes, DCN sizes) of ``axes`` and ``dcn``."""
+        if self.axes == AUTO:
+            raise ValueError("mesh.axes='auto' is a layout the planner has not chosen yet: resolve it first with "
+                             "trainers.planning.resolve_auto(cfg) (spmd-train --mesh auto does), or give axis sizes "
+                             "such as mesh.axes=fsdp=-1")
         return meshes.MeshSpec.of(self.axes, self.dcn or None)
 
     def sizes(self, devices: int) -> dict[str, int]:
@@ -164,7 +175,7 @@ class Config:
             raise ValueError(f"model.vocab_size {self.model.vocab_size} < data.vocab_size {self.data.vocab_size}")
         if self.local_sgd.enabled:
             self._check_local_sgd()
-        if self.pipeline.enabled:
+        if self.pipeline.enabled and self.mesh.axes != AUTO:
             # checked when the config is built (``spmd-train --set`` fails before any compile), with the
             # axis sizes mesh.axes fixes; an inferred (-1) axis skips the checks that need its size
             spec = self.mesh.spec

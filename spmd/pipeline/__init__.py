@@ -8,7 +8,7 @@
 from spmd.pipeline.config import SCHEDULES, PipelineConfig, pipelined_loss
 from spmd.pipeline.order import LayerOrder
 from spmd.pipeline.schedules import NAMES, Schedule, get_schedule
-from spmd.pipeline.sends import SentBytes, hlo_sent_bytes, send_plan, sent_bytes
+from spmd.pipeline.sends import SentBytes, hlo_branch_counts, hlo_sent_bytes, send_plan, sent_bytes
 
 __all__ = ["LayerOrder", "NAMES", "PipelineConfig", "SCHEDULES", "Schedule", "SentBytes", "get_schedule",
-           "hlo_sent_bytes", "pipelined_loss", "send_plan", "sent_bytes"]
+           "hlo_branch_counts", "hlo_sent_bytes", "pipelined_loss", "send_plan", "sent_bytes"]

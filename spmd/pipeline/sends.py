@@ -6,7 +6,8 @@ minimum. :func:`send_plan` lists each tick's (source, target) stage pairs; the e
 ``ppermute`` s with exactly those pairs, both directions in one ``lax.switch`` branch picked by the
 tick (the same branch on every device), and none on a tick without sends. :func:`sent_bytes` counts that from the table;
 :func:`hlo_sent_bytes` reads the compiled program and weighs each switch branch by how often the
-table takes it. See docs/pipelines.md.
+table takes it; :func:`hlo_branch_counts` weighs the collectives of the compute switch (a stage's
+tensor all-reduces, ...) by the ticks each stage runs each op. See docs/pipelines.md.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from spmd import hlo
-from spmd.pipeline.schedules import BACKWARD, FORWARD, Schedule
+from spmd.pipeline.schedules import BACKWARD, FORWARD, IDLE, WEIGHT, Schedule
 
 Pairs = tuple[tuple[int, int], ...]  # (source stage, target stage)
 
@@ -159,3 +160,68 @@ def hlo_sent_bytes(compiled: Any, schedule: Schedule, mesh: Mesh, axis: str = "p
                                  f"schedule's {schedule.n_ticks} ticks: it is not the engine's tick loop")
             executed += int((index == k).sum()) * (comp.count // schedule.n_ticks) * len(pairs) * nbytes[m.group(1)]
     return {"executed": executed, "unattributed": unattributed}
+
+
+_CALLS = re.compile(r"(?:body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_COLLECTIVE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*\b(?:all-reduce|all-gather|reduce-scatter|all-to-all|"
+                         r"collective-permute)(?:-start)?\(")
+
+
+def _callees(comp: hlo.Computation) -> list[str]:
+    """The computations ``comp`` calls: loop bodies and conditions, calls, branches."""
+    out = []
+    for line in comp.lines:
+        out += _CALLS.findall(line)
+        for group in _BRANCHES.findall(line):
+            out += re.findall(r"%?([\w.\-]+)", group)
+    return out
+
+
+def branch_ticks(schedule: Schedule) -> np.ndarray:
+    """``[S, 5]``: per stage, the ticks the table engine's compute switch takes each branch (idle, forward,
+    last chunk's forward with the head, backward or B, W), as :mod:`spmd.pipeline.engine` codes its ops."""
+    out = np.zeros((schedule.n_stages, 5), np.int64)
+    for t in range(schedule.n_ticks):
+        for s in range(schedule.n_stages):
+            kind, _, v = (int(x) for x in schedule.actions[t, s])
+            last = v * schedule.n_stages + s == schedule.n_chunks - 1
+            out[s, {IDLE: 0, BACKWARD: 3, WEIGHT: 4}.get(kind, 2 if last else 1)] += 1
+    return out
+
+
+def hlo_branch_counts(compiled: Any, schedule: Schedule) -> dict[str, tuple[int, ...]]:
+    """Per stage, the executions per step of each collective instruction (by name) inside the compute
+    switch of the table engine's tick loop (a conditional with one branch per op kind, run a multiple
+    of the ticks per step): its every-branch-every-tick count divided by the ticks, times the ticks that
+    stage takes the branch holding it (:func:`branch_ticks`). Collectives elsewhere are absent."""
+    comps = {c.name: c for c in hlo.computations(compiled)}
+    n_branches = 5 if schedule.split_backward else 4
+    ticks = branch_ticks(schedule)
+    ticks[:, n_branches - 1] += ticks[:, n_branches:].sum(1)  # the engine clamps the op code to its last branch
+    under: dict[str, set[int]] = {}  # computation -> the compute branches it runs under
+    for comp in comps.values():
+        if not comp.count or comp.count % schedule.n_ticks:
+            continue
+        for line in comp.lines:
+            found = _BRANCHES.search(line) if " conditional(" in line else None
+            names = re.findall(r"%?([\w.\-]+)", found.group(1)) if found else []
+            if len(names) != n_branches:
+                continue
+            for k, name in enumerate(names):
+                todo = [name]
+                while todo:
+                    c = todo.pop()
+                    if c in comps and k not in under.setdefault(c, set()):
+                        under[c].add(k)
+                        todo += _callees(comps[c])
+    out = {}
+    for name, ks in under.items():
+        comp = comps[name]
+        for line in comp.lines:
+            m = _COLLECTIVE.match(line)
+            if m and comp.count:
+                per_tick = comp.count / schedule.n_ticks
+                out[m.group(1)] = tuple(int(round(per_tick * sum(int(ticks[s, k]) for k in ks)))
+                                        for s in range(schedule.n_stages))
+    return out

@@ -75,7 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a 2-step smoke run (a recipe's tiny variant also shrinks its model)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set model.d_model=256 (repeatable)")
-    p.add_argument("--mesh", help="mesh axis sizes, e.g. data=2,tensor=4 (-1 infers one axis)")
+    p.add_argument("--mesh", help="mesh axis sizes, e.g. data=2,tensor=4 (-1 infers one axis), or auto: the planner "
+                                  "picks mesh, rule set and remat policy (those not fixed by --rules / --set model.remat*)")
     p.add_argument("--dcn", help="axis sizes across slices / hosts (multi-slice), e.g. data=2")
     p.add_argument("--rules", help="rule set: dp, fsdp, tp, dp_tp, fsdp_tp; sequence-parallel dp_tp_sp, fsdp_tp_sp; "
                                    "expert-parallel dp_ep, fsdp_ep, fsdp_tp_ep (every set splits the length over seq)")

@@ -9,11 +9,12 @@ import dataclasses
 import json
 
 import meshes
-from trainers.config import Config, RunConfig, override
+from trainers.config import AUTO, Config, RunConfig, override
 from trainers.config_files import config_file_overrides
 from trainers.launch.exits import EXIT_INTERNAL, EXIT_OK, EXIT_PREEMPTED
 from trainers.loop import train
 from trainers.planning import oom
+from trainers.planning.auto import resolve_auto
 from trainers.planning.dryrun import dry_run
 from trainers.planning.fresh_process import check_simulated
 from trainers.recipes import RECIPES, recipe, tiny_run
@@ -72,6 +73,19 @@ def build_config(args: argparse.Namespace, task=None):
     return resolve(cfg, check=False)  # (read as JSON: no jax work before the processes join)
 
 
+def fixed_choices(args: argparse.Namespace) -> dict:
+    """What ``--mesh auto`` leaves the planner: the rule set unless --rules names one, the remat policy
+    unless ``--set model.remat`` / ``model.remat_policy`` fixes it."""
+    fixed: dict = {"rules": args.rules or None, "remat": None}
+    for item in args.overrides:
+        key, _, value = item.partition("=")
+        if key == "model.remat_policy" and value:
+            fixed["remat"] = value
+        elif key == "model.remat" and value.lower() in ("true", "false"):
+            fixed["remat"] = value.lower() == "true"
+    return fixed
+
+
 def run(args: argparse.Namespace) -> int:
     """Train (or dry-run, or print the config of) what ``args`` say; the exit status. User errors
     raise (ValueError, OSError, ...); :func:`trainers.launch.cli.main` turns them into messages."""
@@ -89,8 +103,13 @@ def run(args: argparse.Namespace) -> int:
         if args.print_config:  # a valid --config file: every key, the same values
             print(json.dumps(dataclasses.asdict(cfg), indent=2))
             return EXIT_OK
-        report = dry_run(cfg, args.target if is_task else None, devices=args.devices or args.simulate_devices or None,
-                         hardware=args.hardware)
+        devices = args.devices or args.simulate_devices or None
+        if cfg.mesh.axes == AUTO:  # the planner's pick for the dry run's devices and hardware
+            if devices is None:
+                raise ValueError("--dry-run --mesh auto needs --devices N (the device count to plan for)")
+            cfg = resolve_auto(cfg, devices=devices, hardware=args.hardware, task=args.target if is_task else None,
+                               **fixed_choices(args))
+        report = dry_run(cfg, args.target if is_task else None, devices=devices, hardware=args.hardware)
         print(report.format())
         return EXIT_OK if report.fits else EXIT_INTERNAL  # documented: a dry run that does not fit exits 1
 
@@ -104,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
     if is_task:  # imported only now: its module may start jax
         task = load_target(args.target)
         cfg = build_config(args, task)
+    if cfg.mesh.axes == AUTO:  # the planner's pick for the devices this run has (or the one its run directory records)
+        cfg = resolve_auto(cfg, task=args.target if is_task else None, **fixed_choices(args))
     try:
         result = train(cfg, task)
     except Exception as e:  # out of memory is the config's: say by how much and what fits

@@ -1,6 +1,6 @@
 """Published training runs, expressed in the toolkit, and the planner's estimate for each.
 
-Each :class:`PublishedRun` is a run someone else measured (torchtitan's and MaxText's performance tables):
+Each :class:`PublishedRun` is a run someone else measured (torchtitan's, MaxText's and llm-foundry's tables):
 the model as a GPT config, sequence, per-device batch, devices, hardware, the published layout (mesh,
 rule set, remat policy) and the reported throughput, with the source file. :func:`estimate` prices it
 with the analytic model the planner ranks by (:func:`trainers.planning.costs.layout_costs`) and
@@ -29,11 +29,17 @@ TT_A100 = "pytorch/torchtitan docs/performance.md @0413364"
 MT_V5P = "AI-Hypercomputer/maxtext MaxText/configs/v5p/README.md @76bd53b, {}.sh"
 MT_V5P_32B = "AI-Hypercomputer/maxtext README.md and MaxText/configs/v5p/32b.sh @9501baa"
 MT_V5E = "AI-Hypercomputer/maxtext MaxText/configs/v5e/README.md @76bd53b, {}.sh"
+MT_V5P_BIG = "AI-Hypercomputer/maxtext MaxText/configs/v5p/README.md @0ed7bd5, {}.sh @0777510"
+LLMF = ("mosaicml/llm-foundry scripts/train/benchmarking/README.md @061f2c7, table {}; "
+        "scripts/train/yamls/pretrain/mpt-30b.yaml")
 
 LLAMA3_8B = dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336)
 LLAMA3_70B = dict(vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=28672)
 LLAMA2_13B = dict(vocab_size=32000, d_model=5120, n_layers=40, n_heads=40, d_ff=13824)
 LLAMA2_70B = dict(vocab_size=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=28672)
+# MPT-30B (d_model 7168, 56 heads, 48 layers, vocab 50368, GELU MLP of 4 D): the toolkit's SwiGLU at the
+# same MLP parameters and FLOPs, 3 D F = 8 D^2 (F = 8 D / 3, rounded down to a multiple of 8)
+MPT_30B = dict(vocab_size=50368, d_model=7168, n_layers=48, n_heads=56, d_ff=19112)
 
 
 def maxtext_model(scale: int) -> dict:
@@ -60,6 +66,7 @@ class PublishedRun:
     source: str
     tflops: bool = False  # MaxText reports model TFLOP/s per chip (PaLM counting, as spmd.models.flops_per_token)
     note: str = ""
+    grad_accum: int = 1  # microbatches per step (batch_per_device counts all of them)
 
     @property
     def devices(self) -> int:
@@ -70,7 +77,8 @@ class PublishedRun:
         mesh_arg = ",".join(f"{a}={n}" for a, n in self.mesh)
         cfg = Config(model=model, rules=self.rules,
                      data=DataConfig(seq_len=self.seq_len, global_batch=self.batch_per_device * self.devices))
-        return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, axes=mesh_arg))
+        return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, axes=mesh_arg),
+                                   run=dataclasses.replace(cfg.run, grad_accum=self.grad_accum))
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -104,12 +112,22 @@ RUNS: tuple[PublishedRun, ...] = (
                  "fsdp_tp_sp", "save_dots", 323, MT_V5P.format("64b"), tflops=True, note="remat minimal; 70.31% MFU; batch 3 since the Llama-style model"),
     PublishedRun("maxtext-128b v5p-256", maxtext_model(128), 2048, 1, "tpu-v5p", (("fsdp", 16), ("tensor", 8)),
                  "fsdp_tp_sp", "save_dots", 315, MT_V5P.format("128b"), tflops=True, note="remat minimal; 68.68% MFU"),
+    PublishedRun("maxtext-256b v5p-1024", maxtext_model(256), 2048, 1, "tpu-v5p", (("fsdp", 64), ("tensor", 8)),
+                 "fsdp_tp_sp", "save_dots", 308, MT_V5P_BIG.format("256b"), tflops=True, note="remat minimal; 67.09% MFU"),
+    PublishedRun("maxtext-512b v5p-1024", maxtext_model(512), 2048, 2, "tpu-v5p", (("fsdp", 64), ("tensor", 8)),
+                 "fsdp_tp_sp", "full", 294, MT_V5P_BIG.format("512b"), tflops=True, note="remat full; 63.99% MFU"),
     PublishedRun("maxtext-16b v5e-256", maxtext_model(16), 2048, 6, "tpu-v5e", (("fsdp", 256),), "fsdp", "full", 120,
                  MT_V5E.format("16b"), tflops=True, note="remat full; 61.10% MFU"),
     PublishedRun("maxtext-32b v5e-256", maxtext_model(32), 2048, 4, "tpu-v5e", (("fsdp", 256),), "fsdp", "full", 132,
                  MT_V5E.format("32b"), tflops=True, note="remat full; 66.86% MFU"),
     PublishedRun("maxtext-64b v5e-256", maxtext_model(64), 2048, 2, "tpu-v5e", (("fsdp", 256),), "fsdp", "full", 118,
                  MT_V5E.format("64b"), tflops=True, note="remat full; 59.90% MFU"),
+    PublishedRun("mpt-30b fsdp8 a100 accum21", MPT_30B, 2048, 63, "a100", (("fsdp", 8),), "fsdp", "full", 916,
+                 LLMF.format("A100 80GB"), grad_accum=21,
+                 note="FULL_SHARD, activation checkpointing, microbatch 3 x 21; 55.3% MFU"),
+    PublishedRun("mpt-30b fsdp8 h100 accum21", MPT_30B, 2048, 63, "h100", (("fsdp", 8),), "fsdp", "full", 2002,
+                 LLMF.format("H100 80GB BF16"), grad_accum=21,
+                 note="FULL_SHARD, activation checkpointing, microbatch 3 x 21; 38.1% MFU"),
 )
 
 
@@ -172,7 +190,7 @@ def table(points: list[Point] | None = None, ranks: dict[str, tuple[int, float]]
     for p in points:
         r = p.run
         fig = f"{r.published:g} TFLOP/s/chip" if r.tflops else f"{r.published:g} tokens/s/device"
-        layout = ",".join(f"{a}={n}" for a, n in r.mesh) + f" {r.rules} remat={r.remat}"
+        layout = ",".join(f"{a}={n}" for a, n in r.mesh) + f" {r.rules} remat={r.remat}" + (f" accum={r.grad_accum}" if r.grad_accum > 1 else "")
         row = (f"| {r.name} | {r.devices} {r.hardware} | {layout} | {fig} | {r.tokens_per_device:,.0f} | "
                f"{p.tokens_per_device:,.0f} | {p.ratio:.2f} | {p.costs.memory.total / 1e9:.1f} / {p.hbm / 1e9:.1f} ({p.budget / 1e9:.1f}) GB |")
         if ranks:

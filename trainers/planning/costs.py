@@ -83,7 +83,7 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
     local = sum(x.local_ceil * x.info.itemsize for x in shards)
     f32 = {p.path: jax.ShapeDtypeStruct(p.shape, "float32") for p in infos}
     optimizer = int(round(_optimizer_copies(cfg.optimizer, f32) * local))
-    grads = local * (2 if cfg.run.grad_accum > 1 else 1)
+    grads = local  # one f32 copy, with accumulation too: the accumulator (docs/planning.md)
     dt = _DTYPE_BYTES[m.dtype]
     t = sizes.get("tensor", 1) if any(a == "mlp" for a, _ in rules.activations) else 1
     b = rows_per_device(cfg, sizes)
@@ -269,7 +269,7 @@ def _decided(profile: TaskProfile, cfg: Config, sizes: dict[str, int]) -> list[t
 def task_memory_estimate(profile: TaskProfile, cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
     """Per-device bytes of any task's train step: parameters, optimizer state (moments sharded like the
     parameters, copies from ``jax.eval_shape(tx.init)``) and other model variables exactly from the
-    variables' shard shapes; gradients like the parameters (twice with accumulation); activations:
+    variables' shard shapes; gradients like the parameters (one copy with accumulation too); activations:
     the bytes autodiff keeps for the backward pass at this device's rows (:mod:`trainers.planning.profile`:
     an estimate that errs high, all the more under tensor-style layouts, whose split activations it
     does not credit; 0 when the loss could not be traced); the batch's rows."""
@@ -277,7 +277,7 @@ def task_memory_estimate(profile: TaskProfile, cfg: Config, sizes: dict[str, int
     n = len(profile.variables.infos)
     params, other = sum(x[2] for x in decided[:n]), sum(x[2] for x in decided[n:])
     optimizer = int(round(_optimizer_copies(cfg.optimizer, nnx.to_pure_dict(profile.variables.params)) * params))
-    grads = params * (2 if cfg.run.grad_accum > 1 else 1)
+    grads = params
     b = rows_per_device(cfg, sizes)
     return MemoryEstimate(params, optimizer, grads, profile.activations(b),
                           profile.example_bytes * b * cfg.run.grad_accum, other, window_bytes(cfg.run.spike_window))

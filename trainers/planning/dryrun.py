@@ -9,6 +9,7 @@ with collectives per mesh axis and a roofline step time. See docs/planning.md.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -106,6 +107,8 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
     compile_s = time.perf_counter() - t0
 
     ops = spmd.hlo.collectives(compiled, mesh)
+    if piped:  # a stage's own collectives (tensor all-reduces, ...) run only on the ticks it runs their op
+        ops = branch_weighted(ops, compiled, pipeline_schedule(cfg, pipe))
     table = spmd.hlo.summarize(ops)
     sent = {}
     if piped:  # the sends sit in switch branches: weigh each by how often the schedule table takes it
@@ -131,6 +134,22 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
         verdict="compiled" if is_cpu_target(hw) else "accelerator", collectives=tuple(ops), traffic=tuple(traffic),
         analytic_traffic=costs.traffic, roofline=layout_roofline(cfg, sizes, hw, analytic, traffic, profile=profile),
         issues=tuple(issues), compile_s=compile_s, backend=backend, pipe_sent=sent.get("pipeline", 0))
+
+
+def branch_weighted(ops: list[spmd.hlo.Collective], compiled, schedule) -> list[spmd.hlo.Collective]:
+    """``ops`` with those in the table engine's compute switch counted as the busiest stage runs them
+    (:func:`spmd.pipeline.hlo_branch_counts`: the ticks it takes each op's branch), not on every tick of
+    every branch; the pipe sends are weighed separately (:func:`pipe_sends`)."""
+    counts = spmd.pipeline.hlo_branch_counts(compiled, schedule)
+    mine = [op for op in ops if op.in_branch and op.name in counts
+            and not (op.kind == "collective-permute" and op.axes == ("pipe",))]
+    if not mine:
+        return ops
+    load = [sum(op.bytes * counts[op.name][s] for op in mine) for s in range(schedule.n_stages)]
+    busiest = load.index(max(load))
+    ids = {id(op) for op in mine}
+    return [dataclasses.replace(op, count=counts[op.name][busiest], in_branch=False) if id(op) in ids else op
+            for op in ops]
 
 
 def compiled_arg_bytes(compiled, args: tuple) -> list[int]:

@@ -1,7 +1,7 @@
 """``spmd-plan TARGET --devices N --hardware H``: which layout to run, decided before the pod.
 
-Enumerates layouts (``data x pipe x fsdp x seq x expert x tensor``, rule sets, remat, every schedule of
-``spmd.pipeline.NAMES``), estimates each analytically (:mod:`trainers.planning.costs`), drops those that
+Enumerates layouts (``data x pipe x fsdp x seq x expert x tensor``, rule sets, every schedule of
+``spmd.pipeline.NAMES``, remat policies least recompute first until one fits), estimates each analytically (:mod:`trainers.planning.costs`), drops those that
 cannot be built or whose accelerator memory model exceeds the budget, ranks the rest by estimated step
 time, and with ``confirm=k`` compiles the top picks (:mod:`trainers.planning.confirm`), keeping the first
 k that fit. With no valid layout it names the blockers and the nearest workable device counts
@@ -290,7 +290,8 @@ class Plan:
     def why_none(self) -> str:
         """One paragraph: why no layout is chosen (blockers, memory, or compiles that did not fit)."""
         if self.ranked and self.compiled:
-            tried = "; ".join(f"{e.layout}: {fmt_bytes(r.peak_bytes)}" for e, r in zip(self.ranked, self.compiled))
+            tried = "; ".join(f"{e.layout}: " + (f"compile failed: {r.error}" if r.error else fmt_bytes(r.peak_bytes))
+                              for e, r in zip(self.ranked, self.compiled))
             return (f"none of the {len(self.compiled)} compiled picks for {self.devices} devices fits "
                     f"{self.hardware.name} (budget {fmt_bytes(self.budget)}): {tried}")
         head = f"no layout of {self.devices} devices fits {self.hardware.name} (budget {fmt_bytes(self.budget)})"
@@ -327,14 +328,15 @@ def plan(cfg: Config, devices: int, hardware: str | Hardware, *, headroom: float
         raise ValueError(f"confirm must be an integer >= 0 (picks to compile), got {confirm!r}")
     if task is None:
         profile = None
-        layouts = candidates(devices, n_layers=cfg.model.n_layers, batch=cfg.data.global_batch // cfg.run.grad_accum,
-                             seq_len=cfg.data.seq_len, n_experts=cfg.model.n_experts)
+        layouts = candidates(devices, remat=(None,), n_layers=cfg.model.n_layers, seq_len=cfg.data.seq_len,
+                             batch=cfg.data.global_batch // cfg.run.grad_accum, n_experts=cfg.model.n_experts)
+        estimates = [e for layout in layouts for e in remat_ladder(cfg, layout, hw, headroom)]
     else:
         profile = task if isinstance(task, TaskProfile) else profile_task(
             load_task(task) if isinstance(task, str) else task, cfg)
         # a task's model annotates what it annotates: the plain rule sets only (no SP / EP presets)
         layouts = [c for c in candidates(devices, remat=(None,)) if not c.rules.endswith(("_sp", "_ep"))]
-    estimates = [estimate_layout(cfg, layout, hw, headroom=headroom, task=profile) for layout in layouts]
+        estimates = [estimate_layout(cfg, layout, hw, headroom=headroom, task=profile) for layout in layouts]
     ranked = sorted((e for e in estimates if e.fits), key=lambda e: (e.roofline.step_s, e.memory.total))
     rejected = sorted((e for e in estimates if not e.fits), key=lambda e: e.memory.total if e.memory else math.inf)
     result = Plan(devices, hw, tuple(ranked), tuple(rejected), headroom * hw.hbm_bytes)
@@ -344,6 +346,25 @@ def plan(cfg: Config, devices: int, hardware: str | Hardware, *, headroom: float
         result = dataclasses.replace(result, **confirm_picks(cfg, ranked, confirm, devices, hw, headroom,
                                                         task_name or (task if isinstance(task, (str, Task)) else None)))
     return result
+
+
+# spmd.remat policies the planner tries, least recompute first (False: none, True: full); offload is left
+# out (the host transfers it adds are not in the step-time model), save_block_input is full's alias
+REMAT_LADDER: tuple[bool | str, ...] = (False, "save_all_but_gathered", "save_dots", True)
+
+
+def remat_ladder(cfg: Config, layout: Layout, hw: Hardware, headroom: float) -> list[Estimate]:
+    """``layout`` estimated under each policy of :data:`REMAT_LADDER` in turn until one fits: that one
+    is the layout's fastest (each later policy recomputes more); the ones before it are rejected by
+    the memory model, and the ones after it are not estimated. A layout that cannot be built at all
+    is estimated once."""
+    out = []
+    for remat in REMAT_LADDER:
+        e = estimate_layout(cfg, dataclasses.replace(layout, remat=remat), hw, headroom=headroom)
+        out.append(e)
+        if e.fits or not e.buildable:
+            break
+    return out
 
 
 def _explain(cfg: Config, devices: int, hw: Hardware, headroom: float, n: int, rejected: list[Estimate]) -> dict:

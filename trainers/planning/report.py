@@ -50,6 +50,7 @@ class DryRunReport:
     pipeline: str = ""  # "1f1b S=2 M=4 V=1" when the step is pipelined, else ""
     bubble: float = 0.0  # idle fraction of the pipeline's schedule table
     pipe_sent: int = 0  # bytes sent over pipe per step, summed over one pipeline's stage pairs (spmd.pipeline.hlo_sent_bytes)
+    error: str = ""  # the first line of the exception when building or compiling the step raised (then nothing compiled)
 
     @property
     def pipe_permutes(self) -> tuple:
@@ -89,6 +90,8 @@ class DryRunReport:
         out = [f"dry run: {self.name}, {self.params:,} params, mesh {mesh}"
                + (f" (dcn: {','.join(self.dcn_axes)})" if self.dcn_axes else "") + f", rules {self.rules}",
                f"target {hw.name} x {self.devices}; compiled on {self.backend} in {fmt_seconds(self.compile_s)}", ""]
+        if self.error:
+            out += [f"compile failed: {self.error}", ""]
         a, c = self.analytic, self.compiled
         if a is not None:
             out += self._memory_table(a, c)
@@ -177,8 +180,9 @@ def format_plan(plan, top: int = 5) -> str:
             lines.append("analytic ranking, not compiled (spmd-plan compiles the top picks unless --no-compile)")
     dropped = [(e, r) for e, r in zip(plan.ranked, plan.compiled) if not r.fits]
     if dropped:
-        lines += ["", "compiled and dropped (over the budget when compiled):"]
-        lines += [f"    {e.layout}: {fmt_bytes(r.peak_bytes)} > {fmt_bytes(r.budget)}" for e, r in dropped]
+        lines += ["", "compiled and dropped (over the budget when compiled, or the compile failed):"]
+        lines += [f"    {e.layout}: " + (f"compile failed: {r.error}" if r.error else
+                                         f"{fmt_bytes(r.peak_bytes)} > {fmt_bytes(r.budget)}") for e, r in dropped]
     if plan.rejected:
         groups = group_reasons(next((i for i in e.issues if i.fatal), None) for e in plan.rejected)
         rows = [("rejected", "layouts", "e.g.")] + [(g, fmt_count(n), ex) for g, n, ex in groups]

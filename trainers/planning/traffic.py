@@ -178,12 +178,16 @@ def comm_estimate(cfg: Config, sizes: dict[str, int], hw: Hardware, dcn_axes: tu
     ecd = m.n_experts * C * D * dt  # an MoE layer's dispatch buffer x[E, C, D]
     heads = rules.spec(("heads",), kind="params", mesh_sizes=sizes)
     if t > 1 and len(heads) and "tensor" in axes_of(heads[0]):
-        bld = b * L * D * dt
+        mb = pipe.microbatches if piped else 1  # a pipeline reduces each of its microbatches on its own
+        bld = b // mb * L * D * dt
         residual = rules.spec(("residual_length",), kind="activations", mesh_sizes=sizes)
         sp = len(residual) > 0 and "tensor" in axes_of(residual[0])  # Megatron-SP
-        count = directions * (2 * n_layers - n_moe + (n_moe if m.n_shared_experts else 0)) * k  # attention + dense MLPs
+        count = directions * (2 * n_layers - n_moe + (n_moe if m.n_shared_experts else 0)) * k * mb  # attention + MLPs
         for kind in ("reduce-scatter", "all-gather") if sp else ("all-reduce",):
             add(kind, ("tensor",), count, bld)
+        if not sp and any(a == "vocab" for a, _ in rules.activations):  # vocab-parallel embedding and head:
+            add("all-reduce", ("tensor",), k, b * L * D * dt)  # the lookup's partial rows summed, once per microbatch
+            add("all-reduce", ("tensor",), k * mb, bld)  # the head's input gradient
         add("all-reduce", ("tensor",), directions * n_moe * k, ecd)  # the experts' row-parallel w_down output
         if t > m.kv_heads:  # w_kv replicated over tensor (copied per shard): its gradient summed over tensor
             add("all-reduce", ("tensor",), 1, n_layers * D * 2 * m.kv_heads * K * 4 // sizes.get("fsdp", 1))
