@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from spmd import collectives
 
 MAX_BLOCK = 128
 
@@ -31,9 +34,41 @@ def n_blocks(max_rows: int, n_groups: int, block: int) -> int:
     return max(1, (max_rows + n_groups * (block - 1)) // block)
 
 
+def _per_block(x_NBD: jax.Array, w_GDF: jax.Array, group_N: jax.Array, spec: str) -> jax.Array:
+    """``einsum(spec)(x[n], w[group[n]])`` for every block n, in a loop that slices one expert's weights
+    at a time (a gather of every block's weights is slow on CPU and holds N copies)."""
+    def body(_, xs):
+        x_BD, g = xs
+        return None, jnp.einsum(spec, x_BD, jax.lax.dynamic_index_in_dim(w_GDF, g, keepdims=False))
+    return jax.lax.scan(body, None, (x_NBD, group_N))[1]
+
+
+@jax.custom_vjp
 def _gathered_matmul(x_NBD: jax.Array, w_GDF: jax.Array, group_N: jax.Array) -> jax.Array:
     """``y[n] = x[n] @ w[group[n]]`` for every block n: ``y[N, B, F]``."""
-    return jnp.einsum("nbd,ndf->nbf", x_NBD, w_GDF[group_N])
+    return _per_block(x_NBD, w_GDF, group_N, "bd,df->bf")
+
+
+def _gathered_fwd(x_NBD, w_GDF, group_N):
+    return _gathered_matmul(x_NBD, w_GDF, group_N), (x_NBD, w_GDF, group_N)
+
+
+def _gathered_bwd(res, dy_NBF):
+    """``dx[n] = dy[n] @ w[group[n]]^T``; ``dw[g] = sum over g's blocks of x[n]^T @ dy[n]``, added in place."""
+    x_NBD, w_GDF, group_N = res
+    dx_NBD = _per_block(dy_NBF, w_GDF, group_N, "bf,df->bd")
+
+    def add(dw_GDF, xs):
+        x_BD, dy_BF, g = xs
+        part_DF = jax.lax.dynamic_index_in_dim(dw_GDF, g, keepdims=False) + jnp.einsum("bd,bf->df", x_BD, dy_BF)
+        return jax.lax.dynamic_update_index_in_dim(dw_GDF, part_DF, g, 0), None
+
+    dw_GDF = collectives.varying_like(jnp.zeros(w_GDF.shape, w_GDF.dtype), w_GDF, x_NBD, dy_NBF)
+    dw_GDF = jax.lax.scan(add, dw_GDF, (x_NBD, dy_NBF, group_N))[0]
+    return dx_NBD, dw_GDF, np.zeros(group_N.shape, jax.dtypes.float0)
+
+
+_gathered_matmul.defvjp(_gathered_fwd, _gathered_bwd)
 
 
 def grouped_mlp(x_RD: jax.Array, group_R: jax.Array, w_gate_up_GDTF: jax.Array, w_down_GFD: jax.Array, *,
