@@ -28,7 +28,7 @@ from trainers.planning.profile import abstract_batch, profile_task
 from trainers.planning.report import DryRunReport, is_cpu_target
 from trainers.planning.traffic import pipeline_schedule
 from trainers.state import create_state
-from trainers.step import make_train_step
+from trainers.step import accumulation_note, make_train_step
 from trainers.task import Task, lm_task, load_task
 from trainers.validate import Issue, batch_axes
 
@@ -105,6 +105,10 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
     batch_sharding = spmd.batch_sharding(rules, mesh, dims=("batch",))
     step = make_train_step(sharded, tx, rules, mesh, batch_sharding, schedule=schedule, grad_accum=cfg.run.grad_accum,
                            loss_fn=run.loss, fsdp_gather=cfg.run.fsdp_gather)
+    note = accumulation_note(sharded, rules, mesh, cfg.data.global_batch, grad_accum=cfg.run.grad_accum,
+                             fsdp_gather=cfg.run.fsdp_gather, loss_fn=run.loss)
+    if note:
+        issues.append(Issue("accumulate", "batch", "batch", note, ""))
     if profile is None:
         tokens = jax.ShapeDtypeStruct((cfg.data.global_batch, cfg.data.seq_len), jax.numpy.int32, sharding=batch_sharding)
         batch = {"inputs": tokens, "targets": tokens}
