@@ -138,6 +138,9 @@ def run(options: common.Options, command: str = "python -m benchmarks.moe") -> l
         for layout in ("dp8", "data2_expert4") if not options.quick else ("dp8",):
             rows += step_rows(layout, options.quick, rounds, steps)
             print(f"{layout}: step time done", flush=True)
+        after.append("On data2_expert4 (E/ep = k) both step times run the same dense slots, so their ratio shows this "
+                     "shared machine's noise; grouping under expert parallelism pays off where E/ep > k "
+                     "(data4_expert2: half the dense rows).")
     d, f, e, k, batch, length = shape(options.quick)
     before = [f"- MoE layer: D = {d}, F = {f}, E = {e}, k = {k}, softmax router, f32; global batch {batch} x {length} "
               f"on 8 devices (T = {batch * length // 8} tokens per device); FLOPs from the compiled per-device program",

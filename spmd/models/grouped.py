@@ -2,8 +2,8 @@
 
 ``grouped_mlp(x[R, D], group[R], ...)`` runs row r through SwiGLU expert ``group[r]`` (rows with
 ``group == G`` are absent: output 0). Rows are counting-sorted by expert into blocks of ``b`` rows,
-each block owned by one expert (its rows padded to a multiple of ``b``); one batched matmul over
-the blocks with each block's expert weights: ``max_rows + G * (b - 1)`` rows at most instead of
+each block owned by one expert (its rows padded to a multiple of ``b``); a loop multiplies each
+block by its expert's weights, sliced in place: ``max_rows + G * (b - 1)`` rows at most instead of
 ``G * R``. ``b`` is the largest power of two (<= 128) whose padding stays under 1/16 of the rows.
 (``jax.lax.ragged_dot`` does the same on TPU/GPU, but XLA:CPU lowers it to every row times every
 group.) Single-device code: under expert parallelism it runs inside the MoE layer's shard_map.
