@@ -147,7 +147,7 @@ def _gpipe_local(stage_fn: StageFn, head_fn: HeadFn, S: int, M: int, axis: str, 
 
     def run(p_leaves, h_leaves, x_MbLD, tg_MbL):
         s = jax.lax.axis_index(axis)
-        params = jax.tree.unflatten(trees[0], layout.gather(p_leaves, layout.stage_plans))
+        params = jax.tree.unflatten(trees[0], layout.gather(p_leaves, layout.stage_plans))  # autodiff: f32
         head = jax.tree.unflatten(trees[1], layout.gather(h_leaves, layout.head_plans))
 
         def tick(recv, t):
@@ -207,7 +207,7 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
 
     def run(p_leaves, h_leaves, x_MbLD, tg_MbL):
         s = jax.lax.axis_index(axis)
-        params = [a.reshape(V, a.shape[0] // V, *a.shape[1:]) for a in layout.gather(p_leaves, layout.stage_plans)]
+        params = [a.reshape(V, a.shape[0] // V, *a.shape[1:]) for a in layout.gather(p_leaves, layout.stage_plans, layout.stage_dtypes)]
         head = jax.tree.unflatten(trees[1], layout.gather(h_leaves, layout.head_plans))
         table = jnp.asarray(table_np)
         zx = jnp.zeros_like(x_MbLD[0])
@@ -325,7 +325,7 @@ def run_schedule(
     rules: Rules | None = None,
     remat: bool = False,
     axis: str = "pipe",
-    layer_order: LayerOrder | None = None,
+    layer_order: LayerOrder | None = None, compute_dtype: Any = None,
 ) -> tuple[jax.Array, dict]:
     """Mean over microbatches of ``head_fn(head, blocks(x[m]), targets[m])``, run as a pipeline.
 
@@ -335,8 +335,8 @@ def run_schedule(
     another order is converted to it on every call, an all-to-all of ``(S-1)/S`` of the stack over
     ``pipe`` (and its gradients back). Differentiable w.r.t. ``stage_params``, ``head_params`` and
     ``x_MbLD``, gradients in the params' order. ``rules``: the rule set the model's constraints
-    follow (None: plain code), re-targeted inside the ``shard_map``.
-    """
+    follow (None: plain code), re-targeted inside the ``shard_map``. ``compute_dtype``: the table engine's
+    FSDP gathers of stage weight matrices move in it (``spmd.pipeline.layout.gather_dtypes``)."""
     S, M, V = schedule.n_stages, schedule.n_microbatches, schedule.n_virtual
     schedule.validate()  # every table the engine runs: each op once, every dependency met
     if axis not in mesh.shape or mesh.shape[axis] != S:
@@ -351,10 +351,10 @@ def run_schedule(
     chunks = LayerOrder(S, V)  # what the engine reads: device s's block holds chunks s, s+S, ...
     pip = P(axis)
     bax = manual_batch_axes(mesh, rules, x_MbLD.shape[1], axis)
-    layout = param_layout(stage_params, head_params, rules, mesh, axis, bax)
+    layout = param_layout(stage_params, head_params, rules, mesh, axis, bax, compute_dtype)
     if layout is None:  # a parameter layout the manual axes cannot express: keep fsdp automatic
         bax = manual_batch_axes(mesh, rules, x_MbLD.shape[1], axis, shard_params=False)
-        layout = param_layout(stage_params, head_params, rules, mesh, axis, bax)
+        layout = param_layout(stage_params, head_params, rules, mesh, axis, bax, compute_dtype)
     n_batch = int(np.prod([mesh.shape[a] for a in bax], dtype=int))
     sm = dict(mesh=mesh, axis_names={axis, *bax}, check_vma=False)
     inner = functools.partial(with_inner_rules, mesh=mesh, rules=rules, axis=axis, batch_axes=bax)
