@@ -153,6 +153,22 @@ def test_collective_permutes_send_only_what_the_table_sends():
     assert all(x.count == 1 for x in others), spmd.hlo.format_collectives(others)
 
 
+def test_gpipe_sends_only_microbatches():
+    """GPipe S=2 M=4 (autodiff over the tick scans): the forward permutes run only on ticks that carry a
+    microbatch (M of the M + S - 1), the backward's transposes likewise: 2*M*(S-1) activations, the table's."""
+    from spmd.pipeline.sends import gpipe_sends
+
+    S, M = 2, 4
+    c = case((("pipe", S),), "none", "gpipe", M, 1)
+    table = get_schedule("gpipe", S, M).sent_bytes((BATCH // M) * LENGTH * CFG.d_model * 4)
+    assert hlo_sent_bytes(c.compiled, get_schedule("gpipe", S, M), c.mesh) == {"executed": 0,
+                                                                                "unattributed": table.minimum}
+    # S=4, M=16: fill and drain ticks send from fewer stages, the last from none; M (S-1) sends a pass
+    runs = gpipe_sends(4, 16)
+    assert sum((end - first) * len(pairs) for first, end, pairs in runs) == 16 * 3 and runs[-1] == (18, 19, ())
+    assert runs[0] == (0, 1, ((0, 1),)) and runs[2] == (2, 16, ((0, 1), (1, 2), (2, 3)))
+
+
 def test_data_parallel_gradient_is_reduced_once_per_step():
     """data=2 x pipe=2, 1F1B: each device accumulates its partial gradients over every tick, and the
     gradient all-reduce over ``data`` runs once per step (not once per tick), with the same numbers."""

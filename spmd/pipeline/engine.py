@@ -23,7 +23,7 @@ from spmd.pipeline.layout import ParamLayout, param_layout
 from spmd.pipeline.manual import manual_batch_axes, with_inner_rules
 from spmd.pipeline.order import NATURAL, LayerOrder, order_of
 from spmd.pipeline.schedules import BACKWARD, FORWARD, IDLE, WEIGHT, Schedule
-from spmd.pipeline.sends import send_plan
+from spmd.pipeline.sends import gpipe_sends, send_plan
 from spmd.rules import Rules
 
 StageFn = Callable[[Any, jax.Array], jax.Array]  # (chunk params [Lc, ...], x[b, L, D]) -> y
@@ -105,10 +105,6 @@ def _build_tables(schedule: Schedule) -> tuple[np.ndarray, int, int, int]:
     return table, n_x, n_g, n_w if split else 0
 
 
-def _perm(S: int, step: int) -> list[tuple[int, int]]:
-    return [(i, i + step) for i in range(S) if 0 <= i + step < S]
-
-
 def _sender(branches: tuple, axis: str) -> Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
     """``send(k, y, dx) -> (recv_f, recv_b)``: branch 0 sends nothing, branch k the ``ppermute`` s of
     ``branches[k-1]`` (forward pairs for ``y``, backward for ``dx``), k from the tick: the same on every
@@ -135,13 +131,11 @@ def _add(a: Any, b: Any) -> Any:
 
 def _gpipe_local(stage_fn: StageFn, head_fn: HeadFn, S: int, M: int, axis: str, remat: bool,
                  layout: ParamLayout, trees: tuple[Any, Any]):
-    """Per-device GPipe forward: scan over M + S - 1 ticks; autodiff gives the backward.
-
-    Takes the flattened stage and head leaves (``trees``: their treedefs) and gathers them once
-    before the loop; autodiff turns that all-gather into the one reduce-scatter of the gradients.
-    Loss and aux are averaged over the manual batch axes; the transpose of the ``shard_map`` sums
-    the remaining parameter cotangents over them once, at its boundary (after the backward scan).
-    """
+    """Per-device GPipe forward: scans over M + S - 1 ticks, each run of ticks sending over the stage pairs
+    that carry a microbatch (``sends.gpipe_sends``); autodiff gives the backward. Takes the flattened stage
+    and head leaves (``trees``: their treedefs) and gathers them once before the loop; autodiff turns that
+    all-gather into the one reduce-scatter of the gradients. Loss and aux are averaged over the manual batch
+    axes; the ``shard_map``'s transpose sums the other parameter cotangents over them once, at its boundary."""
     stage = jax.checkpoint(stage_fn, prevent_cse=False) if remat else stage_fn
     batch_axes = layout.batch_axes
 
@@ -150,13 +144,17 @@ def _gpipe_local(stage_fn: StageFn, head_fn: HeadFn, S: int, M: int, axis: str, 
         params = jax.tree.unflatten(trees[0], layout.gather(p_leaves, layout.stage_plans))  # autodiff: f32
         head = jax.tree.unflatten(trees[1], layout.gather(h_leaves, layout.head_plans))
 
-        def tick(recv, t):
-            inp = jnp.where(s == 0, x_MbLD[jnp.clip(t, 0, M - 1)], recv)
-            y = stage(params, inp)
-            return jax.lax.ppermute(y, axis, _perm(S, 1)), y
+        def tick(pairs):
+            def one(recv, t):
+                y = stage(params, jnp.where(s == 0, x_MbLD[jnp.clip(t, 0, M - 1)], recv))
+                return (jax.lax.ppermute(y, axis, list(pairs)) if pairs else jnp.zeros_like(y)), y
+            return one
 
-        _, ys = jax.lax.scan(tick, jnp.zeros_like(x_MbLD[0]), jnp.arange(M + S - 1))
-        outs = ys[S - 1:]
+        recv, ys = jnp.zeros_like(x_MbLD[0]), []
+        for first, end, pairs in gpipe_sends(S, M):
+            recv, y = jax.lax.scan(tick(pairs), recv, jnp.arange(first, end))
+            ys.append(y)
+        outs = jnp.concatenate(ys)[S - 1:]
 
         def head_all(outs):
             losses, auxs = jax.lax.map(lambda a: head_fn(head, *a), (outs, tg_MbL))
