@@ -135,7 +135,7 @@ def run(options: common.Options, command: str = "python -m benchmarks.moe") -> l
         for layout in LAYOUTS:
             rows += flops_rows(layout, options.quick)
             print(f"{layout}: FLOPs done", flush=True)
-        for layout in ("dp8", "data2_expert4") if not options.quick else ("dp8",):
+        for layout in ("dp8", "data4_expert2", "data2_expert4") if not options.quick else ("dp8",):
             rows += step_rows(layout, options.quick, rounds, steps)
             print(f"{layout}: step time done", flush=True)
         after.append("On data2_expert4 (E/ep = k) both step times run the same dense slots, so their ratio shows this "
