@@ -14,7 +14,7 @@ import traceback
 from collections.abc import Callable, Sequence
 
 from benchmarks import (attention, calibration, checkpoint, comms, common, context, decode_gpu, gpu, guard, interchange,
-                        local_sgd, loss, memory, mfu, overhead, packing, pipeline, remat, scaling, steptime)
+                        local_sgd, loss, memory, mfu, moe, overhead, packing, pipeline, remat, scaling, steptime)
 
 BENCHMARKS: dict[str, Callable[..., int]] = {
     "overhead": overhead.main,
@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, Callable[..., int]] = {
     "loss": loss.main,
     "remat": remat.main,
     "pipeline": pipeline.main,
+    "moe": moe.main,
     "mfu": mfu.main,
     "checkpoint": checkpoint.main,
     "guard": guard.main,

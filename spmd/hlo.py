@@ -199,6 +199,9 @@ def _multipliers(comps: dict[str, list[str]]) -> tuple[dict[str, int], set[str],
                 visit(body.group(1), times * (int(trip.group(1)) if trip else 1), uncertain or not trip, in_branch)
             for callee in re.findall(r"calls=%?([\w.\-]+)", line):
                 visit(callee, times, uncertain, in_branch)
+            if re.search(r"\scall\(", line):  # a called computation (XLA:CPU wraps small loops in one)
+                for callee in re.findall(r"to_apply=%?([\w.\-]+)", line):
+                    visit(callee, times, uncertain, in_branch)
             branches = re.search(r"branch_computations=\{([^}]*)\}", line)
             callees = re.findall(r"%?([\w.\-]+)", branches.group(1)) if branches else re.findall(
                 r"(?:true_computation|false_computation)=%?([\w.\-]+)", line)

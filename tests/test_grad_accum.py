@@ -9,7 +9,9 @@ the accumulation loop's trip count, so a collective in the loop counts k times (
 import jax
 import pytest
 
-from helpers.accum_util import accum_step, reference
+import meshes
+import spmd
+from helpers.accum_util import TX, accum_step, reference
 from helpers.gpt_util import CFG, rel_err
 from spmd.hlo import summarize
 from trainers.config import Config, RunConfig, override
@@ -113,3 +115,58 @@ def test_train_loop_passes_fsdp_gather(tmp_path):
     assert first.losses[1] == pytest.approx(zero3.losses[1], rel=1e-5)
     assert resumed.losses[2] == pytest.approx(zero3.losses[2], rel=1e-5)
     assert resumed.losses[2] != pytest.approx(zero3.losses[1], rel=1e-5)  # the step moved the loss
+
+
+def test_per_microbatch_note_names_rows_and_axes():
+    """The note the step logs when the loop cannot reduce once per step: rows that do not divide over
+    the batch axes (named with their sizes), a reason from the model; none when the rows divide."""
+    from trainers.accumulate import per_microbatch_note
+
+    mesh, dp8 = meshes.make_mesh({"data": 4, "fsdp": 2}), meshes.make_mesh({"data": 8})
+    dp, fsdp = spmd.get_rules("dp"), spmd.get_rules("fsdp")
+    note = per_microbatch_note(dp8, dp, 24, 2, "per_microbatch")
+    assert note and "over data=8 every microbatch (2 per step)" in note
+    assert "a microbatch of 12 rows (24 rows / grad_accum=2) does not divide over the batch axes data=8" in note
+    assert "a multiple of 16" in note
+    assert per_microbatch_note(dp8, dp, 32, 2, "per_microbatch") is None  # 16 rows divide over 8 devices
+    assert per_microbatch_note(dp8, dp, 24, 1, "per_microbatch") is None  # no accumulation
+    # per_step: both axes; 12 rows divide over data=4 (manual) but not over fsdp=2 after it
+    note = per_microbatch_note(mesh, fsdp, 24, 2, "per_step")
+    assert "over fsdp=2 every" in note and "batch axes data=4 x fsdp=2" in note
+    # per_microbatch: fsdp shards the parameters and reduces per microbatch by design; data=4 divides 12 rows
+    assert per_microbatch_note(mesh, fsdp, 24, 2, "per_microbatch") is None
+    why = per_microbatch_note(mesh, fsdp, 32, 2, "per_step", "a layer runs its own shard_map")
+    assert why.endswith("not once per step: a layer runs its own shard_map") and "data=4 x fsdp=2" in why
+
+
+def test_step_logs_when_it_cannot_reduce_once_per_step(caplog):
+    """dp8 with 8 rows in 2 microbatches: 4 rows do not divide over data=8; the step says so when traced."""
+    step = accum_step("dp8", 2)
+    batch = {k: jax.ShapeDtypeStruct((8, v.shape[1]), v.dtype, sharding=step.batch_sharding)
+             for k, v in step.batch().items()}
+    with caplog.at_level("WARNING", logger="trainers.step"):
+        step.step.lower(step.sharded.state, batch)
+    assert "a microbatch of 4 rows (8 rows / grad_accum=2) does not divide over the batch axes data=8" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="trainers.step"):
+        step.step.lower(step.sharded.state, step.batch())  # 32 rows: 16 per microbatch divide
+    assert "gradient accumulation" not in caplog.text
+
+
+def test_accumulation_note_for_a_layer_with_its_own_shard_map():
+    """What the dry run reports (from the abstract state): an MoE model's loop reduces every microbatch."""
+    import dataclasses
+
+    from flax import nnx
+
+    from spmd.models import GPT
+    from trainers.state import create_state
+    from trainers.step import accumulation_note
+
+    mesh = meshes.make_mesh({"data": 2, "expert": 4})
+    moe = dataclasses.replace(CFG, n_experts=4)
+    sharded = create_state(lambda: GPT(moe, rngs=nnx.Rngs(0)), TX, "dp_ep", mesh, abstract=True)
+    note = accumulation_note(sharded, "dp_ep", mesh, 32, grad_accum=2)
+    assert "over data=2 every microbatch" in note and "a layer runs its own shard_map (e.g. MoE)" in note
+    dense = create_state(lambda: GPT(CFG, rngs=nnx.Rngs(0)), TX, "dp_ep", mesh, abstract=True)
+    assert accumulation_note(dense, "dp_ep", mesh, 32, grad_accum=2) is None

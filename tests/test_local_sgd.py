@@ -26,6 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESH = "mesh.axes=data=2,fsdp=2,tensor=2"
 SGD = ["optimizer.name=sgd", "optimizer.momentum=0.5", "optimizer.clip_norm=none"]  # linear in the gradient
 H1 = ["local_sgd.every=1", "local_sgd.outer_optimizer=sgd", "local_sgd.outer_lr=1", "local_sgd.outer_momentum=0"]
+H2 = ["local_sgd.every=2", "local_sgd.outer_optimizer=nesterov"]  # DiLoCo's outer step (auto picks it from H = 100)
 _made: list = []  # every trainers.local_sgd.LocalSGD the runs below built, to inspect its compiled steps
 
 
@@ -52,7 +53,7 @@ def runs(tmp_path_factory):
         dp = train(tiny(root / "dp", *common), keep_state=True)
         h1 = train(tiny(root / "h1", *common, *H1, "run.grad_accum=2"), keep_state=True)  # 2 microbatches per group
         h1_local = _made[-1]
-        h2 = train(tiny(root / "h2", *common, "local_sgd.every=2"), keep_state=True)
+        h2 = train(tiny(root / "h2", *common, *H2), keep_state=True)
     return {"root": root, "dp": dp, "h1": h1, "h1_local": h1_local, "h2": h2, "h2_local": _made[-1], "common": common}
 
 
@@ -125,8 +126,8 @@ def test_resume_mid_interval_is_exact(runs):
             raise KeyboardInterrupt("simulated crash")
 
     with pytest.raises(KeyboardInterrupt):
-        train(tiny(run_dir, *runs["common"], "local_sgd.every=2"), step_hook=crash)
-    resumed = train(tiny(run_dir, *runs["common"], "local_sgd.every=2"), keep_state=True)
+        train(tiny(run_dir, *runs["common"], *H2), step_hook=crash)
+    resumed = train(tiny(run_dir, *runs["common"], *H2), keep_state=True)
     assert resumed.start_step == 3
     assert [resumed.losses[s] for s in (4, 5)] == [straight.losses[s] for s in (4, 5)]
     same = jax.tree.map(lambda a, b: np.array_equal(a, b, equal_nan=True), jax.device_get(resumed.state), jax.device_get(straight.state))
@@ -136,7 +137,7 @@ def test_resume_mid_interval_is_exact(runs):
 def test_restores_onto_another_group_count_or_mode_are_refused(runs, tmp_path):
     source = runs["root"] / "h2"
     for name, sets, match in [
-        ("g4", ["mesh.axes=data=4,fsdp=2", "local_sgd.every=2"], r"holds 2 replica groups but this mesh has data=4"),
+        ("g4", ["mesh.axes=data=4,fsdp=2", *H2], r"holds 2 replica groups but this mesh has data=4"),
         ("dp", [], r"written by local SGD with 2 replica groups; resume it with local_sgd.every >= 1"),
     ]:
         shutil.copytree(source / "checkpoints", tmp_path / name / "checkpoints")
@@ -149,8 +150,10 @@ def test_restores_onto_another_group_count_or_mode_are_refused(runs, tmp_path):
 
 @pytest.mark.parametrize("sets, match", [
     (["local_sgd.every=-1"], r"local_sgd.every=-1 must be an integer >= 0"),
-    (["local_sgd.every=2", "local_sgd.outer_optimizer=adam"], r"outer_optimizer='adam'; valid: nesterov, sgd"),
-    (["local_sgd.every=2", "local_sgd.outer_momentum=0"], r"'nesterov' needs local_sgd.outer_momentum > 0"),
+    (["local_sgd.every=2", "local_sgd.outer_optimizer=adam"], r"outer_optimizer='adam'; valid: auto, nesterov, sgd"),
+    (["local_sgd.every=2", "local_sgd.outer_optimizer=nesterov", "local_sgd.outer_momentum=0"],
+     r"'nesterov' needs local_sgd.outer_momentum > 0"),
+    (["local_sgd.every=200", "local_sgd.outer_momentum=0"], r"'nesterov' needs local_sgd.outer_momentum > 0"),
     (["local_sgd.every=2", "local_sgd.outer_lr=0"], r"local_sgd.outer_lr=0.0 must be a finite number > 0"),
     (["local_sgd.every=2", "local_sgd.outer_momentum=1"], r"outer_momentum=1.0 must be a number in \[0, 1\)"),
     (["local_sgd.every=2", "mesh.axes=fsdp=4,tensor=2"], r"needs replica groups over the data axis, .* gives data=1"),
@@ -158,6 +161,23 @@ def test_restores_onto_another_group_count_or_mode_are_refused(runs, tmp_path):
 def test_bad_configs_are_refused(sets, match):
     with pytest.raises(ValueError, match=match):
         override(recipe("gpt-small", tiny=True), sets)
+
+
+def test_auto_outer_optimizer_depends_on_h():
+    """The default: plain model averaging (sgd, lr 1, momentum 0) below H = 100, DiLoCo's Nesterov
+    (lr 0.7, momentum 0.9) from there on; set values win."""
+    for every, want in [(1, ("sgd", 1.0, 0.0)), (10, ("sgd", 1.0, 0.0)), (50, ("sgd", 1.0, 0.0)),
+                        (99, ("sgd", 1.0, 0.0)), (100, ("nesterov", 0.7, 0.9)), (500, ("nesterov", 0.7, 0.9))]:
+        cfg = LocalSGDConfig(every=every)
+        assert (cfg.outer, cfg.lr, cfg.momentum) == want, every
+    assert LocalSGDConfig(every=10).describe() == "sgd lr 1 momentum 0 (auto at H=10)"
+    mine = LocalSGDConfig(every=10, outer_optimizer="nesterov", outer_lr=0.5)
+    assert (mine.outer, mine.lr, mine.momentum) == ("nesterov", 0.5, 0.9)
+    assert LocalSGDConfig(every=500, outer_momentum=0.5).momentum == 0.5
+    # the optax optimizer follows: averaging has no state, Nesterov a trace
+    params = {"w": np.ones(3, np.float32)}
+    assert jax.tree.leaves(outer_optimizer(LocalSGDConfig(every=10)).init(params)) == []
+    assert len(jax.tree.leaves(outer_optimizer(LocalSGDConfig(every=100)).init(params))) == 1
 
 
 def test_pipeline_and_a_mesh_without_data_groups_are_refused():

@@ -3,6 +3,7 @@ composed with DP x TP and with FSDP. Plus what the compiled step communicates an
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import jax
@@ -152,6 +153,22 @@ def test_collective_permutes_send_only_what_the_table_sends():
     assert all(x.count == 1 for x in others), spmd.hlo.format_collectives(others)
 
 
+def test_gpipe_sends_only_microbatches():
+    """GPipe S=2 M=4 (autodiff over the tick scans): the forward permutes run only on ticks that carry a
+    microbatch (M of the M + S - 1), the backward's transposes likewise: 2*M*(S-1) activations, the table's."""
+    from spmd.pipeline.sends import gpipe_sends
+
+    S, M = 2, 4
+    c = case((("pipe", S),), "none", "gpipe", M, 1)
+    table = get_schedule("gpipe", S, M).sent_bytes((BATCH // M) * LENGTH * CFG.d_model * 4)
+    assert hlo_sent_bytes(c.compiled, get_schedule("gpipe", S, M), c.mesh) == {"executed": 0,
+                                                                                "unattributed": table.minimum}
+    # S=4, M=16: fill and drain ticks send from fewer stages, the last from none; M (S-1) sends a pass
+    runs = gpipe_sends(4, 16)
+    assert sum((end - first) * len(pairs) for first, end, pairs in runs) == 16 * 3 and runs[-1] == (18, 19, ())
+    assert runs[0] == (0, 1, ((0, 1),)) and runs[2] == (2, 16, ((0, 1), (1, 2), (2, 3)))
+
+
 def test_data_parallel_gradient_is_reduced_once_per_step():
     """data=2 x pipe=2, 1F1B: each device accumulates its partial gradients over every tick, and the
     gradient all-reduce over ``data`` runs once per step (not once per tick), with the same numbers."""
@@ -199,6 +216,35 @@ def test_fsdp_weights_gathered_and_gradients_reduced_once_per_step():
     ticks = get_schedule("1f1b", S, M).n_ticks
     permutes = [x for x in ops if x.kind == "collective-permute"]
     assert permutes and all(x.count == ticks > 1 and x.trip_count_known for x in permutes)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b"])
+def test_fsdp_gathers_move_the_compute_dtype(schedule, monkeypatch):
+    """bf16 compute, fsdp=2 x pipe=2 x tensor=2: the stage weight matrices are gathered over fsdp in bf16
+    (half the bytes of f32), with the same loss and gradients as gathering them in f32 (the blocks cast
+    them to bf16 at use either way). (gpipe, whose gathers autodiff transposes, keeps f32 gathers.)"""
+    import dataclasses
+
+    from spmd.pipeline import layout
+
+    cfg = dataclasses.replace(CFG, dtype="bfloat16")
+    sizes, pipeline = {"fsdp": 2, "pipe": 2, "tensor": 2}, PipelineConfig(schedule, 4)
+    narrow = Case(sizes, "fsdp_tp", pipeline, cfg=cfg)
+    monkeypatch.setattr(layout, "gather_dtypes", lambda leaves, dtype: ())  # every gather in f32
+    wide = Case(sizes, "fsdp_tp", pipeline, cfg=cfg)
+
+    def gathers(c):
+        ops = spmd.hlo.collectives(c.compiled, c.mesh)  # as an accelerator runs them (XLA:CPU promotes bf16)
+        return collections.Counter(x.bytes for x in ops if x.kind == "all-gather" and "fsdp" in x.axes for _ in range(x.count))
+
+    (loss_n, grads_n), (loss_w, grads_w) = narrow(), wide()
+    assert loss_n == loss_w and max(rel_errs(grads_n, grads_w).values()) < 1e-6
+    # the gathers of the stage matrices (W[layers_pipe, D_fsdp, ...], rank >= 3: a stage's L/2 layers, dims
+    # other than fsdp whole in the manual view) move 2 bytes per element instead of 4; the rest as before
+    stage = [a for a in jax.tree.leaves(narrow.params["blocks"]) if a.ndim >= 3 and "fsdp" in str(a.sharding.spec)]
+    n, w = gathers(narrow), gathers(wide)
+    assert len(stage) == 5 and sum(w.elements()) - sum(n.elements()) == sum(a.size // 2 * 2 for a in stage), (n, w)
+    assert sum(n.elements()) < 0.6 * sum(w.elements())
 
 
 def test_manual_batch_axes():

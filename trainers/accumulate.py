@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from meshes import axis_sizes
 from spmd import collectives
 from spmd.pipeline.config import split_microbatches
-from spmd.manual import manual_batch_axes, with_inner_rules
+from spmd.manual import manual_batch_axes, param_axes, with_inner_rules
 from spmd.rules import Rules, axes_of
 
 
@@ -37,6 +37,34 @@ def reduction_axes(mesh: Mesh, rules: Rules, batch: Any, grad_accum: int, fsdp_g
         return ()
     rows = jax.tree.leaves(batch)[0].shape[0] // grad_accum
     return manual_batch_axes(mesh, rules, rows, axis="", shard_params=fsdp_gather == "per_step")
+
+
+def per_microbatch_note(mesh: Mesh, rules: Rules, rows: int, grad_accum: int, fsdp_gather: str,
+                        why: str | None = None) -> str | None:
+    """Why the loop cannot reduce once per step over the batch axes it could (None when it does, or
+    nothing is reduced): ``why`` (a reason the caller found, e.g. batch statistics), a mesh with
+    Explicit axes, context parallelism, or a microbatch of ``rows / grad_accum`` rows that does not
+    divide over the batch axes; names the rows, the axes and their sizes."""
+    if grad_accum <= 1:
+        return None
+    sizes = axis_sizes(mesh)
+    skip = set() if fsdp_gather == "per_step" else param_axes(rules)  # per_microbatch over fsdp by design
+    wanted = [a for a in axes_of(dict(rules.activations).get("batch")) if sizes.get(a, 1) > 1 and a not in skip]
+    manual = reduction_axes(mesh, rules, jax.ShapeDtypeStruct((rows,), jnp.int32), grad_accum, fsdp_gather)
+    missing = [a for a in wanted if why or a not in manual]
+    if not missing:
+        return None
+    micro, n = rows // grad_accum, math.prod(sizes[a] for a in wanted)
+    where = " x ".join(f"{a}={sizes[a]}" for a in missing)
+    if why is None and any(t == AxisType.Explicit for t in mesh.axis_types):
+        why = "the mesh has Explicit axes"
+    elif why is None and sizes.get("seq", 1) > 1 and "seq" in axes_of(dict(rules.activations).get("length")):
+        why = "context parallelism over seq (its attention is not typed for an enclosing manual region)"
+    elif why is None:
+        why = (f"a microbatch of {micro} rows ({rows} rows / grad_accum={grad_accum}) does not divide over the batch "
+               f"axes {' x '.join(f'{a}={sizes[a]}' for a in wanted)}; a batch of rows a multiple of {n * grad_accum} "
+               f"reduces once")
+    return f"gradient accumulation reduces the gradients over {where} every microbatch ({grad_accum} per step), not once per step: {why}"
 
 
 def without_axes(sharding: NamedSharding, axes: tuple[str, ...]) -> NamedSharding:

@@ -7,8 +7,8 @@ guard window per group. The inner step is the ordinary step (:mod:`trainers.step
 ``[g*B/G, (g+1)*B/G)`` of the global batch, and nothing in it communicates over ``data``. Every H steps
 (and at the run's last step) the outer step all-reduces the params over ``data`` once (one variadic
 psum of gradient size), applies ``outer_params - mean_g(params_g)`` as a pseudo-gradient with an outer
-optax optimizer (Nesterov momentum, Douillard et al. 2023) and sets every group's params to the result.
-See docs/training.md ("Local SGD / DiLoCo").
+optax optimizer (default: plain averaging below H = 100, DiLoCo's Nesterov momentum from there on,
+Douillard et al. 2023) and sets every group's params to the result. See docs/training.md ("Local SGD").
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ import spmd
 from spmd.rules import Rules, axes_of
 from trainers.state import ShardedState, TrainState
 
-OUTER_OPTIMIZERS = ("nesterov", "sgd")
+OUTER_OPTIMIZERS = ("auto", "nesterov", "sgd")
+NESTEROV_FROM = 100  # "auto": DiLoCo's outer Nesterov from this H on, plain model averaging below it
+OUTER_DEFAULTS = {"nesterov": (0.7, 0.9), "sgd": (1.0, 0.0)}  # (outer_lr, outer_momentum) when not set
 OUTER_KEYS = ("outer_params", "outer_opt_state")
 AXIS = "data"
 _ALL = ("ok", "finite")  # flags true for the step only when true in every group
@@ -38,13 +40,15 @@ _ANY = ("loss_spike", "grad_norm_spike")
 @dataclasses.dataclass(frozen=True)
 class LocalSGDConfig:
     """``every`` (H): inner steps between synchronisations; 0 = off (ordinary data parallelism).
-    The outer optimizer: ``"nesterov"`` (DiLoCo's defaults: lr 0.7, momentum 0.9) or ``"sgd"``
-    (heavy-ball momentum ``outer_momentum``; 0 = plain SGD: lr 1 and H = 1 is data parallelism)."""
+    The outer optimizer: ``"nesterov"`` (DiLoCo's: lr 0.7, momentum 0.9), ``"sgd"`` (heavy-ball
+    momentum ``outer_momentum``; lr 1 and momentum 0 = plain model averaging, and with H = 1 data
+    parallelism), or ``"auto"`` (the default): plain averaging for H < ``NESTEROV_FROM`` (100),
+    DiLoCo's Nesterov from there on. ``outer_lr`` / ``outer_momentum`` None: the chosen optimizer's."""
 
     every: int = 0
-    outer_optimizer: str = "nesterov"
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    outer_optimizer: str = "auto"
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 0:
@@ -52,11 +56,14 @@ class LocalSGDConfig:
                              "between synchronisations)")
         if self.outer_optimizer not in OUTER_OPTIMIZERS:
             raise ValueError(f"local_sgd.outer_optimizer={self.outer_optimizer!r}; valid: {', '.join(OUTER_OPTIMIZERS)}")
-        if not isinstance(self.outer_lr, (int, float)) or not 0 < self.outer_lr < math.inf:
-            raise ValueError(f"local_sgd.outer_lr={self.outer_lr!r} must be a finite number > 0")
-        if not isinstance(self.outer_momentum, (int, float)) or not 0 <= self.outer_momentum < 1:
-            raise ValueError(f"local_sgd.outer_momentum={self.outer_momentum!r} must be a number in [0, 1)")
-        if self.outer_optimizer == "nesterov" and self.outer_momentum == 0:
+        if self.outer_lr is not None and (not isinstance(self.outer_lr, (int, float)) or not 0 < self.outer_lr < math.inf):
+            raise ValueError(f"local_sgd.outer_lr={self.outer_lr!r} must be a finite number > 0 (or None: the "
+                             "outer optimizer's default)")
+        if self.outer_momentum is not None and (not isinstance(self.outer_momentum, (int, float))
+                                                or not 0 <= self.outer_momentum < 1):
+            raise ValueError(f"local_sgd.outer_momentum={self.outer_momentum!r} must be a number in [0, 1) (or None: "
+                             "the outer optimizer's default)")
+        if self.outer == "nesterov" and self.momentum == 0:
             raise ValueError("local_sgd.outer_optimizer='nesterov' needs local_sgd.outer_momentum > 0; "
                              "use outer_optimizer=sgd for plain SGD")
 
@@ -64,11 +71,32 @@ class LocalSGDConfig:
     def enabled(self) -> bool:
         return self.every >= 1
 
+    @property
+    def outer(self) -> str:
+        """The outer optimizer this H runs: ``outer_optimizer``, or for ``"auto"`` ``"sgd"`` (plain
+        averaging) when H < ``NESTEROV_FROM``, else ``"nesterov"``."""
+        if self.outer_optimizer != "auto":
+            return self.outer_optimizer
+        return "nesterov" if self.every >= NESTEROV_FROM else "sgd"
+
+    @property
+    def lr(self) -> float:
+        return float(self.outer_lr if self.outer_lr is not None else OUTER_DEFAULTS[self.outer][0])
+
+    @property
+    def momentum(self) -> float:
+        return float(self.outer_momentum if self.outer_momentum is not None else OUTER_DEFAULTS[self.outer][1])
+
+    def describe(self) -> str:
+        """The resolved outer optimizer, e.g. ``"sgd lr 1 momentum 0 (auto at H=10)"``."""
+        how = f" (auto at H={self.every})" if self.outer_optimizer == "auto" else ""
+        return f"{self.outer} lr {self.lr:g} momentum {self.momentum:g}{how}"
+
 
 def outer_optimizer(cfg: LocalSGDConfig) -> optax.GradientTransformation:
-    """The outer optax optimizer of ``cfg``: SGD with Nesterov or heavy-ball momentum, or none."""
-    momentum = cfg.outer_momentum if cfg.outer_momentum > 0 else None
-    return optax.sgd(cfg.outer_lr, momentum=momentum, nesterov=cfg.outer_optimizer == "nesterov")
+    """The outer optax optimizer of ``cfg`` (as resolved for its H): SGD with Nesterov or heavy-ball
+    momentum, or none."""
+    return optax.sgd(cfg.lr, momentum=cfg.momentum if cfg.momentum > 0 else None, nesterov=cfg.outer == "nesterov")
 
 
 def inner_rules(rules: Rules) -> Rules:

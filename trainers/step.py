@@ -7,6 +7,7 @@ over the real rows. See docs/training.md.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,6 +30,7 @@ from trainers.validate import check_fsdp_gather
 Batch = Any  # a pytree of arrays with a leading batch dim
 LossFn = Callable[[nnx.Module, Batch, nnx.Rngs], "jax.Array | tuple[jax.Array, dict[str, jax.Array]]"]
 MetricFn = Callable[[nnx.Module, Batch], jax.Array]
+log = logging.getLogger(__name__)
 
 
 def lm_loss_fn(z_loss: float = 0.0, pipeline: PipelineConfig | None = None) -> LossFn:
@@ -128,10 +130,14 @@ def make_train_step(
         batch = normalize_weights(batch)
         with spmd.use_rules(rules, mesh):
             axes = accumulate.reduction_axes(mesh, rules, batch, grad_accum, fsdp_gather)
+            why = None if grad_accum == 1 else _loop_under_gspmd(model_vars, params, other, pipelined)
+            note = accumulate.per_microbatch_note(mesh, rules, jax.tree.leaves(batch)[0].shape[0], grad_accum,
+                                                  fsdp_gather, why)
+            if note:  # at trace time: once per compiled step
+                log.warning("%s", note)
             if grad_accum == 1:
                 (loss, (aux, new_other)), grads = grad_fn(params, other, batch, step_key)
-            elif axes and not jax.tree.leaves(other) and not pipelined and not _opens_manual_region(model_vars, params,
-                                                                                                      other):
+            elif axes and why is None:
                 # one reduction per step (trainers/accumulate.py)
                 grads, loss, aux = accumulate.accumulate(grad_fn, params, batch, step_key, grad_accum=grad_accum,
                                                          mesh=mesh, rules=rules, param_shardings=param_shardings,
@@ -183,6 +189,27 @@ def make_train_step(
         out_shardings=(sharded.shardings, spmd.sharding.replicated(mesh)),
         donate_argnums=(0,) if donate else (),
     )
+
+
+def accumulation_note(sharded: ShardedState, rules: spmd.Rules | str, mesh: Mesh, rows: int, *, grad_accum: int,
+                      fsdp_gather: str = "per_microbatch", loss_fn: LossFn | None = None) -> str | None:
+    """What the train step logs (at trace time) when its gradient accumulation over a batch of ``rows``
+    cannot reduce once per step, naming the rows, axes and reason; None when it can."""
+    state = sharded.abstract
+    why = _loop_under_gspmd(sharded.model, state.params, state.model_state or {},
+                            getattr(loss_fn, "pipelined", False))
+    return accumulate.per_microbatch_note(mesh, spmd.get_rules(rules), rows, grad_accum, fsdp_gather, why)
+
+
+def _loop_under_gspmd(model_vars: Any, params: Any, other: Any, pipelined: bool) -> str | None:
+    """Why the accumulation loop must stay under GSPMD whatever the batch (None: it need not)."""
+    if jax.tree.leaves(other):
+        return "the model carries state besides its parameters (batch statistics, RNG streams)"
+    if pipelined:
+        return "the loss runs a pipeline (its own shard_map over the batch axes)"
+    if _opens_manual_region(model_vars, params, other):
+        return "a layer runs its own shard_map (e.g. MoE), which does not nest in the loop's manual region"
+    return None
 
 
 def _opens_manual_region(model_vars: Any, params: Any, other: Any) -> bool:

@@ -29,7 +29,7 @@ CONFIG_FIELD = {
 class Issue:
     """One diagnosed problem: what (kind), where (path, dim), and the suggested fix."""
 
-    kind: str  # "indivisible" | "rules" | "batch" | "pipeline" | "replicated" | "all-to-all" | "remat" | "config" | "profile"
+    kind: str  # "indivisible" | "rules" | "batch" | "pipeline" | "replicated" | "all-to-all" | "remat" | "config" | "profile" | "accumulate"
     path: str
     dim: str | None
     message: str

@@ -319,4 +319,4 @@ class GPT(nnx.Module):
             return lm_loss(_head_logits(cfg, x_BLD, head[1]), tg_BL, z_loss=z_loss, onehot=True)
 
         return pipelined_loss(pipeline, stage_fn, head_fn, block_state, (norm_state, self.out_weight), x_BLD,
-                              targets_BL)
+                              targets_BL, compute_dtype=cfg.compute_dtype)

@@ -6,7 +6,8 @@ experts run on every token. Each device routes its own tokens (the ``expert`` ax
 batch outside the layer), packs them into a static buffer ``x[E, C, D]``, and a ``shard_map`` over
 the token axes and ``expert`` moves it with two all-to-alls (dispatch, combine) per forward pass,
 two more in the backward. Capacity ``C`` per expert per device: ``ceil(cf * T * k / E)`` tokens
-(overflow dropped), or ``T`` when dropless (``cf = 0``). Bytes and diagrams: docs/moe.md.
+(overflow dropped), or ``T`` when dropless (``cf = 0``), where the experts run grouped matmuls
+(:mod:`spmd.models.grouped`) over the rows that exist. Bytes and diagrams: docs/moe.md.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from meshes import axis_sizes
 from spmd import collectives
 from spmd.constraints import active_layout, constrain
+from spmd.models import grouped
 from spmd.models import router as router_lib
 from spmd.models.layers import GatedMLP, fan_in_init, param, weight
 from spmd.rules import Rules, axes_of
@@ -67,6 +69,60 @@ def dispatch_combine(x_TD: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array
     weights_TK = jnp.where(kept_TK, gates_TK, 0.0)
     y_TD = jnp.einsum("tkd,tk->td", y_TKD.astype(jnp.float32), weights_TK)
     return y_TD.astype(x_TD.dtype), kept_TK
+
+
+def expert_rows(tokens: int, n_experts: int, k: int, capacity_factor: float, ep: int = 1) -> tuple[int, int]:
+    """``(buffer rows, expert rows)`` of one device's ``tokens``: the rows packed for dispatch (``E * C``
+    with a capacity; under ``ep > 1`` dropless ``E * T``; one device dropless ``T * k``) and the rows
+    its experts compute (with a capacity ``E * C``; dropless the grouped blocks of :func:`dropless`,
+    or the dense ``E * T`` slots where grouping would hold no fewer)."""
+    if capacity_factor > 0:
+        slots = n_experts * router_lib.capacity(tokens, n_experts, k, capacity_factor)
+        return slots, slots
+    most = tokens * k if ep == 1 else ep * tokens * min(k, n_experts // ep)  # rows a device may hold
+    groups = n_experts // ep
+    b = grouped.block_rows(most, groups)
+    rows = grouped.n_blocks(most, groups, b) * b
+    return (tokens * k, rows) if ep == 1 else (n_experts * tokens, min(rows, n_experts * tokens))
+
+
+def dropless(x_TD: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array, w_gate_up_EDTF: jax.Array,
+             w_down_EFD: jax.Array, *, n_experts: int, axis: str | None = None) -> jax.Array:
+    """One device's tokens through their experts, none dropped, with grouped matmuls: ``y[T, D]``.
+
+    Without ``axis`` the ``T * k`` assignments go through :func:`spmd.models.grouped.grouped_mlp`
+    (``T * k`` rows plus block padding, not ``E * T``). With ``axis`` the tokens travel as in
+    :func:`dispatch_combine` with ``C = T`` (the same all-to-alls); the receiving device groups the
+    rows it holds for each of its E/ep experts: at most ``ep * T * min(k, E/ep)`` of them (every
+    source's tokens may pick it), so grouping saves work when E/ep > k, and the dense slots run
+    otherwise. An empty slot is a zero row and a SwiGLU expert maps zero to zero (value and
+    gradients), so a row is present iff it is nonzero.
+    """
+    t, d = x_TD.shape
+    k = experts_TK.shape[1]
+    if axis is None:
+        x_RD = jnp.broadcast_to(x_TD[:, None, :], (t, k, d)).reshape(t * k, d)
+        y_TKD = grouped.grouped_mlp(x_RD, experts_TK.reshape(t * k), w_gate_up_EDTF, w_down_EFD,
+                                    max_rows=t * k).reshape(t, k, d)
+    else:
+        local = w_gate_up_EDTF.shape[0]
+        ep = n_experts // local
+        slot_TK, _ = router_lib.slots(experts_TK, n_experts, t)
+        x_TKD = jnp.broadcast_to(x_TD[:, None, :], (t, k, d))
+        x_ECD = jnp.zeros((n_experts, t, d), x_TD.dtype).at[experts_TK, slot_TK].add(x_TKD, mode="drop")
+        x_ECD = collectives.all_to_all(x_ECD, axis, split_dim=0, concat_dim=0)  # dispatch
+        max_rows = ep * t * min(k, local)
+        if expert_rows(t, n_experts, k, 0.0, ep)[1] < n_experts * t:
+            x_RD = x_ECD.reshape(n_experts * t, d)
+            group_R = jnp.broadcast_to(jnp.arange(local)[None, :, None], (ep, local, t)).reshape(-1)
+            group_R = jnp.where(jnp.any(x_RD != 0, axis=-1), group_R, local)
+            y_ECD = grouped.grouped_mlp(x_RD, group_R, w_gate_up_EDTF, w_down_EFD, max_rows=max_rows)
+        else:
+            y_ECD = experts_mlp(x_ECD.reshape(ep, local, t, d), w_gate_up_EDTF, w_down_EFD)
+        y_ECD = collectives.all_to_all(y_ECD.reshape(n_experts, t, d), axis, split_dim=0, concat_dim=0)  # combine
+        y_TKD = y_ECD.at[experts_TK, slot_TK].get(mode="fill", fill_value=0)
+    y_TD = jnp.einsum("tkd,tk->td", y_TKD.astype(jnp.float32), gates_TK)
+    return y_TD.astype(x_TD.dtype)
 
 
 def expert_layout(rules: Rules, sizes: dict[str, int], n_experts: int) -> tuple[int, P, tuple[str, ...]]:
@@ -164,9 +220,12 @@ class MoE(nnx.Module):
             w_gate_up, w_down = (collectives.varying_like(w, x_BLD).astype(self.dtype) for w in (w_gate_up, w_down))
             b, length, d = x_BLD.shape
             t = b * length
-            y_TD, kept_TK = dispatch_combine(
-                x_BLD.reshape(t, d), experts_BLK.reshape(t, k), gates_BLK.reshape(t, k), w_gate_up, w_down,
-                n_experts=n, capacity=router_lib.capacity(t, n, k, cf), axis="expert" if ep > 1 else None)
+            args = (x_BLD.reshape(t, d), experts_BLK.reshape(t, k), gates_BLK.reshape(t, k), w_gate_up, w_down)
+            axis = "expert" if ep > 1 else None
+            if cf == 0:
+                y_TD, kept_TK = dropless(*args, n_experts=n, axis=axis), args[1] >= 0  # all kept
+            else:
+                y_TD, kept_TK = dispatch_combine(*args, n_experts=n, capacity=router_lib.capacity(t, n, k, cf), axis=axis)
             return y_TD.reshape(b, length, d), kept_TK.reshape(b, length, k)
 
         if not manual:

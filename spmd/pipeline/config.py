@@ -86,11 +86,13 @@ def pipelined_loss(
     head_params: Any,
     x_BLD: jax.Array,
     targets_BL: jax.Array,
+    compute_dtype: Any = None,
 ) -> tuple[jax.Array, dict]:
     """``head_fn(head, stack(x), targets)``, pipelined over ``pipe`` when the config and mesh ask for it.
 
     ``stage_params`` may be stored in any :class:`LayerOrder` (read from the variables' metadata);
-    unpipelined, the stack runs in natural order."""
+    unpipelined, the stack runs in natural order. ``compute_dtype`` (e.g. bf16): the dtype the stage
+    weight matrices' FSDP gathers move in (the blocks cast them to it at use)."""
     S = pipe_stages()
     n_layers = jax.tree.leaves(stage_params)[0].shape[0]
     if config is None or not config.enabled or S == 1:
@@ -102,4 +104,4 @@ def pipelined_loss(
     M = config.microbatches
     return run_schedule(stage_fn, head_fn, stage_params, head_params, split_microbatches(x_BLD, M),
                         split_microbatches(targets_BL, M), schedule=schedule, mesh=mesh, rules=rules,
-                        remat=config.remat)
+                        remat=config.remat, compute_dtype=compute_dtype)

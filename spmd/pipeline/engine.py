@@ -23,7 +23,7 @@ from spmd.pipeline.layout import ParamLayout, param_layout
 from spmd.manual import manual_batch_axes, with_inner_rules
 from spmd.pipeline.order import NATURAL, LayerOrder, order_of
 from spmd.pipeline.schedules import BACKWARD, FORWARD, IDLE, WEIGHT, Schedule
-from spmd.pipeline.sends import send_plan
+from spmd.pipeline.sends import gpipe_sends, send_plan
 from spmd.rules import Rules
 
 StageFn = Callable[[Any, jax.Array], jax.Array]  # (chunk params [Lc, ...], x[b, L, D]) -> y
@@ -105,10 +105,6 @@ def _build_tables(schedule: Schedule) -> tuple[np.ndarray, int, int, int]:
     return table, n_x, n_g, n_w if split else 0
 
 
-def _perm(S: int, step: int) -> list[tuple[int, int]]:
-    return [(i, i + step) for i in range(S) if 0 <= i + step < S]
-
-
 def _sender(branches: tuple, axis: str) -> Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
     """``send(k, y, dx) -> (recv_f, recv_b)``: branch 0 sends nothing, branch k the ``ppermute`` s of
     ``branches[k-1]`` (forward pairs for ``y``, backward for ``dx``), k from the tick: the same on every
@@ -135,28 +131,30 @@ def _add(a: Any, b: Any) -> Any:
 
 def _gpipe_local(stage_fn: StageFn, head_fn: HeadFn, S: int, M: int, axis: str, remat: bool,
                  layout: ParamLayout, trees: tuple[Any, Any]):
-    """Per-device GPipe forward: scan over M + S - 1 ticks; autodiff gives the backward.
-
-    Takes the flattened stage and head leaves (``trees``: their treedefs) and gathers them once
-    before the loop; autodiff turns that all-gather into the one reduce-scatter of the gradients.
-    Loss and aux are averaged over the manual batch axes; the transpose of the ``shard_map`` sums
-    the remaining parameter cotangents over them once, at its boundary (after the backward scan).
-    """
+    """Per-device GPipe forward: scans over M + S - 1 ticks, each run of ticks sending over the stage pairs
+    that carry a microbatch (``sends.gpipe_sends``); autodiff gives the backward. Takes the flattened stage
+    and head leaves (``trees``: their treedefs) and gathers them once before the loop; autodiff turns that
+    all-gather into the one reduce-scatter of the gradients. Loss and aux are averaged over the manual batch
+    axes; the ``shard_map``'s transpose sums the other parameter cotangents over them once, at its boundary."""
     stage = jax.checkpoint(stage_fn, prevent_cse=False) if remat else stage_fn
     batch_axes = layout.batch_axes
 
     def run(p_leaves, h_leaves, x_MbLD, tg_MbL):
         s = jax.lax.axis_index(axis)
-        params = jax.tree.unflatten(trees[0], layout.gather(p_leaves, layout.stage_plans))
+        params = jax.tree.unflatten(trees[0], layout.gather(p_leaves, layout.stage_plans))  # autodiff: f32
         head = jax.tree.unflatten(trees[1], layout.gather(h_leaves, layout.head_plans))
 
-        def tick(recv, t):
-            inp = jnp.where(s == 0, x_MbLD[jnp.clip(t, 0, M - 1)], recv)
-            y = stage(params, inp)
-            return jax.lax.ppermute(y, axis, _perm(S, 1)), y
+        def tick(pairs):
+            def one(recv, t):
+                y = stage(params, jnp.where(s == 0, x_MbLD[jnp.clip(t, 0, M - 1)], recv))
+                return (jax.lax.ppermute(y, axis, list(pairs)) if pairs else jnp.zeros_like(y)), y
+            return one
 
-        _, ys = jax.lax.scan(tick, jnp.zeros_like(x_MbLD[0]), jnp.arange(M + S - 1))
-        outs = ys[S - 1:]
+        recv, ys = jnp.zeros_like(x_MbLD[0]), []
+        for first, end, pairs in gpipe_sends(S, M):
+            recv, y = jax.lax.scan(tick(pairs), recv, jnp.arange(first, end))
+            ys.append(y)
+        outs = jnp.concatenate(ys)[S - 1:]
 
         def head_all(outs):
             losses, auxs = jax.lax.map(lambda a: head_fn(head, *a), (outs, tg_MbL))
@@ -207,7 +205,7 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
 
     def run(p_leaves, h_leaves, x_MbLD, tg_MbL):
         s = jax.lax.axis_index(axis)
-        params = [a.reshape(V, a.shape[0] // V, *a.shape[1:]) for a in layout.gather(p_leaves, layout.stage_plans)]
+        params = [a.reshape(V, a.shape[0] // V, *a.shape[1:]) for a in layout.gather(p_leaves, layout.stage_plans, layout.stage_dtypes)]
         head = jax.tree.unflatten(trees[1], layout.gather(h_leaves, layout.head_plans))
         table = jnp.asarray(table_np)
         zx = jnp.zeros_like(x_MbLD[0])
@@ -325,7 +323,7 @@ def run_schedule(
     rules: Rules | None = None,
     remat: bool = False,
     axis: str = "pipe",
-    layer_order: LayerOrder | None = None,
+    layer_order: LayerOrder | None = None, compute_dtype: Any = None,
 ) -> tuple[jax.Array, dict]:
     """Mean over microbatches of ``head_fn(head, blocks(x[m]), targets[m])``, run as a pipeline.
 
@@ -335,8 +333,8 @@ def run_schedule(
     another order is converted to it on every call, an all-to-all of ``(S-1)/S`` of the stack over
     ``pipe`` (and its gradients back). Differentiable w.r.t. ``stage_params``, ``head_params`` and
     ``x_MbLD``, gradients in the params' order. ``rules``: the rule set the model's constraints
-    follow (None: plain code), re-targeted inside the ``shard_map``.
-    """
+    follow (None: plain code), re-targeted inside the ``shard_map``. ``compute_dtype``: the table engine's
+    FSDP gathers of stage weight matrices move in it (``spmd.pipeline.layout.gather_dtypes``)."""
     S, M, V = schedule.n_stages, schedule.n_microbatches, schedule.n_virtual
     schedule.validate()  # every table the engine runs: each op once, every dependency met
     if axis not in mesh.shape or mesh.shape[axis] != S:
@@ -351,10 +349,10 @@ def run_schedule(
     chunks = LayerOrder(S, V)  # what the engine reads: device s's block holds chunks s, s+S, ...
     pip = P(axis)
     bax = manual_batch_axes(mesh, rules, x_MbLD.shape[1], axis)
-    layout = param_layout(stage_params, head_params, rules, mesh, axis, bax)
+    layout = param_layout(stage_params, head_params, rules, mesh, axis, bax, compute_dtype)
     if layout is None:  # a parameter layout the manual axes cannot express: keep fsdp automatic
         bax = manual_batch_axes(mesh, rules, x_MbLD.shape[1], axis, shard_params=False)
-        layout = param_layout(stage_params, head_params, rules, mesh, axis, bax)
+        layout = param_layout(stage_params, head_params, rules, mesh, axis, bax, compute_dtype)
     n_batch = int(np.prod([mesh.shape[a] for a in bax], dtype=int))
     sm = dict(mesh=mesh, axis_names={axis, *bax}, check_vma=False)
     inner = functools.partial(with_inner_rules, mesh=mesh, rules=rules, axis=axis, batch_axes=bax)

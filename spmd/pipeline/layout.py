@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -37,6 +38,7 @@ class ParamLayout:
     stage_plans: tuple[GatherPlan, ...]
     head_plans: tuple[GatherPlan, ...]
     batch_axes: tuple[str, ...]
+    stage_dtypes: tuple[Any, ...] = ()  # per stage leaf: the dtype it is gathered in (None: its own)
 
     @property
     def gathers(self) -> bool:
@@ -44,10 +46,15 @@ class ParamLayout:
         return any(self.stage_plans) or any(self.head_plans)
 
     @staticmethod
-    def gather(leaves: list[jax.Array], plans: tuple[GatherPlan, ...]) -> list[jax.Array]:
-        """``W[.., D_fsdp, ..] -> W[.., D, ..]``: tiled all-gather of each planned dim (once per step)."""
+    def gather(leaves: list[jax.Array], plans: tuple[GatherPlan, ...], dtypes: tuple[Any, ...] = ()) -> list[jax.Array]:
+        """``W[.., D_fsdp, ..] -> W[.., D, ..]``: tiled all-gather of each planned dim (once per step);
+        a leaf with a narrower ``dtypes[i]`` moves in it (:func:`narrow_gather`)."""
         out = []
-        for x, plan in zip(leaves, plans, strict=True):
+        for i, (x, plan) in enumerate(zip(leaves, plans, strict=True)):
+            dtype = dtypes[i] if dtypes else None
+            if plan and dtype is not None and jnp.dtype(dtype).itemsize < x.dtype.itemsize:
+                out.append(narrow_gather(x, plan, dtype))
+                continue
             for dim, axes in plan:
                 x = collectives.all_gather(x, axes, dim=dim, tiled=True)
             out.append(x)
@@ -65,6 +72,25 @@ class ParamLayout:
             rest = tuple(a for a in self.batch_axes if a not in used)
             out.append(collectives.psum(g, rest) if rest else g)
         return out
+
+
+def gather_dtypes(leaves: list[Any], compute_dtype: Any) -> tuple[Any, ...]:
+    """Per stage leaf ``[L, ...]``, the dtype its gather moves: ``compute_dtype`` for the weight
+    matrices (rank >= 3, floating: the blocks cast them to the compute dtype at use), None (their
+    own) for the rest (norm scales and biases, which may be used in f32)."""
+    if compute_dtype is None:
+        return ()
+    return tuple(compute_dtype if a.ndim >= 3 and jnp.issubdtype(a.dtype, jnp.floating) else None for a in leaves)
+
+
+def narrow_gather(x: jax.Array, plan: GatherPlan, dtype: Any) -> jax.Array:
+    """``W[.., D_fsdp, ..] -> W[.., D, ..]`` moved in ``dtype`` (half the bytes of f32 under bf16) and
+    widened back: the same values as the cast the blocks apply at use, so the forward pass is unchanged.
+    The table engine does not differentiate it: it reduces the gathered gradients itself (:meth:`ParamLayout.reduce`)."""
+    y = x.astype(dtype)
+    for dim, axes in plan:
+        y = collectives.all_gather(y, axes, dim=dim, tiled=True)
+    return y.astype(x.dtype)
 
 
 def _leaf_dims(tree: Any) -> list[tuple[str | None, ...] | None] | None:
@@ -89,9 +115,10 @@ def _manual_part(spec: P, ndim: int, manual: tuple[str, ...]) -> tuple[Any, ...]
 
 
 def param_layout(stage_params: Any, head_params: Any, rules: Rules | None, mesh: Mesh, axis: str,
-                 batch_axes: tuple[str, ...]) -> ParamLayout | None:
+                 batch_axes: tuple[str, ...], compute_dtype: Any = None) -> ParamLayout | None:
     """The layout of the parameters with ``axis`` and ``batch_axes`` manual, or None when a leaf's
-    stored sharding over a manual batch axis cannot be expressed (the caller keeps that axis automatic)."""
+    stored sharding over a manual batch axis cannot be expressed (the caller keeps that axis automatic).
+    ``compute_dtype``: what the stage weight matrices' gathers move (:func:`gather_dtypes`)."""
     stage_leaves, head_leaves = jax.tree.leaves(stage_params), jax.tree.leaves(head_params)
     sharding_axes = [a for a in batch_axes if rules is not None and a in param_axes(rules)]
     if not sharding_axes:
@@ -113,4 +140,5 @@ def param_layout(stage_params: Any, head_params: Any, rules: Rules | None, mesh:
                 return None
             plans[k].append(tuple((i, axes_of(e)) for i, e in enumerate(part) if e is not None))
             specs[k].append(P(axis, *part[1:]) if k == 0 else P(*part))
-    return ParamLayout(tuple(specs[0]), tuple(specs[1]), tuple(plans[0]), tuple(plans[1]), batch_axes)
+    return ParamLayout(tuple(specs[0]), tuple(specs[1]), tuple(plans[0]), tuple(plans[1]), batch_axes,
+                       gather_dtypes(stage_leaves, compute_dtype))

@@ -125,6 +125,22 @@ def _branches(comps: list[hlo.Computation]) -> dict[str, tuple[str, int]]:
     return out
 
 
+def gpipe_sends(S: int, M: int) -> list[tuple[int, int, tuple[tuple[int, int], ...]]]:
+    """GPipe's forward ticks ``0 .. M+S-2`` in runs that send over the same stage pairs: ``(first, end, pairs)``.
+
+    At tick t stage s sends microbatch t - s on to s + 1 only when it is one (0 <= t - s < M, s < S - 1):
+    the fill ticks send from fewer stages, the drain ticks too, the last from none. So a pass sends exactly
+    ``M (S - 1)`` activations (a permute on every tick over every pair sent ``(M + S - 1)(S - 1)``)."""
+    runs: list[tuple[int, int, tuple[tuple[int, int], ...]]] = []
+    for t in range(M + S - 1):
+        pairs = tuple((s, s + 1) for s in range(max(0, t - M + 1), min(t, S - 2) + 1))
+        if runs and runs[-1][2] == pairs:
+            runs[-1] = (runs[-1][0], t + 1, pairs)
+        else:
+            runs.append((t, t + 1, pairs))
+    return runs
+
+
 def hlo_sent_bytes(compiled: Any, schedule: Schedule, mesh: Mesh, axis: str = "pipe") -> dict[str, int]:
     """Collective-permute bytes over ``axis`` per step in a compiled program, summed over the stage pairs
     of one pipeline (``{"executed": ..., "unattributed": ...}``).

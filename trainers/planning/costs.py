@@ -22,7 +22,7 @@ from flax import nnx
 
 import spmd
 from spmd.models import flops_per_step, flops_per_token
-from spmd.models.router import capacity
+from spmd.models.moe import expert_rows
 from spmd.rules import axes_of
 from trainers.config import Config
 from trainers.faults.guard import window_bytes
@@ -98,8 +98,8 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
     scores = 4 * H / t if blockwise else (4 + dt) * H * L / t
     mlp = 3 * F / t
     if m.n_experts:  # MoE layers: x[E, C, D] dispatched and combined, the experts' [E, C, 2F] and [E, C, F] per slot
-        slots = m.n_experts * capacity(b * L, m.n_experts, m.experts_per_token, m.capacity_factor) / max(b * L, 1)
-        moe = slots * (2 * D + 3 * m.expert_ff / t) + 4 * m.n_shared_experts * m.expert_ff / t + 8 * m.n_experts
+        slots, rows = (r / max(b * L, 1) for r in expert_rows(b * L, m.n_experts, m.experts_per_token, m.capacity_factor, sizes.get("expert", 1)))
+        moe = slots * 2 * D + rows * 3 * m.expert_ff / t + 4 * m.n_shared_experts * m.expert_ff / t + 8 * m.n_experts
         n_moe = m.n_layers // m.moe_every
         mlp = ((m.n_layers - n_moe) * mlp + n_moe * moe) / m.n_layers  # the mean over the layers
     residual = rules.spec(("residual_length",), kind="activations", mesh_sizes=sizes)

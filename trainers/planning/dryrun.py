@@ -26,6 +26,7 @@ from trainers.planning.profile import abstract_batch, profile_task
 from trainers.planning.report import DryRunReport, is_cpu_target
 from trainers.planning.traffic import pipeline_schedule
 from trainers.setup import build
+from trainers.step import accumulation_note
 from trainers.task import Task, lm_task, load_task
 from trainers.validate import Issue, batch_axes
 
@@ -97,6 +98,10 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
     mesh = meshes.make_mesh(meshes.MeshSpec.of(sizes), devices=jax.devices()[:devices], axis_type=cfg.mesh.axis_type)
     setup = build(cfg, run, mesh, abstract=True)  # the run's own step (trainers.setup), on shapes only
     step, state = setup.train_step, setup.stepped.abstract
+    note = accumulation_note(setup.sharded, setup.state_rules, mesh, cfg.data.global_batch,
+                             grad_accum=cfg.run.grad_accum, fsdp_gather=cfg.run.fsdp_gather, loss_fn=run.loss)
+    if note:
+        issues.append(Issue("accumulate", "batch", "batch", note, ""))
     if profile is None:
         batch = setup.abstract_batch()
     else:

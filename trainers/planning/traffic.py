@@ -66,8 +66,8 @@ def _schedule(name: str, pipe: int, microbatches: int, virtual_stages: int) -> S
 
 def pipeline_sends(cfg: Config, pipe: int) -> int:
     """Activations ``x[B/M, L, D]`` the busiest stage sends over ``pipe`` per pipeline run: the table
-    engine's sends (:meth:`spmd.pipeline.Schedule.sent_bytes` per stage); GPipe's scan and its
-    transpose send on every tick from every stage but the last, ``2 (M + S - 1)``."""
+    engine's sends (:meth:`spmd.pipeline.Schedule.sent_bytes` per stage); GPipe: ``2 (M + S - 1)``, what
+    its scans sent when they permuted on every tick (they now send ``2 M``; kept as an upper bound)."""
     p = cfg.pipeline
     return _sends(p.schedule, pipe, p.microbatches, p.virtual_stages)
 
