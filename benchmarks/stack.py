@@ -30,31 +30,65 @@ CPU_GOAL, COMPILE_GOAL = 0.9, 1.5
 _INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
 _SHAPE = re.compile(r"^([a-z]+\d*)\[([\d,]*)\]")
 _BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8}
-COUNTED = ("while", "dynamic-update-slice", "dynamic-slice", "copy", "zero-fill", "concatenate", "pad", "fusion")
+COUNTED = ("kernels", "while", "dynamic-update-slice", "dynamic-slice", "copy", "zero-fill", "concatenate", "pad")
+_FREE = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast")  # no kernel of their own
+
+
+def _computations(hlo: str) -> dict[str, list[tuple[str, str, str, str]]]:
+    """``{computation name: its instructions (name, type, op, rest)}`` of an HLO text, ``ENTRY`` for the entry."""
+    comps, current = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(ENTRY )?%?([\w.\-]+) \(", line)
+        if head and line.rstrip().endswith("{"):
+            current = "ENTRY" if head.group(1) else head.group(2)
+            comps[current] = []
+        elif current is not None and (m := _INSTR.match(line)):
+            comps[current].append(m.groups())
+    return comps
+
+
+def _bytes(typ: str) -> int:
+    shape = _SHAPE.match(typ)
+    if not shape:
+        return 0
+    size = _BYTES.get(shape.group(1), 4)
+    for d in filter(None, shape.group(2).split(",")):
+        size *= int(d)
+    return size
 
 
 def op_counts(hlo: str) -> dict[str, int]:
-    """Op counts of a compiled HLO text (fused computations included, loop bodies counted once):
-    :data:`COUNTED`, where ``zero-fill`` is a broadcast of a zero constant of at least 4 KiB, plus
-    ``copy bytes`` and ``zero-fill bytes`` (array ops only)."""
-    zeros, out = set(), collections.Counter()
-    parsed = [m.groups() for m in map(_INSTR.match, hlo.splitlines()) if m]
-    for name, _, op, rest in parsed:
-        if op == "constant" and re.match(r"-?0(\.0*)?\)", rest):
-            zeros.add(name)
-    for _, typ, op, rest in parsed:
-        shape = _SHAPE.match(typ)
-        size = 0
-        if shape:
-            size = _BYTES.get(shape.group(1), 4)
-            for d in filter(None, shape.group(2).split(",")):
-                size *= int(d)
-        if op == "broadcast" and rest.split(")")[0].lstrip("%") in zeros and size >= 4096:
-            op = "zero-fill"
-        if op in COUNTED:
+    """The compiled step's kernels by kind (a loop body counted once): every instruction outside fused
+    computations, a fusion counted as its root op (a fused dynamic-update-slice is one), for :data:`COUNTED`;
+    ``zero-fill``: a broadcast of a zero constant of at least 4 KiB; also ``copy bytes``, ``zero-fill bytes``
+    and ``copy of a zero-fill`` (a zero buffer copied into each loop buffer that starts from it)."""
+    comps = _computations(hlo)
+    called = {c for instrs in comps.values() for *_, op, rest in instrs if op == "fusion"
+              for c in re.findall(r"calls=%?([\w.\-]+)", rest)}
+    roots = {name: instrs[-1] for name, instrs in comps.items() if instrs}
+    zeros = {n for instrs in comps.values() for n, _, op, rest in instrs
+             if op == "constant" and re.match(r"-?0(\.0*)?\)", rest)}
+    fills, out = set(), collections.Counter()
+    for name, instrs in comps.items():
+        if name in called:
+            continue
+        for n, typ, op, rest in instrs:
+            operand = rest.split(")")[0].split(",")[0].strip().lstrip("%")
+            if op == "fusion":
+                body = re.search(r"calls=%?([\w.\-]+)", rest)
+                root = roots.get(body.group(1)) if body else None
+                op = root[2] if root else "fusion"
+                if op in ("broadcast", "parameter") and operand in zeros:
+                    op = "broadcast"
+            if op == "broadcast" and operand in zeros and _bytes(typ) >= 4096:
+                op = "zero-fill"
+                fills.add(n)
+            elif op == "copy" and operand in fills:
+                out["copy of a zero-fill"] += 1
             out[op] += 1
-            out[f"{op} bytes"] += size
-    return {k: out[k] for k in (*COUNTED, "copy bytes", "zero-fill bytes")}
+            out[f"{op} bytes"] += _bytes(typ)
+            out["kernels"] += op not in _FREE
+    return {k: out[k] for k in (*COUNTED, "copy bytes", "zero-fill bytes", "copy of a zero-fill")}
 
 
 @dataclasses.dataclass
@@ -125,8 +159,8 @@ def rows_for(n: int, scanned: Measured, unrolled: Measured, form_auto: str, roun
 
 
 def ops_table(measured: dict[tuple[int, str], Measured]) -> str:
-    keys = ("while", "dynamic-update-slice", "dynamic-slice", "copy", "copy bytes", "zero-fill", "zero-fill bytes",
-            "concatenate", "pad", "fusion")
+    keys = ("kernels", "while", "dynamic-update-slice", "dynamic-slice", "copy", "copy bytes", "zero-fill",
+            "zero-fill bytes", "copy of a zero-fill", "concatenate", "pad")
     rows = [[f"{n}", form] + [common.fmt_bytes(m.ops[k]) if k.endswith("bytes") else str(m.ops[k]) for k in keys]
             for (n, form), m in sorted(measured.items())]
     return common.markdown_table(("layers", "stack", *keys), rows)
@@ -147,8 +181,9 @@ def run(options: common.Options, command: str = "python -m benchmarks.stack") ->
               f"n_heads={cfg.n_heads}, d_ff={cfg.ff}, batch {batch} x {length}, at each depth; layout fsdp_tp on "
               f"{len(jax.devices())} {backend} devices; CPU seconds = this process's, all threads. The machine is "
               "shared (2 cores): timings are noisy, the ratios come from interleaved rounds of one process."]
-    after = ["Ops of the compiled step (fused computations included; a loop body counted once; zero-fill = "
-             "broadcast of a zero constant >= 4 KiB): docs/performance.md reads them.", "", ops_table(measured)]
+    after = ["Kernels of the compiled step by kind (benchmarks.stack.op_counts: a fusion counted as its root op, a "
+             "loop body once; zero-fill = a broadcast of zero >= 4 KiB); docs/performance.md reads them.", "",
+             ops_table(measured)]
     common.report("stack", "Layer stack: scanned vs unrolled", rows, options, command, before=before, after=after,
                   started_load=started)
     return rows

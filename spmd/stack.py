@@ -57,7 +57,8 @@ class Stack(nnx.Module):
     @property
     def unroll(self) -> int:
         """``lax.scan``'s ``unroll``: 1 (a loop) when scanned; all ``n`` iterations inlined when unrolled
-        (the same per-block computation, so the same numbers; no loop, no stacked carry buffers)."""
+        (the same per-block computation with no loop; equal to the scanned form up to XLA's fusion of
+        reductions, ~1e-7 relative: docs/performance.md)."""
         return self.n if self.form == "unrolled" else 1
 
     @property

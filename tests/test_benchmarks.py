@@ -13,13 +13,14 @@ import math
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from benchmarks import common, comms, mfu, pipeline, scaling, steptime
+from benchmarks import common, comms, mfu, pipeline, scaling, stack, steptime
 
 # ---------------------------------------------------------------------------------- results file
 INFO = {"CPU": "test cpu", "cores": "2", "load average (1, 5, 15 min)": "0", "devices": "8 x cpu", "GPU": "none",
@@ -118,6 +119,20 @@ def test_dot_flops_multiplies_loop_bodies_by_their_trip_count():
     assert by_op == {"fwd bd,de->be": 3 * body, "bwd bd,cd->bc": entry}
     # negative control: without a known trip count the body counts once
     assert mfu.dot_flops(HLO.replace("{trip}", ""))[0] == body + entry
+
+
+def test_stack_op_counts_tell_a_loop_from_unrolled_layers():
+    def layers(x_N, unroll):  # a residual saved per layer (tanh's output), as a stack keeps its activations
+        body = lambda c, w: (jnp.tanh(c @ w), None)  # noqa: E731
+        return jax.lax.scan(body, x_N[0], x_N, unroll=unroll)[0].sum()
+
+    x = jnp.ones((6, 64, 64))
+    scanned, unrolled = (stack.op_counts(jax.jit(jax.grad(lambda x, u=u: layers(x, u))).lower(x).compile().as_text())
+                         for u in (1, 6))
+    assert scanned["while"] == 2 and unrolled["while"] == 0  # forward and backward loops
+    assert scanned["dynamic-update-slice"] >= 1 and unrolled["dynamic-update-slice"] == 0
+    assert scanned["zero-fill"] >= 1 and scanned["zero-fill bytes"] >= 6 * 64 * 64 * 4  # the stacked residuals
+    assert unrolled["kernels"] > scanned["kernels"]
 
 
 def test_scaling_rows_compare_with_the_ideal():
