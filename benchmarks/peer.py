@@ -7,7 +7,7 @@ alternating: this checkout (``spmd-train gpt-small``, the default stack, then ``
 scanned``) and MaxText (layers unrolled, no remat), 8 simulated CPU devices, on fsdp=8 and
 data=2 x fsdp=2 x tensor=2. Per run: median CPU seconds and wall time per step after 5 warm-up steps,
 time to first step, peak RSS. Rows: medians of per-round ratios (IQR in the note). Goals: CPU per
-step <= 0.7 x MaxText with the default stack, <= 0.9 x scanned.
+step <= 0.7 x MaxText with the default stack, <= 0.9 x scanned (``SPMD_PEER_ROUNDS``: rounds, default 8).
 
     SPMD_MAXTEXT_VENV=/path/mtvenv python -m benchmarks.peer [--quick] [--output PATH]
 """
@@ -109,7 +109,7 @@ def run(options: common.Options, command: str = "python -m benchmarks.peer") -> 
                     "skipped: no MaxText environment (set SPMD_MAXTEXT_VENV to the harness's MaxText venv)")]
         common.report("peer", "Peer: spmd vs MaxText, same model and layout", rows, options, command, started_load=started)
         return rows
-    rounds, steps = (1, WARM + 4) if options.quick else (8, 41)
+    rounds, steps = (1, WARM + 4) if options.quick else (int(os.environ.get("SPMD_PEER_ROUNDS", "8")), 41)
     layouts = list(LAYOUTS)[:1] if options.quick else list(LAYOUTS)
     systems = ("default", "scanned", "maxtext")
     rows: list[Row] = []

@@ -144,6 +144,9 @@ def test_report_roofline_and_format(reports):
     text = r.format()
     for needle in ("state (params + optimizer)", "all-reduce", "tensor", "estimated step", "MFU", "fits"):
         assert needle in text, needle
+    # the stack form the target runs (auto on a GPU: unrolled at this depth), compiled and named in the header
+    assert r.layer_stack == f"layer stack unrolled (model.scan_layers=auto; auto: {cfg.model.n_layers} layers on gpu)"
+    assert r.layer_stack in text.splitlines()[0]
 
 
 def test_fit_verdict_is_the_accelerator_memory_model_for_a_gpu_and_the_compile_for_a_cpu(reports, real):

@@ -17,7 +17,9 @@ import meshes
 import spmd
 from spmd.models import GPT, GPTConfig
 from spmd.stack import UNROLL_UP_TO, stack_form
+from trainers import override, recipe
 from trainers.config import fixed_on_resume
+from trainers.planning.planner import plan
 from trainers.hardware import get_hardware
 from trainers.planning.report import layer_stack
 
@@ -102,6 +104,11 @@ def test_dry_run_and_planner_say_which_form_runs():
     assert layer_stack(deep, get_hardware("cpu")).startswith("layer stack unrolled")
     assert layer_stack(dataclasses.replace(deep, scan_layers="scanned"), get_hardware("cpu")) == \
         "layer stack scanned (model.scan_layers=scanned; set)"
+    cfg = override(recipe("gpt-small"), ["model.n_layers=12"])
+    found = plan(cfg, 8, "h100", confirm=0)
+    assert found.layer_stack == layer_stack(cfg.model, get_hardware("h100")) and found.layer_stack.startswith(
+        "layer stack scanned")
+    assert found.layer_stack in found.format()
 
 
 def test_stack_helper_unrolls_any_block():
