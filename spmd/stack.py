@@ -91,8 +91,8 @@ class Stack(nnx.Module):
         return apply, state
 
     def __call__(self, x: jax.Array, *args: Any) -> jax.Array:
-        """Run the blocks over ``x`` (a scan, or unrolled: :attr:`form`); variables the blocks update (batch statistics, RNG counts) are
-        carried out of the scan and written back, one slice per layer. A block may return ``(x, aux)``
+        """Run the blocks over ``x`` (a scan, or unrolled: :attr:`form`); variables the blocks update (batch
+        statistics, RNG counts) are carried out of the scan and written back, one slice per layer. A block may return ``(x, aux)``
         (``aux`` a pytree of arrays, e.g. MoE losses): the stack then returns ``(y, aux summed over layers)``.
         Layers run in natural order: a stack stored in chunk order is put in natural order first (an
         all-to-all over ``pipe`` when it is sharded)."""
