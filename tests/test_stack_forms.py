@@ -31,9 +31,9 @@ def tokens(seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, CFG.vocab_size, size=(8, 17), dtype=np.int32)
 
 
-def loss_and_grads(form: str, rules: str = "none", sizes: dict | None = None, seed: int = 0):
+def loss_and_grads(form: str, rules: str = "none", sizes: dict | None = None, seed: int = 0, base: GPTConfig = CFG):
     """``(loss, grads, compiled step)`` of the tiny GPT with its blocks ``form``, on ``sizes`` under ``rules``."""
-    cfg = dataclasses.replace(CFG, scan_layers=form)
+    cfg = dataclasses.replace(base, scan_layers=form)
     mesh = meshes.make_mesh(sizes) if sizes else meshes.single_device_mesh()
     rules = spmd.get_rules(rules)
     graphdef, params, _ = spmd.init_params(lambda: GPT(cfg, rngs=nnx.Rngs(0)), rules, mesh)
@@ -68,6 +68,15 @@ def test_unrolled_equals_scanned(sizes, rules):
     # negative control: another batch moves the loss and the grads far beyond the tolerance
     loss_o, grads_o, _ = loss_and_grads("unrolled", rules, sizes, seed=1)
     assert abs(loss_o - loss_s) / loss_s > 100 * TOL and max_rel(grads_o, grads_s) > 100 * TOL
+
+
+def test_moe_groups_unrolled_equal_scanned():
+    """MoE groups (a dense block, then a MoE block) as the stack's unit; the MoE losses summed over layers."""
+    moe = dataclasses.replace(CFG, n_layers=4, n_experts=4, moe_every=2, experts_per_token=2)
+    loss_s, grads_s, _ = loss_and_grads("scanned", base=moe)
+    loss_u, grads_u, compiled_u = loss_and_grads("unrolled", base=moe)
+    assert loss_u == pytest.approx(loss_s, rel=TOL, abs=0) and max_rel(grads_u, grads_s) < TOL
+    assert " while(" not in compiled_u.as_text()
 
 
 def test_both_forms_hold_the_same_parameters():
