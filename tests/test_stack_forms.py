@@ -37,7 +37,7 @@ def loss_and_grads(form: str, rules: str = "none", sizes: dict | None = None, se
     mesh = meshes.make_mesh(sizes) if sizes else meshes.single_device_mesh()
     rules = spmd.get_rules(rules)
     graphdef, params, _ = spmd.init_params(lambda: GPT(cfg, rngs=nnx.Rngs(0)), rules, mesh)
-    batch = jax.device_put(tokens(seed), spmd.batch_sharding(rules, mesh))
+    batch = jax.device_put(tokens(seed), spmd.batch_sharding(rules, mesh, dims=("batch",)))  # rows: L + 1 tokens
 
     def loss(params, batch):
         with spmd.use_rules(rules, mesh):
@@ -63,8 +63,12 @@ def test_unrolled_equals_scanned(sizes, rules):
     assert loss_u == pytest.approx(loss_s, rel=TOL, abs=0)
     assert jax.tree.structure(grads_u) == jax.tree.structure(grads_s)
     assert max_rel(grads_u, grads_s) < TOL
-    # another program really ran: the scanned step loops over the layers, the unrolled one has no loop
-    assert " while(" in compiled_s.as_text() and " while(" not in compiled_u.as_text()
+    # another program really ran: the scanned step loops over the layers, the unrolled one has no loop (the
+    # ring exchange of context parallelism has loops of its own: there, another program text)
+    if "seq" in (sizes or {}):
+        assert compiled_s.as_text() != compiled_u.as_text()
+    else:
+        assert " while(" in compiled_s.as_text() and " while(" not in compiled_u.as_text()
     # negative control: another batch moves the loss and the grads far beyond the tolerance
     loss_o, grads_o, _ = loss_and_grads("unrolled", rules, sizes, seed=1)
     assert abs(loss_o - loss_s) / loss_s > 100 * TOL and max_rel(grads_o, grads_s) > 100 * TOL
