@@ -14,12 +14,15 @@ import traceback
 from collections.abc import Callable, Sequence
 
 from benchmarks import (attention, calibration, checkpoint, comms, common, context, decode_gpu, gpu, guard, interchange,
-                        local_sgd, loss, memory, mfu, moe, overhead, packing, pipeline, remat, scaling, steptime)
+                        local_sgd, loss, memory, mfu, moe, overhead, packing, peer, pipeline, remat, scaling, stack,
+                        steptime)
 
 BENCHMARKS: dict[str, Callable[..., int]] = {
     "overhead": overhead.main,
     "comms": comms.main,
     "steptime": steptime.main,
+    "stack": stack.main,
+    "peer": peer.main,
     "memory": memory.main,
     "attention": attention.main,
     "context": context.main,

@@ -44,7 +44,8 @@ from spmd.models import GPT, GPTConfig, lm_loss
 
 SIMULATED_DEVICES = 8
 RESULTS = Path(__file__).resolve().with_name("RESULTS.md")
-ORDER = ("overhead", "comms", "steptime", "memory", "attention", "context", "loss", "remat", "pipeline", "moe", "mfu", "checkpoint", "guard", "scaling",
+ORDER = ("overhead", "comms", "steptime", "stack", "peer", "memory", "attention", "context", "loss", "remat", "pipeline",
+         "moe", "mfu", "checkpoint", "guard", "scaling",
          "local_sgd", "gpu", "calibration", "packing", "interchange", "decode_gpu")
 _COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 

@@ -1,11 +1,12 @@
-"""A stack of identical blocks, stored with a leading ``layers`` dim and run as a scan.
+"""A stack of identical blocks, stored with a leading ``layers`` dim and run as a scan or unrolled.
 
-    Stack(lambda rngs: Block(..., rngs=rngs), n_layers, rngs=rngs)
+    Stack(lambda rngs: Block(..., rngs=rngs), n_layers, rngs=rngs, scan="auto")
 
-Parameters are ``W[layers, D, F]``; one block is traced once whatever the depth; ``remat`` names what
-each block keeps (:mod:`spmd.remat`). ``reorder`` stores the layers in an interleaved pipeline's chunk
-order (:mod:`spmd.pipeline.order`); calling the stack still applies them in natural order. See
-docs/memory.md and docs/pipelines.md.
+Parameters are ``W[layers, D, F]`` either way (checkpoints restore under both forms); ``scan`` picks
+a compiled loop (compile time flat in depth) or the blocks unrolled (no loop overhead), ``auto`` by
+depth and backend (:func:`stack_form`, docs/performance.md); ``remat`` names what each block keeps
+(:mod:`spmd.remat`). ``reorder`` stores the layers in an interleaved pipeline's chunk order
+(:mod:`spmd.pipeline.order`); calling the stack still applies them in natural order.
 """
 
 from __future__ import annotations
@@ -19,12 +20,28 @@ from flax import nnx
 from spmd import remat as remat_lib
 from spmd.pipeline.order import LayerOrder, mark, order_of
 
+FORMS = ("auto", "scanned", "unrolled")
+# auto: unrolled up to this many blocks on a backend, scanned above (docs/performance.md: on CPU the loop's
+# per-iteration work is a large share of a small step; compile time grows with unrolled depth everywhere)
+UNROLL_UP_TO = {"cpu": 16, "gpu": 8, "tpu": 8}
+
+
+def stack_form(form: str, n: int, backend: str | None = None) -> str:
+    """``scanned`` or ``unrolled``: ``form`` itself, or for ``auto`` unrolled when ``n`` blocks are at
+    most ``UNROLL_UP_TO[backend]`` (default backend: jax's; 8 for one not listed)."""
+    if form not in FORMS:
+        raise ValueError(f"layer stack form {form!r} is not one of {', '.join(FORMS)}")
+    if form != "auto":
+        return form
+    backend = backend or jax.default_backend()
+    return "unrolled" if n <= UNROLL_UP_TO.get(backend, 8) else "scanned"
+
 
 class Stack(nnx.Module):
     """n identical blocks; ``stack(x, *args)`` applies them in order: ``x = block_i(x, *args)``."""
 
     def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], n: int, *, rngs: nnx.Rngs,
-                 remat: bool | str = False):
+                 remat: bool | str = False, scan: str = "auto", backend: str | None = None):
         if n < 1:
             raise ValueError(f"a stack needs at least one block, got n={n}")
         keys = jax.random.split(rngs.params(), n)
@@ -35,6 +52,14 @@ class Stack(nnx.Module):
 
         self.block = create(keys)
         self.n, self.remat = n, remat_lib.resolve(remat)  # a policy name (spmd.remat)
+        self.form = stack_form(scan, n, backend)  # "scanned" | "unrolled" (same parameters either way)
+
+    @property
+    def unroll(self) -> int:
+        """``lax.scan``'s ``unroll``: 1 (a loop) when scanned; all ``n`` iterations inlined when unrolled
+        (the same per-block computation with no loop; equal to the scanned form up to XLA's fusion of
+        reductions, ~1e-7 relative: docs/performance.md)."""
+        return self.n if self.form == "unrolled" else 1
 
     @property
     def order(self) -> LayerOrder:
@@ -54,19 +79,20 @@ class Stack(nnx.Module):
         ``apply(state_slice, x, *args)`` runs the blocks of any slice of it along ``layers``, in
         order (what a pipeline stage runs on its chunk of layers)."""
         graphdef, state = nnx.split(self.block)
-        remat = self.remat
+        remat, form = self.remat, self.form
 
         def apply(layers_state: nnx.State, x: jax.Array, *args: Any) -> jax.Array:
             def body(carry, layer_state):
                 return nnx.merge(graphdef, layer_state)(carry, *args), None
 
-            return jax.lax.scan(remat_lib.wrap(body, remat), x, layers_state)[0]
+            n = jax.tree.leaves(layers_state)[0].shape[0]
+            return jax.lax.scan(remat_lib.wrap(body, remat), x, layers_state, unroll=n if form == "unrolled" else 1)[0]
 
         return apply, state
 
     def __call__(self, x: jax.Array, *args: Any) -> jax.Array:
-        """Scan the blocks over ``x``; variables the blocks update (batch statistics, RNG counts) are
-        carried out of the scan and written back, one slice per layer. A block may return ``(x, aux)``
+        """Run the blocks over ``x`` (a scan, or unrolled: :attr:`form`); variables the blocks update (batch
+        statistics, RNG counts) are carried out of the scan and written back, one slice per layer. A block may return ``(x, aux)``
         (``aux`` a pytree of arrays, e.g. MoE losses): the stack then returns ``(y, aux summed over layers)``.
         Layers run in natural order: a stack stored in chunk order is put in natural order first (an
         all-to-all over ``pipe`` when it is sharded)."""
@@ -81,7 +107,7 @@ class Stack(nnx.Module):
             y, aux = (out, None) if jax.tree.structure(out) == jax.tree.structure(carry) else out
             return y, (nnx.state(block, nnx.Not(nnx.Param)), aux)
 
-        y, (rest, aux) = jax.lax.scan(remat_lib.wrap(body, self.remat), x, (params, rest))
+        y, (rest, aux) = jax.lax.scan(remat_lib.wrap(body, self.remat), x, (params, rest), unroll=self.unroll)
         nnx.update(self.block, order.to_stored(rest))
         return y if aux is None else (y, jax.tree.map(lambda a: a.sum(0), aux))
 

@@ -136,6 +136,9 @@ def test_report_roofline_and_format(reports):
     text = r.format()
     for needle in ("state (params + optimizer)", "all-reduce", "tensor", "estimated step", "MFU", "fits"):
         assert needle in text, needle
+    # the stack form the target runs (auto on a GPU: unrolled at this depth), compiled and named in the header
+    assert r.layer_stack == f"layer stack unrolled (model.scan_layers=auto; auto: {cfg.model.n_layers} layers on gpu)"
+    assert r.layer_stack in text.splitlines()[0]
 
 
 def test_fit_verdict_is_the_accelerator_memory_model_for_a_gpu_and_the_compile_for_a_cpu(reports, real):
@@ -269,9 +272,10 @@ def test_subprocess_hand_off_is_json_and_rebuilds_only_toolkit_types():
 
 def test_context_and_expert_parallel_dry_run_matches_the_analytic_exchange():
     """One compile of data=2 x seq=2 x expert=2 (dp_ep, 4 experts, dropless): the ring's K/V permutes
-    over seq and the MoE all-to-alls over expert equal the analytic counts and bytes."""
+    over seq and the MoE all-to-alls over expert equal the analytic counts and bytes. The stack is scanned:
+    unrolled, XLA may reuse a layer's forward K/V exchange in its backward pass (fewer sends than counted)."""
     cfg = override(recipe("gpt-small", tiny=True), ["mesh.axes=data=2,seq=2,expert=2", "rules=dp_ep",
-                                                    "model.n_experts=4"])
+                                                    "model.n_experts=4", "model.scan_layers=scanned"])
     report = dry_run(cfg, devices=8, hardware="h100")
     assert report.compiled is not None and report.fits
     compiled = spmd.hlo.summarize(list(report.collectives))

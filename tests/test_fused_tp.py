@@ -31,7 +31,9 @@ F32 = 4
 GQA = dataclasses.replace(CFG, n_kv_heads=2)  # 8 query heads, 2 KV heads
 CASES = {  # name -> (model config, mesh sizes, rule preset)
     "mha4_dp2_tp4": (CFG, {"data": 2, "tensor": 4}, "dp_tp"),  # CFG has 4 KV heads: sharded over tensor
-    "gqa2_dp2_tp4": (GQA, {"data": 2, "tensor": 4}, "dp_tp"),  # 2 KV heads on 4 shards: each copied twice
+    # 2 KV heads on 4 shards: each copied twice (the layer loop's collectives read per layer: scanned)
+    "gqa2_dp2_tp4": (dataclasses.replace(GQA, scan_layers="scanned"), {"data": 2, "tensor": 4}, "dp_tp"),
+    "gqa2_dp2_tp4_unrolled": (dataclasses.replace(GQA, scan_layers="unrolled"), {"data": 2, "tensor": 4}, "dp_tp"),
     "gqa2_tp8": (GQA, {"tensor": 8}, "tp"),  # ... on 8 shards: each copied 4 times
 }
 
@@ -123,6 +125,17 @@ def test_gqa_step_communicates_two_activation_all_reduces_per_direction():
     kv_copy = GQA.d_model * 2 * GQA.k * F32  # one shard's [D, 1, 2, K] slot of the repeated w_kv
     rest = sorted((o.kind, o.bytes, o.backward) for o in ops if o.bytes != bld)
     assert rest == [("all-gather", 2 * kv_copy, True), ("all-reduce", kv_copy, True)]
+    # unrolled, the same bytes over tensor, outside any loop (XLA may combine the layers' small w_kv all-reduces)
+    def totals(name):
+        out = {}
+        for o in collectives(case(name).compiled, c.mesh):
+            if o.axes == ("tensor",):
+                out[(o.kind, o.backward)] = out.get((o.kind, o.backward), 0) + o.count * o.bytes
+        return out
+
+    unrolled = case("gqa2_dp2_tp4_unrolled")
+    assert not any("/while/body/" in o.op_name for o in collectives(unrolled.compiled, unrolled.mesh))
+    assert totals("gqa2_dp2_tp4_unrolled") == totals("gqa2_dp2_tp4")
     # over the 2 shards that share a KV head, or over all 4 tensor shards (XLA versions differ): same bytes
     assert {o.group_size for o in ops if o.bytes != bld} <= {2, 4}
 

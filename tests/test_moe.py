@@ -189,9 +189,11 @@ def test_router_losses(kind):
 
 
 # ----------------------------------------------------------------------------- the GPT with MoE blocks
-# 4 layers as 2 groups of (dense block, MoE block): 2 MoE layers in the Stack's scan; sigmoid router, a shared expert
+# 4 layers as 2 groups of (dense block, MoE block): 2 MoE layers in the Stack's scan (scanned: the collectives
+# are read per loop body, count = trip count); sigmoid router, a shared expert
 GPT_CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, d_ff=64, n_experts=E, experts_per_token=K,
-                    moe_every=2, n_shared_experts=1, router="sigmoid", aux_loss_weight=0.1, router_z_loss_weight=0.01)
+                    moe_every=2, n_shared_experts=1, router="sigmoid", aux_loss_weight=0.1, router_z_loss_weight=0.01,
+                    scan_layers="scanned")
 GPT_B, GPT_L = 8, 8
 
 

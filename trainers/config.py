@@ -217,6 +217,8 @@ FIXED_ON_RESUME = ("model.", "data.corpus", "data.path", "data.seq_len", "data.v
                    "data.seed", "data.validation_fraction", "data.max_tokens", "data.synthetic_tokens",
                    "data.tokenizer", "data.separator", "data.text_field", "data.fields", "data.packing", "data.truncate",
                    "optimizer.name")
+# ...except these model keys, which change how the step runs, not what the checkpoint holds
+FREE_ON_RESUME = ("model.scan_layers",)
 
 
 def config_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
@@ -239,7 +241,7 @@ def config_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple
 
 def fixed_on_resume(key: str) -> bool:
     """Whether a resumed run must keep ``key`` as its checkpoint was written with."""
-    return any(key == f or (f.endswith(".") and key.startswith(f)) for f in FIXED_ON_RESUME)
+    return key not in FREE_ON_RESUME and any(key == f or (f.endswith(".") and key.startswith(f)) for f in FIXED_ON_RESUME)
 
 
 def changes_since_last_run(cfg: Config) -> list[tuple[str, Any, Any]]:

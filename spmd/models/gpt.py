@@ -1,8 +1,9 @@
 """GPT-style decoder-only transformer, written as single-device code with logical dims.
 
 token embedding ``E[V, D]`` -> n_layers x (RMSNorm -> causal attention with RoPE (optionally
-grouped KV heads) -> residual -> RMSNorm -> gated MLP -> residual), run as a :class:`Stack` scan
--> final RMSNorm -> output head ``W[D, V]`` (or ``E`` transposed when tied) -> logits in f32.
+grouped KV heads) -> residual -> RMSNorm -> gated MLP -> residual), run as a :class:`Stack`
+(scanned or unrolled: ``scan_layers``) -> final RMSNorm -> output head ``W[D, V]`` (or ``E``
+transposed when tied) -> logits in f32.
 
 Which dims shard over which mesh axes is decided by the rule set, not here; this module only
 names dims. Parameters are f32 (``param_dtype``); matmuls run in ``dtype`` (bf16 or f32).
@@ -29,7 +30,8 @@ from spmd.models.layers import Attention, GatedMLP, RMSNorm, param, weight
 from spmd.models.moe import MoE
 from spmd.models.router import ROUTERS
 from spmd.pipeline import PipelineConfig, pipelined_loss
-from spmd.stack import Stack
+from spmd.stack import FORMS as STACK_FORMS
+from spmd.stack import Stack, stack_form
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -57,6 +59,7 @@ class GPTConfig:
     dtype: str = "float32"  # compute dtype: "float32" | "bfloat16"
     remat: bool = False  # shorthand for remat_policy "full" (True) / "none" (False)
     remat_policy: str = ""  # a spmd.remat policy name; "" takes it from remat
+    scan_layers: str = "auto"  # the block stack: "scanned" | "unrolled" | "auto" (by depth and backend: spmd.stack.stack_form)
     attention: str = "auto"  # a spmd.models.attention implementation
     attention_block: int = 512  # query/key block of the blockwise attention paths
     context_exchange: str = "ring"  # K/V exchange when the length is split over seq: "ring" | "allgather"
@@ -84,6 +87,8 @@ class GPTConfig:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.kv_heads}")
         if self.remat_policy and self.remat_policy not in remat_lib.POLICIES:
             raise ValueError(f"GPTConfig.remat_policy {self.remat_policy!r} is not one of {remat_lib.POLICIES}")
+        if self.scan_layers not in STACK_FORMS:
+            raise ValueError(f"GPTConfig.scan_layers {self.scan_layers!r} is not one of {STACK_FORMS}")
         if self.attention not in attention_lib.IMPLS:
             raise ValueError(f"GPTConfig.attention {self.attention!r} is not one of {attention_lib.IMPLS}")
         if self.context_exchange not in context.EXCHANGES:
@@ -123,6 +128,10 @@ class GPTConfig:
         if self.rope_scaling != "llama3":
             return None
         return self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor, self.rope_original_length
+
+    def stack_form(self, backend: str | None = None) -> str:
+        """``scanned`` or ``unrolled``: how the blocks run on ``backend`` (default: jax's)."""
+        return stack_form(self.scan_layers, _make_block(self)[1], backend)
 
     @property
     def kv_heads(self) -> int:
@@ -218,7 +227,7 @@ class GPT(nnx.Module):
         self.cfg = cfg
         self.embed = param(rngs, nnx.initializers.normal(stddev=1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
         make_block, n_blocks = _make_block(cfg)
-        self.blocks = Stack(make_block, n_blocks, rngs=rngs, remat=cfg.policy)
+        self.blocks = Stack(make_block, n_blocks, rngs=rngs, remat=cfg.policy, scan=cfg.scan_layers)
         self.final_norm = RMSNorm(cfg.d_model, rngs=rngs, eps=cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.head = param(rngs, nnx.initializers.truncated_normal(stddev=cfg.d_model**-0.5),

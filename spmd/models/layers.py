@@ -195,8 +195,10 @@ class Attention(nnx.Module):
             qkv_BLnSK = qkv_BLnSK + self.fused_qkv(self.b_q, self.b_kv)
         qkv_BLnSK = constrain(qkv_BLnSK, ("batch", "length", "kv_heads", None, "head_dim"))
         b, l, _, _, k = qkv_BLnSK.shape
-        q_BLHK = qkv_BLnSK[:, :, :, : s - 2].reshape(b, l, n * (s - 2), k)
-        k_BLnK, v_BLnK = qkv_BLnSK[:, :, :, s - 2], qkv_BLnSK[:, :, :, s - 1]
+        # one split (its gradient one concatenate; slices would each pad their gradient to the whole)
+        q_BLnRK, k_BLn1K, v_BLn1K = jnp.split(qkv_BLnSK, [s - 2, s - 1], axis=3)
+        q_BLHK = q_BLnRK.reshape(b, l, n * (s - 2), k)
+        k_BLnK, v_BLnK = k_BLn1K.squeeze(3), v_BLn1K.squeeze(3)
         q_BLHK = rope(q_BLHK, positions_L, self.rope_theta, self.rope_scaling)
         q_BLHK = constrain(q_BLHK, ("batch", "length", "heads", "head_dim"))
         return q_BLHK, rope(k_BLnK, positions_L, self.rope_theta, self.rope_scaling), v_BLnK
@@ -231,6 +233,7 @@ class GatedMLP(nnx.Module):
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         dt = self.dtype
         gate_up_BL2F = jnp.einsum("bld,dcf->blcf", x_BLD, weight(self.w_gate_up, dt))
-        gate_BLF, up_BLF = gate_up_BL2F[:, :, 0], gate_up_BL2F[:, :, 1]
+        gate_BL1F, up_BL1F = jnp.split(gate_up_BL2F, 2, axis=2)  # gradient: one concatenate, not two pads
+        gate_BLF, up_BLF = gate_BL1F.squeeze(2), up_BL1F.squeeze(2)
         h_BLF = constrain(jax.nn.silu(gate_BLF) * up_BLF, ("batch", "length", "mlp"))
         return jnp.einsum("blf,fd->bld", h_BLF, weight(self.w_down, dt))

@@ -13,7 +13,9 @@ import meshes
 import spmd
 from spmd.models import GPT, GPTConfig, lm_loss
 
-CFG = GPTConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, d_ff=128)
+# scanned: the layout tests read the layer loop's collectives per layer (the unrolled form is compared
+# with it, on sharded layouts too, in tests/test_stack_forms.py)
+CFG = GPTConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, d_ff=128, scan_layers="scanned")
 BATCH, LENGTH = 8, 16
 
 # name -> (mesh sizes, rule preset)

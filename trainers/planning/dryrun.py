@@ -23,7 +23,7 @@ from trainers.planning.costs import Traffic, layout_costs, layout_roofline, rows
 from trainers.planning.diagnose import capture_stderr, check_activation_split, check_collectives, parse_remat_warnings
 from trainers.planning.fresh_process import call_with_devices, check_simulated, import_root
 from trainers.planning.profile import abstract_batch, profile_task
-from trainers.planning.report import DryRunReport, is_cpu_target
+from trainers.planning.report import DryRunReport, is_cpu_target, layer_stack, target_platform
 from trainers.planning.traffic import pipeline_schedule
 from trainers.setup import build
 from trainers.step import accumulation_note
@@ -68,6 +68,9 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
     rules = spmd.get_rules(cfg.rules)
     pipe, p = sizes.get("pipe", 1), cfg.pipeline
     piped = pipe > 1 and p.enabled
+    if task is None:  # the blocks compiled as the target runs them, whatever this backend would pick
+        model = dataclasses.replace(cfg.model, scan_layers=cfg.model.stack_form(target_platform(hw)))
+        cfg, stack = dataclasses.replace(cfg, model=model), layer_stack(cfg.model, hw)
     run = lm_task(cfg) if task is None else task
     profile = None if task is None else profile_task(task, cfg)  # None: the built-in GPT's formulas
     costs = layout_costs(cfg, sizes, hw, profile=profile, dcn_axes=dcn_axes)
@@ -88,7 +91,8 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
     common = dict(name=name, devices=devices, mesh=tuple(sizes.items()), dcn_axes=dcn_axes, rules=rules.name,
                   hardware=hw, headroom=headroom, params=n_params, model_flops=flops,
                   pipeline=f"{p.schedule} S={pipe} M={p.microbatches} V={p.virtual_stages}" if piped else "",
-                  bubble=pipeline_schedule(cfg, pipe).bubble_fraction if piped else 0.0)
+                  bubble=pipeline_schedule(cfg, pipe).bubble_fraction if piped else 0.0,
+                  layer_stack=stack if task is None else "")
     backend = f"{jax.devices()[0].platform} ({devices} {'simulated ' if jax.devices()[0].platform == 'cpu' else ''}devices)"
     if any(i.fatal for i in issues):
         return DryRunReport(**common, analytic=None, compiled=None, state_bytes=0, batch_bytes=0, issues=tuple(issues),

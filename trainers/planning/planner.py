@@ -29,7 +29,7 @@ from trainers.planning.blockers import blockers, device_splits, workable_counts
 from trainers.planning.confirm import confirm_picks
 from trainers.planning.costs import MemoryEstimate, Roofline, Traffic, layout_costs
 from trainers.planning.profile import TaskProfile, profile_task
-from trainers.planning.report import DryRunReport, counts_text, format_plan
+from trainers.planning.report import DryRunReport, counts_text, format_plan, layer_stack
 from trainers.task import Task, load_task
 from trainers.validate import Issue, check_pipeline
 
@@ -275,6 +275,7 @@ class Plan:
     confirmed: tuple[Estimate, ...] = ()  # the picks whose compile fits, in rank order
     blockers: tuple[str, ...] = ()  # why no factorisation of `devices` is valid (empty when some is)
     nearest: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # workable device counts (below, above)
+    layer_stack: str = ""  # how the built-in GPT's blocks run on the hardware (report.layer_stack); "" for a task
 
     @property
     def picks(self) -> tuple[Estimate, ...]:
@@ -339,7 +340,8 @@ def plan(cfg: Config, devices: int, hardware: str | Hardware, *, headroom: float
         estimates = [estimate_layout(cfg, layout, hw, headroom=headroom, task=profile) for layout in layouts]
     ranked = sorted((e for e in estimates if e.fits), key=lambda e: (e.roofline.step_s, e.memory.total))
     rejected = sorted((e for e in estimates if not e.fits), key=lambda e: e.memory.total if e.memory else math.inf)
-    result = Plan(devices, hw, tuple(ranked), tuple(rejected), headroom * hw.hbm_bytes)
+    result = Plan(devices, hw, tuple(ranked), tuple(rejected), headroom * hw.hbm_bytes,
+                  layer_stack=layer_stack(cfg.model, hw) if task is None else "")
     if not ranked and task is None and nearest:
         result = dataclasses.replace(result, **_explain(cfg, devices, hw, headroom, nearest, rejected))
     if confirm and ranked:

@@ -19,6 +19,18 @@ def is_cpu_target(hw: Hardware) -> bool:
     return getattr(hw, "platform", "") == "cpu" or hw.name == "cpu" or hw.source == HARDWARE["cpu"].source
 
 
+def target_platform(hw: Hardware) -> str:
+    """The jax backend ``hw`` runs on: ``cpu``, ``tpu`` (a torus) or ``gpu``."""
+    return "cpu" if is_cpu_target(hw) else "tpu" if hw.torus else "gpu"
+
+
+def layer_stack(model, hw: Hardware) -> str:
+    """How a GPT config's blocks run on ``hw`` (``spmd.stack.stack_form``), as a report line."""
+    form = model.stack_form(target_platform(hw))
+    how = f"auto: {model.n_layers} layers on {target_platform(hw)}" if model.scan_layers == "auto" else "set"
+    return f"layer stack {form} (model.scan_layers={model.scan_layers}; {how})"
+
+
 @dataclasses.dataclass(frozen=True)
 class DryRunReport:
     """What a dry run found; ``format()`` is the human-readable report."""
@@ -51,6 +63,7 @@ class DryRunReport:
     bubble: float = 0.0  # idle fraction of the pipeline's schedule table
     pipe_sent: int = 0  # bytes sent over pipe per step, summed over one pipeline's stage pairs (spmd.pipeline.hlo_sent_bytes)
     error: str = ""  # the first line of the exception when building or compiling the step raised (then nothing compiled)
+    layer_stack: str = ""  # how the built-in GPT's blocks run on the target (layer_stack); "" for a task
 
     @property
     def pipe_permutes(self) -> tuple:
@@ -88,7 +101,8 @@ class DryRunReport:
         hw = self.hardware
         mesh = ",".join(f"{a}={s}" for a, s in self.mesh if s > 1) or "1 device"
         out = [f"dry run: {self.name}, {self.params:,} params, mesh {mesh}"
-               + (f" (dcn: {','.join(self.dcn_axes)})" if self.dcn_axes else "") + f", rules {self.rules}",
+               + (f" (dcn: {','.join(self.dcn_axes)})" if self.dcn_axes else "") + f", rules {self.rules}"
+               + (f", {self.layer_stack}" if self.layer_stack else ""),
                f"target {hw.name} x {self.devices}; compiled on {self.backend} in {fmt_seconds(self.compile_s)}", ""]
         if self.error:
             out += [f"compile failed: {self.error}", ""]
@@ -193,6 +207,8 @@ def format_plan(plan, top: int = 5) -> str:
                 f"    {e.layout}: needs {fmt_bytes(e.memory.total)} > {fmt_bytes(e.budget)}" for e in over]
     if picks:
         lines += ["", f"chosen: {plan.best.layout.command()}"]
+        if plan.layer_stack:
+            lines.append(f"{plan.layer_stack} (compiled picks ran it)")
     return "\n".join(lines)
 
 
