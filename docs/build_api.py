@@ -190,6 +190,8 @@ REMOVED = {
     "Config.schedule, override keys schedule.*": "Config.lr, keys lr.*",
     "trainers.state.Sharded": "trainers.state.ShardedState",
     "trainers.planning.planner.estimate": "trainers.planning.planner.estimate_layout",
+    "spmd.pipeline.schedules.gpipe, one_f_one_b, interleaved, get_schedule": "spmd.pipeline.builders (get_schedule also spmd.pipeline)",
+    "spmd.pipeline.sends.SendPlan, send_plan, SentBytes, sent_bytes, minimum_sends": "spmd.pipeline.schedules",
     "spmd.pipeline.manual": "spmd.manual (shared by pipelines and gradient accumulation)",
     "trainers.launch.cli.EXIT_*": "trainers.launch.exits (cli still imports them)",
 }

@@ -5,10 +5,11 @@
     loss, aux = model.loss(tokens, targets, pipeline=PipelineConfig("1f1b", microbatches=8))
 """
 
+from spmd.pipeline.builders import get_schedule
 from spmd.pipeline.config import SCHEDULES, PipelineConfig, pipelined_loss
 from spmd.pipeline.order import LayerOrder
-from spmd.pipeline.schedules import NAMES, Schedule, get_schedule
-from spmd.pipeline.sends import SentBytes, hlo_branch_counts, hlo_sent_bytes, send_plan, sent_bytes
+from spmd.pipeline.schedules import NAMES, Schedule, SentBytes, send_plan, sent_bytes
+from spmd.pipeline.sends import hlo_branch_counts, hlo_sent_bytes
 
 __all__ = ["LayerOrder", "NAMES", "PipelineConfig", "SCHEDULES", "Schedule", "SentBytes", "get_schedule",
            "hlo_branch_counts", "hlo_sent_bytes", "pipelined_loss", "send_plan", "sent_bytes"]

@@ -21,9 +21,10 @@ import jax
 
 from meshes import axis_sizes
 from spmd.constraints import active_layout, constrain
+from spmd.pipeline.builders import get_schedule
 from spmd.pipeline.engine import HeadFn, StageFn, run_schedule
 from spmd.pipeline.order import NATURAL, LayerOrder, order_of
-from spmd.pipeline.schedules import NAMES, Schedule, get_schedule
+from spmd.pipeline.schedules import NAMES, Schedule
 
 SCHEDULES = ("none", *NAMES)
 

@@ -19,8 +19,8 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from spmd.pipeline.layout import ParamLayout, param_layout
 from spmd.manual import manual_batch_axes, with_inner_rules
+from spmd.pipeline.layout import ParamLayout, param_layout
 from spmd.pipeline.order import NATURAL, LayerOrder, order_of
 from spmd.pipeline.schedules import BACKWARD, FORWARD, IDLE, WEIGHT, Schedule
 from spmd.pipeline.sends import gpipe_sends, send_plan
@@ -191,7 +191,7 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
     x_l)`` with each layer input held constant: the weight gradient alone, added to the accumulator.
     """
     batch_axes = layout.batch_axes
-    S, M, V = schedule.n_stages, schedule.n_microbatches, schedule.n_virtual
+    M, V = schedule.n_microbatches, schedule.n_virtual
     table_np, n_x, n_g, n_w = _build_tables(schedule)
     plan = send_plan(schedule)
     send_branches, send_idx = plan.branches()

@@ -1,9 +1,9 @@
 """Pipeline schedules as data: which stage does what on which tick.
 
-A :class:`Schedule` is a table ``actions[tick, stage] = (kind, m, v)``, built by :func:`gpipe`,
-:func:`one_f_one_b`, :func:`interleaved` or the zero-bubble ``zb_h1`` / ``zb_h2`` (whose
-backward is split into B, the input gradient, and W, the weight gradient); the bubble is what the
-order of ops implies.
+A :class:`Schedule` is a table ``actions[tick, stage] = (kind, m, v)``, built in
+:mod:`spmd.pipeline.builders` (GPipe, 1F1B, interleaved) or :mod:`spmd.pipeline.zero_bubble`
+(whose backward is split into B, the input gradient, and W, the weight gradient); the bubble is
+what the order of ops implies. :func:`send_plan` / :func:`sent_bytes`: what a table sends.
 
     print(get_schedule("1f1b", 4, 8).timeline())
 
@@ -161,9 +161,7 @@ class Schedule:
 
     def sent_bytes(self, activation_bytes: int):
         """Bytes per step the table engine sends over ``pipe`` for activations of ``activation_bytes``
-        (``[B/M, L, D]``), with the minimum and per stage: :func:`spmd.pipeline.sends.sent_bytes`."""
-        from spmd.pipeline.sends import sent_bytes  # sends reads schedules
-
+        (``[B/M, L, D]``), with the minimum and per stage: :func:`sent_bytes`."""
         return sent_bytes(self, activation_bytes)
 
     def validate(self) -> None:
@@ -281,59 +279,85 @@ def _simulate(S: int, M: int, V: int, orders: list[list[Op]]) -> np.ndarray:
     return np.asarray(rows, dtype=np.int32).reshape(len(rows), S, 3)
 
 
-def gpipe(S: int, M: int) -> Schedule:
-    """All forwards, then all backwards (in microbatch order)."""
-    _check_sizes(S, M)
-    orders = [[(FORWARD, m, 0) for m in range(M)] + [(BACKWARD, m, 0) for m in range(M)] for _ in range(S)]
-    return Schedule("gpipe", S, M, 1, _simulate(S, M, 1, orders))
+Pairs = tuple[tuple[int, int], ...]  # (source stage, target stage)
 
 
-def _one_f_one_b_order(fwd: list[Op], bwd: list[Op], warmup: int) -> list[Op]:
-    warmup = min(warmup, len(fwd))
-    order = list(fwd[:warmup])
-    for f, b in zip(fwd[warmup:], bwd):
-        order += [f, b]
-    order += bwd[len(fwd) - warmup:]
-    return order
+@dataclasses.dataclass(frozen=True)
+class SendPlan:
+    """Per tick, the stage pairs that carry a forward activation / a backward gradient."""
+
+    n_stages: int
+    forward: tuple[Pairs, ...]
+    backward: tuple[Pairs, ...]
+
+    def branches(self) -> tuple[tuple[tuple[Pairs, Pairs], ...], np.ndarray]:
+        """The distinct non-empty ``(forward pairs, backward pairs)`` of the ticks, in order of first use,
+        and per tick the switch branch: 0 for no send, k for ``branches[k - 1]``.
+
+        The engine sends both directions of a tick from one branch of one conditional, so that the two
+        ``ppermute`` s of a tick are ordered on every device (see :func:`spmd.pipeline.engine.run_schedule`)."""
+        found: list[tuple[Pairs, Pairs]] = []
+        index = np.zeros(len(self.forward), np.int32)
+        for t, pairs in enumerate(zip(self.forward, self.backward)):
+            if any(pairs):
+                if pairs not in found:
+                    found.append(pairs)
+                index[t] = found.index(pairs) + 1
+        return tuple(found), index
+
+    @property
+    def count(self) -> int:
+        """Activations sent per step (all pairs, both directions)."""
+        return sum(len(p) for p in self.forward + self.backward)
+
+    def per_stage(self) -> np.ndarray:
+        """Activations each stage sends per step."""
+        out = np.zeros(self.n_stages, np.int64)
+        for pairs in self.forward + self.backward:
+            for src, _ in pairs:
+                out[src] += 1
+        return out
 
 
-def one_f_one_b(S: int, M: int) -> Schedule:
-    """Warm-up forwards (``S - s - 1`` on stage s), then alternate one forward / one backward."""
-    _check_sizes(S, M)
-    orders = []
-    for s in range(S):
-        fwd = [(FORWARD, m, 0) for m in range(M)]
-        bwd = [(BACKWARD, m, 0) for m in range(M)]
-        orders.append(_one_f_one_b_order(fwd, bwd, S - s - 1))
-    return Schedule("1f1b", S, M, 1, _simulate(S, M, 1, orders))
+def send_plan(schedule: Schedule) -> SendPlan:
+    """Who sends to whom on each tick of ``schedule`` run by the table engine."""
+    S, C = schedule.n_stages, schedule.n_chunks
+    fwd, bwd = [], []
+    for t in range(schedule.n_ticks):
+        f, b = [], []
+        for s in range(S):
+            kind, _, v = (int(x) for x in schedule.actions[t, s])
+            c = v * S + s
+            if kind == FORWARD and c < C - 1:
+                f.append((s, (s + 1) % S))
+            elif kind == BACKWARD and c > 0:
+                b.append((s, (s - 1) % S))
+        fwd.append(tuple(f))
+        bwd.append(tuple(b))
+    return SendPlan(S, tuple(fwd), tuple(bwd))
 
 
-def interleaved(S: int, M: int, V: int) -> Schedule:
-    """Megatron's interleaved (circular) 1F1B: V chunks per device, chunk ``c = v*S + s`` on device s."""
-    _check_sizes(S, M, V)
-    if M % S:
-        raise ValueError(f"interleaved schedule needs microbatches M={M} to be a multiple of stages S={S}")
-    fwd = [(FORWARD, g * S + i, v) for g in range(M // S) for v in range(V) for i in range(S)]
-    bwd = [(BACKWARD, g * S + i, v) for g in range(M // S) for v in reversed(range(V)) for i in range(S)]
-    orders = [_one_f_one_b_order(fwd, bwd, (S - s - 1) * 2 + (V - 1) * S) for s in range(S)]
-    return Schedule("interleaved", S, M, V, _simulate(S, M, V, orders))
+@dataclasses.dataclass(frozen=True)
+class SentBytes:
+    """Bytes over ``pipe`` per step, summed over all (source, target) stage pairs of one pipeline."""
+
+    executed: int  # what the table engine sends
+    minimum: int  # M*(C-1) activations each way (forward only: one way)
+    per_stage: tuple[int, ...]  # what each stage sends
+
+    @property
+    def ratio(self) -> float:
+        return self.executed / self.minimum if self.minimum else 1.0
 
 
-def get_schedule(name: str, S: int, M: int, V: int = 1, *, n_layers: int | None = None) -> Schedule:
-    """A schedule by name (one of :data:`NAMES`); checks ``n_layers % (S*V)``."""
-    if name not in NAMES:
-        raise ValueError(f"unknown pipeline schedule {name!r}; valid: {', '.join(NAMES)}")
-    _check_sizes(S, M, V)
-    if name != "interleaved" and V != 1:
-        raise ValueError(f"schedule {name!r} has one chunk per stage; got virtual stages V={V} (use 'interleaved')")
-    if n_layers is not None and n_layers % (S * V):
-        raise ValueError(f"{n_layers} layers do not split into S*V = {S}*{V} = {S * V} equal chunks")
-    if name == "gpipe":
-        return gpipe(S, M)
-    if name == "1f1b":
-        return one_f_one_b(S, M)
-    if name in ("zb-h1", "zb-h2"):
-        from spmd.pipeline import zero_bubble  # the builders read this module
+def minimum_sends(schedule: Schedule) -> int:
+    """M*(C-1) activations forward, as many gradients backward when the schedule has backwards."""
+    one_way = schedule.n_microbatches * (schedule.n_chunks - 1)
+    return one_way * (2 if schedule.has_backward else 1)
 
-        return zero_bubble.zb_h1(S, M) if name == "zb-h1" else zero_bubble.zb_h2(S, M)
-    return interleaved(S, M, V)
+
+def sent_bytes(schedule: Schedule, activation_bytes: int) -> SentBytes:
+    """Executed and minimum bytes per step for activations of ``activation_bytes`` (``[B/M, L, D]``)."""
+    plan = send_plan(schedule)
+    return SentBytes(plan.count * activation_bytes, minimum_sends(schedule) * activation_bytes,
+                     tuple(int(n) * activation_bytes for n in plan.per_stage()))

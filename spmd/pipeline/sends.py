@@ -2,9 +2,9 @@
 
 A forward of chunk c < C-1 (C = S*V) sends its output ``x[B/M, L, D]`` to device ``(c+1) % S``,
 a backward of chunk c > 0 its input gradient to ``(c-1) % S``: M*(C-1) activations each way, the
-minimum. :func:`send_plan` lists each tick's (source, target) stage pairs; the engine runs a tick's
+minimum. :func:`spmd.pipeline.schedules.send_plan` lists each tick's (source, target) stage pairs; the engine runs a tick's
 ``ppermute`` s with exactly those pairs, both directions in one ``lax.switch`` branch picked by the
-tick (the same branch on every device), and none on a tick without sends. :func:`sent_bytes` counts that from the table;
+tick (the same branch on every device), and none on a tick without sends. :func:`spmd.pipeline.schedules.sent_bytes` counts that from the table;
 :func:`hlo_sent_bytes` reads the compiled program and weighs each switch branch by how often the
 table takes it; :func:`hlo_branch_counts` weighs the collectives of the compute switch (a stage's
 tensor all-reduces, ...) by the ticks each stage runs each op. See docs/pipelines.md.
@@ -12,7 +12,6 @@ tensor all-reduces, ...) by the ticks each stage runs each op. See docs/pipeline
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from typing import Any
 
@@ -20,91 +19,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from spmd import hlo
-from spmd.pipeline.schedules import BACKWARD, FORWARD, IDLE, WEIGHT, Schedule
-
-Pairs = tuple[tuple[int, int], ...]  # (source stage, target stage)
-
-
-@dataclasses.dataclass(frozen=True)
-class SendPlan:
-    """Per tick, the stage pairs that carry a forward activation / a backward gradient."""
-
-    n_stages: int
-    forward: tuple[Pairs, ...]
-    backward: tuple[Pairs, ...]
-
-    def branches(self) -> tuple[tuple[tuple[Pairs, Pairs], ...], np.ndarray]:
-        """The distinct non-empty ``(forward pairs, backward pairs)`` of the ticks, in order of first use,
-        and per tick the switch branch: 0 for no send, k for ``branches[k - 1]``.
-
-        The engine sends both directions of a tick from one branch of one conditional, so that the two
-        ``ppermute`` s of a tick are ordered on every device (see :func:`spmd.pipeline.engine.run_schedule`)."""
-        found: list[tuple[Pairs, Pairs]] = []
-        index = np.zeros(len(self.forward), np.int32)
-        for t, pairs in enumerate(zip(self.forward, self.backward)):
-            if any(pairs):
-                if pairs not in found:
-                    found.append(pairs)
-                index[t] = found.index(pairs) + 1
-        return tuple(found), index
-
-    @property
-    def count(self) -> int:
-        """Activations sent per step (all pairs, both directions)."""
-        return sum(len(p) for p in self.forward + self.backward)
-
-    def per_stage(self) -> np.ndarray:
-        """Activations each stage sends per step."""
-        out = np.zeros(self.n_stages, np.int64)
-        for pairs in self.forward + self.backward:
-            for src, _ in pairs:
-                out[src] += 1
-        return out
-
-
-def send_plan(schedule: Schedule) -> SendPlan:
-    """Who sends to whom on each tick of ``schedule`` run by the table engine."""
-    S, C = schedule.n_stages, schedule.n_chunks
-    fwd, bwd = [], []
-    for t in range(schedule.n_ticks):
-        f, b = [], []
-        for s in range(S):
-            kind, _, v = (int(x) for x in schedule.actions[t, s])
-            c = v * S + s
-            if kind == FORWARD and c < C - 1:
-                f.append((s, (s + 1) % S))
-            elif kind == BACKWARD and c > 0:
-                b.append((s, (s - 1) % S))
-        fwd.append(tuple(f))
-        bwd.append(tuple(b))
-    return SendPlan(S, tuple(fwd), tuple(bwd))
-
-
-@dataclasses.dataclass(frozen=True)
-class SentBytes:
-    """Bytes over ``pipe`` per step, summed over all (source, target) stage pairs of one pipeline."""
-
-    executed: int  # what the table engine sends
-    minimum: int  # M*(C-1) activations each way (forward only: one way)
-    per_stage: tuple[int, ...]  # what each stage sends
-
-    @property
-    def ratio(self) -> float:
-        return self.executed / self.minimum if self.minimum else 1.0
-
-
-def minimum_sends(schedule: Schedule) -> int:
-    """M*(C-1) activations forward, as many gradients backward when the schedule has backwards."""
-    one_way = schedule.n_microbatches * (schedule.n_chunks - 1)
-    return one_way * (2 if schedule.has_backward else 1)
-
-
-def sent_bytes(schedule: Schedule, activation_bytes: int) -> SentBytes:
-    """Executed and minimum bytes per step for activations of ``activation_bytes`` (``[B/M, L, D]``)."""
-    plan = send_plan(schedule)
-    return SentBytes(plan.count * activation_bytes, minimum_sends(schedule) * activation_bytes,
-                     tuple(int(n) * activation_bytes for n in plan.per_stage()))
-
+from spmd.pipeline.schedules import BACKWARD, IDLE, WEIGHT, Schedule, send_plan
 
 _PERMUTE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*\bcollective-permute(?:-start)?\(")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
