@@ -13,9 +13,31 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 
-from benchmarks import (attention, calibration, checkpoint, comms, common, context, decode_gpu, gpu, guard, interchange,
-                        local_sgd, loss, memory, mfu, moe, overhead, packing, peer, pipeline, remat, scaling, stack,
-                        steptime)
+from benchmarks import (
+    attention,
+    calibration,
+    checkpoint,
+    common,
+    comms,
+    context,
+    decode_gpu,
+    gpu,
+    guard,
+    interchange,
+    local_sgd,
+    loss,
+    memory,
+    mfu,
+    moe,
+    overhead,
+    packing,
+    peer,
+    pipeline,
+    remat,
+    scaling,
+    stack,
+    steptime,
+)
 
 BENCHMARKS: dict[str, Callable[..., int]] = {
     "overhead": overhead.main,

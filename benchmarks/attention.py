@@ -23,7 +23,6 @@ run, so lengths whose temporaries exceed this machine's memory still compile. Ro
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 import time
 from collections.abc import Sequence

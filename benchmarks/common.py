@@ -39,8 +39,8 @@ from flax import nnx
 
 import meshes
 import spmd
-from spmd.units import fmt_bytes  # noqa: F401  (the benchmarks' byte formatter)
 from spmd.models import GPT, GPTConfig, lm_loss
+from spmd.units import fmt_bytes  # noqa: F401  (the benchmarks' byte formatter)
 
 SIMULATED_DEVICES = 8
 RESULTS = Path(__file__).resolve().with_name("RESULTS.md")
@@ -229,7 +229,7 @@ def report(name: str, title: str, rows: Sequence[Row], options: Options, command
     print(table, flush=True)
     for line in after:
         print(line)
-    when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}"
+    when = f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}"
     where = f"{info['devices']}, CPU {info['CPU']}, GPU {info['GPU']}, jax {info['jax']}"
     body = [
         f"## {title}",

@@ -51,8 +51,8 @@ def fits(setup: common.GPTSetup, limit: int) -> bool:
 
 
 def measure(name: str, quick: bool) -> Row:
-    from trainers.metrics import peak_flops_per_device
     from trainers import recipe
+    from trainers.metrics import peak_flops_per_device
 
     cfg = recipe(name)
     model, length = cfg.model, cfg.data.seq_len

@@ -25,7 +25,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
 
 import numpy as np
 
@@ -75,9 +74,9 @@ def worker(pid: int, port: int, path: str, out: str) -> None:
     import jax
 
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid)
-    import meshes
     from flax import nnx
 
+    import meshes
     from spmd.interchange import pretrained_config, read_params
     from spmd.interchange.safetensors_io import SafetensorsFolder
     from spmd.models import GPT

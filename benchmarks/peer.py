@@ -34,14 +34,14 @@ WARM = 5
 ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
        "JAX_ENABLE_COMPILATION_CACHE": "false"}
 # This checkout's side: the same stamps as the harness's mt_run.py (after each step is dispatched).
-CHILD = """
+CHILD = f"""
 import json, os, sys, time
 t_launch = float(os.environ["T_LAUNCH"])
 layout, steps, out, run_dir, extra = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5:]
 import meshes
 meshes.simulate_cpu_devices(8)
 from trainers import override, recipe, train
-mesh, rules = {layouts}[layout]
+mesh, rules = {repr(LAYOUTS)}[layout]
 cfg = override(recipe("gpt-small"), [f"mesh.axes={{mesh}}", f"rules={{rules}}", f"run.steps={{steps}}",
     "run.eval_every=1000000", "run.eval_batches=0", "run.log_every=1", "run.progress=false", "run.tensorboard=false",
     "checkpoint.every_steps=1000000", "data.corpus=synthetic", f"run.run_dir={{run_dir}}", "lr.warmup_steps=1", *extra])
@@ -58,7 +58,7 @@ def batch_hook(index, batch):
     return batch
 train(cfg, step_hook=step_hook, batch_hook=batch_hook)
 json.dump({{"t_launch": t_launch, "stamps": stamps, **done}}, open(out, "w"))
-""".format(layouts=repr(LAYOUTS))
+"""
 
 
 def metrics(d: dict) -> dict[str, float]:

@@ -15,7 +15,6 @@ import warnings
 
 import jax
 
-
 # XLA:CPU's concurrency-optimized scheduler lets an executable loaded back from a persistent compile
 # cache run two independent collectives in different orders on different devices of one process, and
 # their rendezvous then wait for each other forever (a GPipe step on data x pipe: an all-reduce over

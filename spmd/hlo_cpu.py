@@ -55,7 +55,7 @@ def parse_instr(line: str) -> Instr | None:
     if not m:
         return None
     rest, depth = m.group("rest"), 1
-    for i, ch in enumerate(rest):
+    for i, ch in enumerate(rest):  # noqa: B007 - i is read after the loop
         depth += {"(": 1, ")": -1}.get(ch, 0)
         if depth == 0:
             break

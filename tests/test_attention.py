@@ -16,8 +16,7 @@ from flax import nnx
 
 import meshes
 import spmd
-from spmd.models import GPT, GPTConfig, lm_loss
-from spmd.models import attention
+from spmd.models import GPT, GPTConfig, attention, lm_loss
 
 TOL = 1e-5
 CPU_PATHS = ("naive", "xla", "blockwise", "auto")

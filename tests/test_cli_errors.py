@@ -11,8 +11,8 @@ import tempfile
 import time
 
 import pytest
-
 from helpers.fault_worker import default_signals
+
 from trainers.launch import cli, local
 from trainers.recipes import RECIPES
 

@@ -25,16 +25,15 @@ import sys
 
 import pytest
 
-from trainers.launch import cli, command
-from trainers import override
-from trainers.planning.dryrun import dry_run
-from trainers.hardware import custom
-from trainers.launch.local import launch
-from trainers.logger import read_metrics
-from trainers.launch.plan import main as plan_main
-from trainers.planning.planner import plan
-
 from tests.helpers.byom_task import big, task
+from trainers import override
+from trainers.hardware import custom
+from trainers.launch import cli, command
+from trainers.launch.local import launch
+from trainers.launch.plan import main as plan_main
+from trainers.logger import read_metrics
+from trainers.planning.dryrun import dry_run
+from trainers.planning.planner import plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = "tests.helpers.byom_task:task"

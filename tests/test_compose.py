@@ -14,10 +14,10 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers.gpt_util import rel_err
 
 import meshes
 import spmd
-from helpers.gpt_util import rel_err
 from spmd.models import GPT, GPTConfig
 from trainers.state import create_state
 from trainers.step import lm_loss_fn, make_train_step
@@ -124,8 +124,8 @@ def test_eval_over_a_padded_last_batch_counts_real_rows_only(tmp_path):
     import dataclasses as dc
 
     import optax as ox
-
     from helpers import byom_task
+
     from trainers.config import override
     from trainers.loop import train
 

@@ -11,8 +11,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trainers.data import corpus
-from trainers.data import DataConfig, Loader, TokenWindows, load_corpus, make_loader, to_global
+from trainers.data import DataConfig, Loader, TokenWindows, corpus, load_corpus, make_loader, to_global
 
 L = 4  # seq_len in most tests
 N_TOKENS = 8 * 12 * L + 1  # 96 windows of L + 1 tokens: 12 global batches of 8 per epoch

@@ -17,13 +17,13 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from helpers.accum_util import accum_step
+from helpers.accum_util import reference as accum_reference
+from helpers.gpt_util import rel_err
 from jax.experimental import serialize_executable
 
 import meshes
 import spmd
-from helpers.accum_util import accum_step
-from helpers.accum_util import reference as accum_reference
-from helpers.gpt_util import rel_err
 from spmd.models import GPT, GPTConfig
 from spmd.pipeline import PipelineConfig
 

@@ -1,4 +1,5 @@
-"""Document corpora (JSONL, Parquet, saved Hugging Face datasets) stream into packed rows that resume exactly, split across processes, and refuse bad input with one message naming the file and the field."""
+"""Document corpora (JSONL, Parquet, saved Hugging Face datasets) stream into packed rows that resume
+exactly, split across processes, and refuse bad input with one message naming the file and the field."""
 
 from __future__ import annotations
 
@@ -213,6 +214,7 @@ def test_two_processes_train_the_same_weighted_losses_and_resume_on_one(tmp_path
     import sys
 
     from test_distributed import _close, _launch, _train_losses
+
     from trainers.launch import command
     from trainers.loop import train
 

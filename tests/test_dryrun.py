@@ -21,10 +21,10 @@ import pytest
 import meshes
 import spmd
 from trainers import override, recipe
-from trainers.planning.dryrun import dry_run
-from trainers.setup import build
-from trainers.planning.report import DryRunReport
 from trainers.hardware import HARDWARE, Hardware, custom, get_hardware, networks, wire_factor
+from trainers.planning.dryrun import dry_run
+from trainers.planning.report import DryRunReport
+from trainers.setup import build
 
 LAYOUTS = {"dp8": ("data=8", "dp"), "fsdp8": ("fsdp=8", "fsdp"), "dp2_tp4": ("data=2,tensor=4", "dp_tp")}
 

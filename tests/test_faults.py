@@ -13,8 +13,8 @@ import time
 import jax
 import numpy as np
 import pytest
-
 from helpers.fault_worker import REPO, kill_at_line, tiny_config, worker_env
+
 from trainers.checkpoint import Checkpointer, CheckpointTimeoutError, NoUsableCheckpointError
 from trainers.loop import train
 

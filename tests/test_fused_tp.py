@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers.gpt_util import BATCH, CFG, LENGTH, batches
 from jax.sharding import PartitionSpec as P
 
 import meshes
 import spmd
-from helpers.gpt_util import BATCH, CFG, LENGTH, batches
 from spmd.hlo import collectives
 from spmd.models import GPT, lm_loss
 from spmd.models.layers import kv_slots, valid_head_shards

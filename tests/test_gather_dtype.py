@@ -17,12 +17,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
+from helpers.gpt_util import BATCH, CFG, LAYOUTS, LENGTH
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshes
 import spmd
-from helpers.gpt_util import BATCH, CFG, LENGTH, LAYOUTS
 from spmd.hlo import collectives
 from spmd.models import GPT, lm_loss
 from spmd.models.layers import weight

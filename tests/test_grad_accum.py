@@ -8,11 +8,11 @@ the accumulation loop's trip count, so a collective in the loop counts k times (
 
 import jax
 import pytest
+from helpers.accum_util import TX, accum_step, reference
+from helpers.gpt_util import CFG, rel_err
 
 import meshes
 import spmd
-from helpers.accum_util import TX, accum_step, reference
-from helpers.gpt_util import CFG, rel_err
 from spmd.hlo import summarize
 from trainers.config import Config, RunConfig, override
 

@@ -8,13 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers.fault_worker import last_train_losses, tiny_config
-from trainers.faults import guard
+
 from trainers import loop
-from trainers import step as step_lib
 from trainers.checkpoint import Checkpointer
 from trainers.config import RunConfig
+from trainers.faults import guard
 from trainers.faults.guard import DivergenceError, Guard, read_events
 from trainers.loop import train
 

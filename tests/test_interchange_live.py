@@ -1,6 +1,5 @@
 """Live against transformers (skipped without torch): a model trained 5 steps from a transformers Llama, exported, gives transformers the same logits."""
 
-import os
 
 import jax
 import numpy as np

@@ -12,10 +12,10 @@ import math
 import jax
 import numpy as np
 import pytest
+from helpers.gpt_util import BATCH, LENGTH, batches, layout
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from helpers.gpt_util import BATCH, LENGTH, batches, layout
 
 # Logical dims of every parameter of gpt_util's GPT (n_layers stacked in front of block params).
 DIMS = {

@@ -11,9 +11,9 @@ import functools
 
 import jax
 import pytest
+from helpers.gpt_util import BATCH, LENGTH, layout
 
 import spmd
-from helpers.gpt_util import BATCH, LENGTH, layout
 
 REPLICATED = "dp8"
 

@@ -17,8 +17,8 @@ from tensorboardX.proto.event_pb2 import Event
 
 from trainers import logger as logger_lib
 from trainers import metrics as metrics_lib
-from trainers.logger import RunLogger, read_metrics, write_config
 from trainers.hardware import PEAK_FLOPS, lookup_peak
+from trainers.logger import RunLogger, read_metrics, write_config
 from trainers.metrics import (
     StepMeter,
     UnknownAcceleratorWarning,

@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers.gpt_util import rel_err
 
 import meshes
 import spmd
-from helpers.gpt_util import rel_err
 from spmd.models import GPT, GPTConfig, MoE
 from spmd.models import router as router_lib
 

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers.fault_worker import kill_at_line, tiny_config, worker_env
+
 from trainers import Task
 from trainers.checkpoint import CheckpointConfig, Checkpointer, load_params
 from trainers.config import RunConfig, override

@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 
+from trainers.lr import SCHEDULE_KINDS, LRConfig, make_lr_schedule, scale_lr
 from trainers.optim import (
     DEFAULT_NO_DECAY,
     OPTIMIZER_NAMES,
@@ -20,7 +21,6 @@ from trainers.optim import (
     key_path_str,
     make_optimizer,
 )
-from trainers.lr import SCHEDULE_KINDS, LRConfig, make_lr_schedule, scale_lr
 
 PEAK, WARMUP, TOTAL, END_FRAC = 1e-3, 10, 110, 0.1
 END = PEAK * END_FRAC

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-
 from helpers.gpt_util import LAYOUTS, batches, layout, rel_err, run
 
 TOL = 1e-5

@@ -13,9 +13,9 @@ from flax import nnx
 
 import meshes
 import spmd
+from spmd.manual import manual_batch_axes
 from spmd.models import GPT, GPTConfig
 from spmd.pipeline import PipelineConfig, get_schedule
-from spmd.manual import manual_batch_axes
 from spmd.pipeline.sends import hlo_sent_bytes
 
 TOL = 1e-5

@@ -9,8 +9,8 @@ import re
 import pytest
 
 from spmd.pipeline import get_schedule
-from trainers.launch import cli
 from trainers import override, recipe
+from trainers.launch import cli
 from trainers.planning.diagnose import check_pipeline
 from trainers.recipes import RECIPES
 

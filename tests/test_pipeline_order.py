@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from test_pipeline import BATCH, CFG, LENGTH, TOL, mesh_of, reference, rel_errs, tokens
 
 import meshes
 import spmd
@@ -17,7 +18,6 @@ from spmd.models import GPT
 from spmd.pipeline import LayerOrder, PipelineConfig, get_schedule
 from spmd.pipeline.sends import hlo_sent_bytes, send_plan
 from spmd.stack import reorder_stacks
-from test_pipeline import BATCH, CFG, LENGTH, TOL, mesh_of, reference, rel_errs, tokens
 from trainers.checkpoint import CheckpointConfig, Checkpointer
 from trainers.state import create_state
 

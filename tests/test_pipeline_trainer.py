@@ -16,9 +16,9 @@ from spmd.models import GPT
 from trainers.checkpoint import Checkpointer
 from trainers.config import override
 from trainers.loop import train
+from trainers.lr import make_lr_schedule
 from trainers.optim import make_optimizer
 from trainers.recipes import recipe
-from trainers.lr import make_lr_schedule
 from trainers.state import create_state
 
 STEPS = 4

@@ -22,16 +22,23 @@ import re
 import pytest
 
 import spmd
-from trainers import override, recipe
-from trainers.planning.diagnose import Issue, check_collectives, check_divisibility, check_replicated, param_infos, parse_remat_warnings
-from trainers.planning.dryrun import dry_run
-from trainers.hardware import custom, get_hardware
-from trainers.planning.blockers import blockers, group_reasons, workable_counts
-from trainers.planning.costs import memory_estimate
-from trainers.launch.plan import main
-from trainers.planning.planner import REMAT_LADDER, Layout, candidates, estimate_layout, plan
 from spmd.models import flops_per_step
 from spmd.pipeline import get_schedule
+from trainers import override, recipe
+from trainers.hardware import custom, get_hardware
+from trainers.launch.plan import main
+from trainers.planning.blockers import blockers, group_reasons, workable_counts
+from trainers.planning.costs import memory_estimate
+from trainers.planning.diagnose import (
+    Issue,
+    check_collectives,
+    check_divisibility,
+    check_replicated,
+    param_infos,
+    parse_remat_warnings,
+)
+from trainers.planning.dryrun import dry_run
+from trainers.planning.planner import REMAT_LADDER, Layout, candidates, estimate_layout, plan
 
 SMALL_HBM = custom("h100", hbm_bytes=1.4e9, name="h100-1.4gb")
 
@@ -411,7 +418,7 @@ def test_planner_lists_seq_layouts_for_a_long_sequence():
 
 def test_zero_bubble_layouts_hold_the_weight_stash_and_pay_the_second_recompute():
     cfg = deep_model()
-    mesh, sizes = (("data", 2), ("pipe", 4)), {"data": 2, "pipe": 4}
+    mesh = (("data", 2), ("pipe", 4))
     one, zb = (estimate_layout(cfg, Layout(mesh, "dp", False, name, 8), "h100") for name in ("1f1b", "zb-h1"))
     zb_cfg = Layout(mesh, "dp", False, "zb-h1", 8).apply(cfg)
     stash = get_schedule("zb-h1", 4, 8).weight_stash_size()

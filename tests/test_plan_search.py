@@ -9,8 +9,6 @@ uses); the negative control is the same plan without the failure, which confirms
 import dataclasses
 import json
 
-import pytest
-
 import spmd
 from trainers import override, recipe
 from trainers.launch.plan import main

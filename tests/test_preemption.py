@@ -10,11 +10,11 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers.fault_worker import REPO, default_signals, last_train_losses, tiny_config, worker_env
+
 from trainers.checkpoint import Checkpointer
-from trainers.loop import train
 from trainers.faults.preemption import PreemptionWatcher, barrier
+from trainers.loop import train
 
 WORKER = os.path.join(REPO, "tests", "helpers", "fault_worker.py")
 STEPS = 12

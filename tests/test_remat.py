@@ -13,13 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers.gpt_util import BATCH, CFG, LENGTH, batches
 
 import meshes
 import spmd
 from benchmarks.remat import kept_weights
 from spmd import remat as remat_lib
 from spmd.models import GPT, GPTConfig, lm_loss
-from helpers.gpt_util import BATCH, CFG, LENGTH, batches
 
 POLICIES = remat_lib.POLICIES
 TOL = 1e-5  # f32: the recompute runs the same ops, so only reassociation differs
@@ -243,8 +243,8 @@ def test_estimate_and_planner_read_the_policy():
     executed FLOPs: full > save_dots = offload > none; ``remat=True`` is ``full`` and a policy wins
     over it; a Layout may name a policy, and a bool Layout clears a policy set in the base config."""
     from trainers import override, recipe
-    from trainers.planning.costs import comm_estimate, memory_estimate, roofline
     from trainers.hardware import get_hardware
+    from trainers.planning.costs import comm_estimate, memory_estimate, roofline
     from trainers.planning.planner import Layout
 
     hw, sizes = get_hardware("h100"), {"fsdp": 8}

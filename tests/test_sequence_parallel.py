@@ -16,8 +16,8 @@ import functools
 import inspect
 
 import pytest
-
 from helpers.gpt_util import BATCH, CFG, LENGTH, layout
+
 from spmd.hlo import collectives
 
 F32 = 4

@@ -19,8 +19,8 @@ from spmd.models import GPT, GPTConfig
 from spmd.stack import UNROLL_UP_TO, stack_form
 from trainers import override, recipe
 from trainers.config import fixed_on_resume
-from trainers.planning.planner import plan
 from trainers.hardware import get_hardware
+from trainers.planning.planner import plan
 from trainers.planning.report import layer_stack
 
 CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=64)

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers.gpt_util import BATCH, CFG, LENGTH, layout, make_model
 
 import spmd
-from helpers.gpt_util import BATCH, CFG, LENGTH, layout, make_model
 from spmd.hlo import collectives, summarize
 from spmd.models import lm_loss
 

@@ -11,11 +11,10 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from test_variables import Plain
 
 import meshes
 import spmd
-
-from test_variables import Plain
 from trainers import Config, Task, lm_task, load_task, override, recipe, train
 from trainers.logger import read_metrics
 from trainers.loop import TaskError

@@ -14,13 +14,13 @@ from flax import nnx
 import meshes
 import spmd
 from spmd.models import GPT
-from trainers.launch import cli
 from trainers.checkpoint import Checkpointer
 from trainers.config import override
+from trainers.launch import cli
 from trainers.loop import train
+from trainers.lr import make_lr_schedule
 from trainers.optim import make_optimizer
 from trainers.recipes import RECIPES, recipe
-from trainers.lr import make_lr_schedule
 from trainers.state import create_state
 from trainers.step import make_train_step
 

@@ -10,13 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_pipeline import BATCH, CFG, LENGTH, assert_matches_reference, case
 
 import meshes
 from spmd.pipeline import PipelineConfig, get_schedule
 from spmd.pipeline.engine import _build_tables, run_schedule
 from spmd.pipeline.schedules import BACKWARD, FORWARD, IDLE, WEIGHT, Schedule
 from spmd.pipeline.sends import hlo_sent_bytes
-from test_pipeline import BATCH, CFG, LENGTH, assert_matches_reference, case
 
 ZB = ("zb-h1", "zb-h2")
 SIZES = [(S, M) for S in (2, 4) for M in (S, 2 * S, 4 * S)]

@@ -21,8 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 from meshes import axis_sizes
 from spmd import collectives
-from spmd.pipeline.config import split_microbatches
 from spmd.manual import manual_batch_axes, param_axes, with_inner_rules
+from spmd.pipeline.config import split_microbatches
 from spmd.rules import Rules, axes_of
 
 

@@ -22,17 +22,15 @@ from typing import Any
 import jax
 
 import meshes
-
 from spmd.models import GPTConfig
 from spmd.pipeline import PipelineConfig
 from trainers.checkpoint import CheckpointConfig
 from trainers.data import DataConfig
 from trainers.local_sgd import LocalSGDConfig
-from trainers.optim import OptimizerConfig
 from trainers.lr import LRConfig
+from trainers.optim import OptimizerConfig
 from trainers.trace import PROCESSES, parse_steps
 from trainers.validate import check_fsdp_gather, check_pipeline
-
 
 AUTO = "auto"  # mesh.axes: the planner picks mesh, rule set and remat (trainers.planning.resolve_auto)
 

@@ -21,7 +21,6 @@ from flax import nnx
 
 import meshes
 import spmd
-from trainers.faults import guard as guard_lib
 from trainers import pretrained
 from trainers.blame import InternalError, TaskError, describe_batch, first_batch
 from trainers.checkpoint import Checkpointer, NoUsableCheckpointError, resolve_init_from
@@ -30,15 +29,16 @@ from trainers.data import ExampleLoader, IterLoader, process_rows, to_global
 from trainers.data.checks import check_batch_ids
 from trainers.data.loader import eval_batches
 from trainers.data.packing import per_token
+from trainers.faults import guard as guard_lib
 from trainers.faults.guard import DivergenceError, Guard, GuardEvent
+from trainers.faults.preemption import PreemptionWatcher
 from trainers.local_sgd import LocalSGD, check_resume
 from trainers.logger import RunLogger, write_config
 from trainers.metrics import StepMeter, peak_flops_per_device
-from trainers.faults.preemption import PreemptionWatcher
+from trainers.setup import build
 from trainers.state import ShardedState, TrainState
 from trainers.step import eval_view, loss_and_metrics
 from trainers.task import Task, lm_task
-from trainers.setup import build
 from trainers.trace import StepProfiler
 from trainers.validate import check_batch
 

@@ -21,7 +21,6 @@ import numpy as np
 from trainers.hardware import PEAK_FLOPS, SUPPORTED_DTYPES, lookup_peak
 
 
-
 class UnknownAcceleratorWarning(UserWarning):
     """No peak FLOP/s figure is known for the device; MFU will be NaN."""
 

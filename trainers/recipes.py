@@ -14,8 +14,8 @@ from spmd.pipeline import PipelineConfig
 from trainers.checkpoint import CheckpointConfig
 from trainers.config import Config, MeshConfig, RunConfig
 from trainers.data import DataConfig
-from trainers.optim import OptimizerConfig
 from trainers.lr import LRConfig
+from trainers.optim import OptimizerConfig
 
 
 def tiny_run(cfg: Config) -> Config:

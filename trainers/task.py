@@ -20,9 +20,9 @@ from flax import nnx
 
 from trainers.config import Config
 from trainers.data import TokenWindows, load_corpus
+from trainers.data.checks import check_examples, check_token_ids, check_windows
 from trainers.data.config import DOCUMENT_CORPORA
 from trainers.data.packing import packed_stream
-from trainers.data.checks import check_examples, check_token_ids, check_windows
 from trainers.step import LossFn, MetricFn, lm_loss_fn
 from trainers.validate import check_heads, name_config_key
 

@@ -17,7 +17,6 @@ from spmd.models import GPTConfig
 from spmd.pipeline import PipelineConfig
 from spmd.rules import axes_of
 
-
 # The config key that sets each logical dim of the built-in GPT (and the batch), for messages.
 CONFIG_FIELD = {
     "mlp": "model.d_ff", "heads": "model.n_heads", "kv_heads": "model.n_kv_heads", "vocab": "model.vocab_size",

@@ -16,8 +16,8 @@ import struct
 from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
 import ml_dtypes
+import numpy as np
 from safetensors.numpy import save_file
 
 INDEX = "model.safetensors.index.json"

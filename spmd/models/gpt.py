@@ -23,10 +23,10 @@ from spmd import remat as remat_lib
 from spmd.constraints import constrain
 from spmd.models import attention as attention_lib
 from spmd.models import context
+from spmd.models.layers import Attention, GatedMLP, RMSNorm, param, weight
 from spmd.models.loss import chunked_lm_loss, lm_loss
 from spmd.models.loss import head_logits as _head_logits
 from spmd.models.loss import with_moe_losses as _with_moe_losses
-from spmd.models.layers import Attention, GatedMLP, RMSNorm, param, weight
 from spmd.models.moe import MoE
 from spmd.models.router import ROUTERS
 from spmd.pipeline import PipelineConfig, pipelined_loss

@@ -14,7 +14,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 
 from spmd.constraints import constrain
 from spmd.models.layers import weight

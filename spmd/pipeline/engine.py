@@ -39,7 +39,7 @@ def _intervals_to_slots(intervals: list[tuple[int, int, Any]]) -> tuple[dict[Any
     free_at: list[int] = []  # per slot: first tick it is free again
     slots = {}
     for start, end, key in sorted(intervals, key=lambda x: (x[0], x[1])):
-        for i, free in enumerate(free_at):
+        for i, free in enumerate(free_at):  # noqa: B007 - i is read after the loop
             if free <= start:
                 break
         else:

@@ -19,7 +19,6 @@ import glob
 import json
 import os
 import re
-from pathlib import Path
 from typing import Any
 
 import numpy as np

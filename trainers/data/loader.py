@@ -16,7 +16,6 @@ import grain
 import jax
 import numpy as np
 
-
 logger = logging.getLogger(__name__)
 
 Batch = dict[str, np.ndarray]

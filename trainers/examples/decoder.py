@@ -22,8 +22,8 @@ from trainers.checkpoint import CheckpointConfig
 from trainers.config import Config, MeshConfig, RunConfig
 from trainers.data import DataConfig, TokenWindows, load_corpus
 from trainers.loop import train
-from trainers.optim import OptimizerConfig
 from trainers.lr import LRConfig
+from trainers.optim import OptimizerConfig
 from trainers.task import Task
 
 

@@ -21,8 +21,8 @@ from trainers.checkpoint import CheckpointConfig
 from trainers.config import Config, MeshConfig, RunConfig
 from trainers.data import DataConfig
 from trainers.loop import train
-from trainers.optim import OptimizerConfig
 from trainers.lr import LRConfig
+from trainers.optim import OptimizerConfig
 from trainers.task import Task
 
 

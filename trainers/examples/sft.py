@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainers.config import Config, RunConfig
+from trainers.config import Config
 from trainers.data import DataConfig
 from trainers.recipes import gpt_small
 

@@ -1,7 +1,8 @@
 """Preemption: turn SIGTERM/SIGINT into "finish this step, checkpoint it, exit cleanly".
 
 :class:`PreemptionWatcher` installs handlers for a ``with`` block (a signal ignored when it starts,
-as SIGINT in a background job, stays ignored); every process agrees on the step to stop at. :func:`barrier` is a bounded wait for all processes. See docs/faults.md.
+as SIGINT in a background job, stays ignored); every process agrees on the step to stop at.
+:func:`barrier` is a bounded wait for all processes. See docs/faults.md.
 """
 
 from __future__ import annotations

@@ -20,8 +20,15 @@ import threading
 import traceback
 from importlib import metadata
 
-from trainers.launch.exits import (EXIT_COORDINATOR, EXIT_DIVERGED, EXIT_INTERNAL, EXIT_INTERRUPTED,  # noqa: F401
-                                   EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE)
+from trainers.launch.exits import (  # noqa: F401
+    EXIT_COORDINATOR,
+    EXIT_DIVERGED,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    EXIT_USAGE,
+)
 
 # The recipes' names, for --help without importing jax (tests check it equals trainers.recipes.RECIPES).
 RECIPE_NAMES = ("gpt-small", "gpt-small-pp", "gpt-125m", "gpt-350m", "gpt-moe")

@@ -19,7 +19,6 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
-
 # meshes.simulate.CPU_FLAGS, copied: the launcher starts without importing jax (tests check they agree)
 CPU_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
 

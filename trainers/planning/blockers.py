@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections import Counter
 from collections.abc import Iterable
 

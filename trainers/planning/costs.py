@@ -21,18 +21,26 @@ import jax
 from flax import nnx
 
 import spmd
-from spmd.models import flops_per_step, flops_per_token
+from spmd.models import flops_per_step
 from spmd.models.moe import expert_rows
 from spmd.rules import axes_of
 from trainers.config import Config
 from trainers.faults.guard import window_bytes
 from trainers.hardware import Hardware
 from trainers.optim import make_optimizer
-from trainers.planning.diagnose import ParamInfo, diagnose, param_infos, shard_divisors
+from trainers.planning.diagnose import ParamInfo, diagnose, shard_divisors
 from trainers.planning.perf import Work, step_time
 from trainers.planning.profile import TaskProfile, at
-from trainers.planning.traffic import (DTYPE_BYTES as _DTYPE_BYTES, RECOMPUTES_BLOCK, Traffic, comm_estimate,
-                                       pipeline_schedule, sharded_params, stash_sizes, token_axes)
+from trainers.planning.traffic import DTYPE_BYTES as _DTYPE_BYTES
+from trainers.planning.traffic import (
+    RECOMPUTES_BLOCK,
+    Traffic,
+    comm_estimate,
+    pipeline_schedule,
+    sharded_params,
+    stash_sizes,
+    token_axes,
+)
 from trainers.validate import Issue, batch_axes
 
 # spmd.remat policies by what a block keeps on the device for the backward pass (else: its input only)
@@ -328,7 +336,7 @@ def task_comm_estimate(profile: TaskProfile, cfg: Config, sizes: dict[str, int],
             row[0] += count
             row[1] += count * nbytes
 
-    for info, spec, local in decided[:len(profile.variables.infos)]:
+    for _info, spec, local in decided[:len(profile.variables.infos)]:
         on = {a for e in spec for a in axes_of(e) if sizes.get(a, 1) > 1}
         gather = tuple(a for a in batch if a in on)
         if gather:

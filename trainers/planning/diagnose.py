@@ -26,11 +26,12 @@ from meshes import AXES
 from spmd.models import GPTConfig
 from spmd.pipeline import PipelineConfig
 from spmd.rules import axes_of
-from spmd.units import fmt_bytes
 from spmd.sharding import abstract_module, fit_spec
+from spmd.units import fmt_bytes
 from spmd.variables import Decision, PathRules, decide
 from trainers.task import lm_model
-from trainers.validate import CONFIG_FIELD, Issue, batch_axes, check_batch, check_heads, check_pipeline
+from trainers.validate import CONFIG_FIELD, Issue, check_batch, check_heads, check_pipeline
+
 
 # Which config field sets the size of each logical dim of the built-in GPT (for "use X a multiple of N" fixes).
 @dataclasses.dataclass(frozen=True)

@@ -9,11 +9,11 @@ in the fewest of mesh, rule set, remat and pipeline (ties: the faster one), give
 
 from __future__ import annotations
 
+from spmd.units import fmt_bytes
 from trainers.config import Config
 from trainers.hardware import HARDWARE, Hardware
 from trainers.planning.costs import memory_estimate
 from trainers.planning.planner import plan
-from spmd.units import fmt_bytes
 
 # device_kind substrings -> HARDWARE names, most specific first
 _KINDS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100"), ("v5p", "tpu-v5p"), ("v5 lite", "tpu-v5e"),

@@ -19,8 +19,8 @@ from collections.abc import Iterator
 
 import spmd
 from meshes import AXES
-from spmd import remat as remat_lib
 from spmd import pipeline as pipeline_lib
+from spmd import remat as remat_lib
 from spmd.pipeline import PipelineConfig
 from spmd.units import fmt_bytes
 from trainers.config import Config
