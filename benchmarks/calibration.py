@@ -120,7 +120,7 @@ def run(options: common.Options, command: str = "python -m benchmarks.calibratio
     rows += holdout_rows()
     if not options.quick:
         rows += repro_rows()
-    before = ["Analytic (no compile): `trainers.planning.calibration`, recomputed by tests/test_calibration.py; runs, "
+    before = ["Analytic (no compile): `trainers.planning.calibration`, recomputed by tests/planning/test_calibration.py; runs, "
               "sources and the model's constants in docs/calibration.md. Held out: the compute-efficiency scale "
               "refitted without the run's source (`trainers.planning.holdout`)."
               + (" Quick mode: no planner ranks, no repros." if options.quick else "")]

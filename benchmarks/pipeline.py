@@ -199,7 +199,7 @@ def fsdp_gather_rows(quick: bool) -> list[Row]:
     return [Row(f"{what}: stage weight gathers over fsdp, bf16 vs f32 (before)", fmt_bytes(stage_now),
                 f"{fmt_bytes(f32)} f32", stage_now / f32, "0.50", abs(stage_now / f32 - 0.5) < 1e-9,
                 f"{len(stage)} stage matrices (rank >= 3), sum |W| / S elements per device; the rest (norm scales, "
-                "embedding, head) as before; the loss and gradients equal the f32-gather step's (tests/test_pipeline.py)"),
+                "embedding, head) as before; the loss and gradients equal the f32-gather step's (tests/spmd/pipeline/test_pipeline.py)"),
             Row(f"{what}: all-gather over fsdp per device", fmt_bytes(narrow),
                 f"{fmt_bytes(expected)} = the bf16 count (f32 step {fmt_bytes(wide)} - half its stage matrices)",
                 narrow / expected, "1.00", narrow == expected,

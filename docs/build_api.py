@@ -5,7 +5,7 @@
 One Markdown page per package of ``meshes``, ``spmd`` and ``trainers``: every name in its
 ``__all__`` with its signature and docstring (classes with their public methods), then its
 submodules with their one-line summaries. The output is deterministic (names sorted, memory
-addresses removed), so ``tests/test_docs.py`` can compare it with the committed pages.
+addresses removed), so ``tests/meta/test_docs.py`` can compare it with the committed pages.
 """
 
 from __future__ import annotations

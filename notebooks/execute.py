@@ -4,7 +4,7 @@ Each notebook runs top to bottom in a fresh ``python3`` kernel on 8 simulated CP
 temporary working directory), then is written back with its outputs, figures included, made
 reproducible: execution counts renumbered, timing metadata dropped, object addresses, temporary
 paths and wall-clock figures (seconds, tokens/s, MFU, dates) replaced by ``…``. Each code cell
-records the SHA-256 of its source (``metadata.spmd.source_sha256``): ``tests/test_notebooks.py``
+records the SHA-256 of its source (``metadata.spmd.source_sha256``): ``tests/meta/test_notebooks.py``
 fails when a cell was edited without running this again, or when executing gives other kinds of
 output or another number of figures than the stored ones.
 """

@@ -14,7 +14,7 @@ import spmd
 from spmd.models import GPT, GPTConfig, lm_loss
 
 # scanned: the layout tests read the layer loop's collectives per layer (the unrolled form is compared
-# with it, on sharded layouts too, in tests/test_stack_forms.py)
+# with it, on sharded layouts too, in tests/spmd/test_stack_forms.py)
 CFG = GPTConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, d_ff=128, scan_layers="scanned")
 BATCH, LENGTH = 8, 16
 
@@ -28,7 +28,7 @@ LAYOUTS = {
     "dp2_tp4_sp": ({"data": 2, "tensor": 4}, "dp_tp_sp"),
     "dp2_fsdp2_tp2_sp": ({"data": 2, "fsdp": 2, "tensor": 2}, "fsdp_tp_sp"),
     # context parallelism: the length over seq (ring K/V exchange, load-balanced chunks), with GQA (seq = 8:
-    # tests/test_context.py, the attention alone)
+    # tests/spmd/test_context.py, the attention alone)
     "fsdp2_seq4": ({"fsdp": 2, "seq": 4}, "fsdp"),
     "dp2_seq2_tp2": ({"data": 2, "seq": 2, "tensor": 2}, "dp_tp"),
     "seq2_tp4_sp": ({"seq": 2, "tensor": 4}, "dp_tp_sp"),

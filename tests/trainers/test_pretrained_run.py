@@ -18,7 +18,6 @@ from trainers import load_model, override, recipe, train
 from trainers.launch.cli import main as train_main
 from trainers.launch.models import export_main, generate_main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = GPTConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, norm_eps=1e-5,
                 tied_head_scale=False)
 

@@ -179,7 +179,7 @@ def test_config_is_frozen():
 def test_run_stops_after_consecutive_bad_steps(tmp_path):
     # with the update checks off, an absurd LR blows the params up to ~1e30 in one step; every later
     # loss overflows to inf/NaN, each such step is skipped (no update) and the run stops after
-    # max_bad_steps in a row (with the checks on, step 1's update is refused: tests/test_nothing_silent.py)
+    # max_bad_steps in a row (with the checks on, step 1's update is refused: tests/trainers/test_nothing_silent.py)
     from trainers.loop import DivergenceError
 
     cfg = tiny(tmp_path, "run.steps=8", "lr.kind=constant", "lr.warmup_steps=0",

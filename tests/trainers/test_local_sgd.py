@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from helpers.paths import REPO
 
 import spmd
 import trainers.setup as setup_lib
@@ -22,7 +23,6 @@ from trainers.logger import read_metrics
 from trainers.loop import train
 from trainers.recipes import recipe
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESH = "mesh.axes=data=2,fsdp=2,tensor=2"
 SGD = ["optimizer.name=sgd", "optimizer.momentum=0.5", "optimizer.clip_norm=none"]  # linear in the gradient
 H1 = ["local_sgd.every=1", "local_sgd.outer_optimizer=sgd", "local_sgd.outer_lr=1", "local_sgd.outer_momentum=0"]

@@ -17,8 +17,8 @@ import re
 import sys
 
 import pytest
+from helpers.paths import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PACKAGES = ("meshes", "spmd", "trainers")
 MAX_EXPORTS = 20

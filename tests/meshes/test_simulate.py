@@ -14,15 +14,13 @@ import subprocess
 import sys
 import textwrap
 import types
-from pathlib import Path
 
 import jax
 import pytest
+from helpers.paths import ROOT
 
 import meshes
 from meshes import simulate
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def fake_install(monkeypatch, *, namespace: bool = False, entry_points: tuple[str, ...] = (), libtpu: bool = False):

@@ -14,8 +14,8 @@ import pathlib
 import re
 
 import pytest
+from helpers.paths import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("meshes", "spmd", "trainers")
 # package -> packages it must never import
 FORBIDDEN = {"meshes": {"spmd", "trainers"}, "spmd": {"trainers"}, "trainers": set()}

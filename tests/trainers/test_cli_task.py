@@ -24,6 +24,7 @@ import os
 import sys
 
 import pytest
+from helpers.paths import REPO
 
 from tests.helpers.byom_task import big, task
 from trainers import override
@@ -35,7 +36,6 @@ from trainers.logger import read_metrics
 from trainers.planning.dryrun import dry_run
 from trainers.planning.planner import plan
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = "tests.helpers.byom_task:task"
 
 

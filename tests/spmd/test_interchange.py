@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from helpers.paths import REPO
 
 import meshes
 import spmd
@@ -16,7 +17,7 @@ from spmd.interchange.hf_config import gpt_config, read_config
 from spmd.interchange.safetensors_io import SafetensorsFolder
 from spmd.models import GPTConfig, generate
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
+FIXTURES = os.path.join(REPO, "tests", "fixtures", "hf")
 FAMILIES = ("llama", "mistral", "qwen2", "mixtral")
 TOL = 1e-4
 LAYOUTS = {"single": ({}, "none"), "dp2_fsdp2_tp2": ({"data": 2, "fsdp": 2, "tensor": 2}, "fsdp_tp"),

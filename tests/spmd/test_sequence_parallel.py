@@ -3,7 +3,7 @@
 The residual stream and the norms (``residual_length``) split L over ``tensor``, so per layer and
 per direction each row-parallel all-reduce over ``tensor`` becomes a reduce-scatter and each
 column-parallel input an all-gather, all of ``[B_local, L, D]``: the same wire bytes, and the
-residual activations take 1/t of the memory. Parity with one device: tests/test_parity.py (the
+residual activations take 1/t of the memory. Parity with one device: tests/spmd/test_parity.py (the
 ``*_sp`` layouts of helpers.gpt_util).
 
 The CPU backend has no reduce-scatter: it emits the partitioner's all-reduce, and each device

@@ -12,11 +12,11 @@ import time
 
 import pytest
 from helpers.fault_worker import default_signals
+from helpers.paths import REPO
 
 from trainers.launch import cli, local
 from trainers.recipes import RECIPES
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["gpt-small", "--tiny", "--set", "run.progress=false", "--set", "run.tensorboard=false"]
 
 

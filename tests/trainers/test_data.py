@@ -8,6 +8,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from helpers.paths import REPO
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -208,7 +209,7 @@ def test_stdlib_corpus_is_real_and_split_by_file(stdlib):
 def test_stdlib_split_is_the_same_in_another_process(stdlib):
     code = "from trainers.data import corpus; print('\\n'.join(corpus.stdlib_files('validation')))"
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = REPO
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True)
     assert tuple(out.stdout.split()) == stdlib["validation"][0]
 

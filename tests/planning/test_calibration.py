@@ -10,9 +10,9 @@ their own, each with a negative control (a flat slow ring, a model at 100% of pe
 
 import dataclasses
 import math
-import pathlib
 
 import pytest
+from helpers.paths import ROOT
 
 from trainers.hardware import axis_levels, collective_seconds, get_hardware
 from trainers.planning import calibration as cal
@@ -148,7 +148,7 @@ def test_leave_one_source_out_keeps_every_held_out_run_within_bounds(holdouts):
     for h in holdouts:
         assert LO <= h.fitted <= HI and LO <= h.held_out <= HI, (h.run.name, h.fitted, h.held_out)
     assert any(h.held_out_scale != h.fitted_scale for h in holdouts)  # the refit really leaves the source out
-    doc = (pathlib.Path(__file__).parents[1] / "docs" / "calibration.md").read_text()
+    doc = (ROOT / "docs" / "calibration.md").read_text()
     for line in holdout.table(holdouts).splitlines():
         assert line in doc, f"docs/calibration.md is stale: {line}"
 

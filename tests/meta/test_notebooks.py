@@ -29,12 +29,12 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from helpers.paths import ROOT
 
 import meshes
 import spmd
 import trainers
 
-ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = ROOT / "notebooks"
 _spec = importlib.util.spec_from_file_location("notebooks_execute", NOTEBOOK_DIR / "execute.py")
 _execute = importlib.util.module_from_spec(_spec)

@@ -10,6 +10,7 @@ import textwrap
 
 import jax
 import pytest
+from helpers.paths import REPO
 from jax.sharding import AxisType
 
 import meshes
@@ -196,7 +197,7 @@ def test_simulate_in_a_fresh_process():
         """
     )
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES")}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = REPO
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["4 4 cpu", "refused: True"]

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers.fault_worker import kill_at_line, tiny_config, worker_env
+from helpers.paths import REPO
 
 from trainers import Task
 from trainers.checkpoint import CheckpointConfig, Checkpointer, load_params
@@ -28,7 +29,6 @@ from trainers.loop import train
 from trainers.recipes import recipe
 from trainers.task import lm_windows
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "tests", "helpers", "fault_worker.py")
 TINY = ["gpt-small", "--tiny", "--set", "run.progress=false", "--set", "run.tensorboard=false"]
 

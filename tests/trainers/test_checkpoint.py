@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.paths import REPO
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -417,7 +418,7 @@ def test_two_processes_save_and_fall_back_together(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = REPO
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     root = str(tmp_path / "ckpt")
@@ -711,7 +712,7 @@ def test_a_process_killed_while_handing_a_save_to_orbax_keeps_the_previous_step(
 
     from helpers.fault_worker import kill_at_line
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = REPO
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
                PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
     root = str(tmp_path / "ckpt")

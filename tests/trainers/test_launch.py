@@ -9,6 +9,7 @@ import textwrap
 import time
 
 import pytest
+from helpers.paths import REPO
 
 from trainers.launch import local as launch_lib
 from trainers.launch import pods
@@ -129,7 +130,7 @@ def test_sigterm_to_the_launcher_is_forwarded_and_children_status_returned(tmp_p
     """
     cmd = [sys.executable, "-m", "trainers.launch.local", "--processes", "2", "--grace", "2", "--", *_py(code)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                            cwd=REPO)
     deadline = time.monotonic() + 30
     while not all((tmp_path / f"pid{i}").exists() for i in range(2)) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -202,7 +203,7 @@ def test_command_builders_quote_and_validate():
 
 
 def test_launcher_scripts_run_the_same_train_command():
-    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "trainers", "launch", "scripts")
+    here = os.path.join(REPO, "trainers", "launch", "scripts")
     tpu = open(os.path.join(here, "tpu_pod.sh")).read()
     slurm = open(os.path.join(here, "slurm_gpu.sbatch")).read()
     assert "gcloud compute tpus tpu-vm ssh" in tpu and "--worker=all" in tpu and "spmd-train" in tpu

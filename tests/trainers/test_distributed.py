@@ -15,6 +15,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from helpers.paths import REPO
 
 from meshes import distributed
 from trainers.launch import cli, command
@@ -22,7 +23,6 @@ from trainers.launch.local import child_env, free_port, launch
 from trainers.logger import read_metrics
 from trainers.loop import train
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "tests", "helpers", "multihost_worker.py")
 
 

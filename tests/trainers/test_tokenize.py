@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.paths import REPO
 
 from trainers.data import DataConfig, corpus, load_corpus, make_loader
 from trainers.data import prepare as prepare_lib
@@ -20,7 +21,6 @@ from trainers.launch import cli
 from trainers.launch import tokenize as tokenize_cli
 from trainers.logger import read_metrics
 
-REPO = Path(__file__).resolve().parent.parent
 VOCAB = 512
 
 
