@@ -256,6 +256,17 @@ def gpt_config(quick: bool) -> tuple[GPTConfig, int, int]:
     return GPTConfig(vocab_size=256, d_model=128, n_layers=4, n_heads=4, d_ff=512), 16, 128
 
 
+def run_config(model: GPTConfig, rules: str, batch: int, length: int, *sets: str) -> Any:
+    """The gpt-small recipe's run ``Config`` with this model, rule set, batch and length (and ``sets``):
+    what :func:`trainers.setup.build` assembles the run's own step from."""
+    from trainers import override, recipe
+
+    cfg = override(recipe("gpt-small", tiny=True), [f"rules={rules}", f"data.global_batch={batch}",
+                                                     f"data.seq_len={length}", f"data.vocab_size={model.vocab_size}",
+                                                     *sets])
+    return dataclasses.replace(cfg, model=model)
+
+
 def layout_mesh(name: str) -> jax.sharding.Mesh:
     """The mesh of a :data:`LAYOUTS` entry (or ``"single"``: one device)."""
     if name == "single":
@@ -332,7 +343,7 @@ def gpt_setup(cfg: GPTConfig, mesh: jax.sharding.Mesh, rules: str | spmd.Rules, 
     batch_sharding = spmd.batch_sharding(rules, mesh)
     data = make_batch(cfg.vocab_size, batch, length, batch_sharding)
     step = minimal_step(sharded, tx, rules, mesh, batch_sharding, donate=donate, pipeline=pipeline)
-    abstract = (sharded.abstract["params"], sharded.abstract["opt_state"])
+    abstract = (sharded.abstract.params, sharded.abstract.opt_state)
     start, cpu = time.perf_counter(), time.process_time()
     compiled = step.lower(abstract, data).compile()
     return GPTSetup(cfg, mesh, rules, sharded, data, step, compiled, time.perf_counter() - start,

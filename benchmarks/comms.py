@@ -192,7 +192,6 @@ def pipeline_rows(Ms: Sequence[int] = (4, 8, 16)) -> list[Row]:
 
 def accumulation_rows(cfg, batch: int, length: int) -> list[Row]:
     """The trainer step with k microbatches: reductions over the batch axes per step, FSDP gathers, memory."""
-    from trainers import override, recipe
     from trainers.setup import build
 
     rows = []
@@ -201,10 +200,9 @@ def accumulation_rows(cfg, batch: int, length: int) -> list[Row]:
         what = f"{name} k={k}" + (f" fsdp_gather={mode}" if mode else "")
         try:
             mesh, rules = common.layout_mesh(name), spmd.get_rules(common.LAYOUTS[name][1])
-            run_cfg = override(recipe("gpt-small", tiny=True), [
-                f"rules={rules.name}", f"run.grad_accum={k}", f"data.global_batch={batch}", f"data.seq_len={length}",
-                f"data.vocab_size={cfg.vocab_size}", *([f"run.fsdp_gather={mode}"] if mode else [])])
-            setup = build(dataclasses.replace(run_cfg, model=cfg), mesh=mesh)  # the run's own step
+            run_cfg = common.run_config(cfg, rules.name, batch, length, f"run.grad_accum={k}",
+                                        *([f"run.fsdp_gather={mode}"] if mode else []))
+            setup = build(run_cfg, mesh=mesh)  # the run's own step
             sharded, sharding = setup.stepped, setup.batch_sharding
             compiled = setup.train_step.lower(sharded.abstract, common.make_batch(cfg.vocab_size, batch, length,
                                                                                   sharding)).compile()

@@ -22,7 +22,6 @@ import time
 from collections.abc import Sequence
 
 import jax
-import optax
 
 from benchmarks import common
 from benchmarks.common import Row
@@ -34,13 +33,7 @@ MEASURE = ("import resource, subprocess, sys; code = subprocess.run(sys.argv[1:]
 
 
 def run(options: common.Options, command: str = "python -m benchmarks.guard") -> list[Row]:
-    from flax import nnx
-
-    import spmd
-    from spmd.models import GPT
-    from trainers.faults import guard
-    from trainers.state import create_state
-    from trainers.step import lm_loss_fn, make_train_step
+    from trainers.setup import build
 
     common.setup_devices(options.real_devices)
     started = common.load()
@@ -48,16 +41,16 @@ def run(options: common.Options, command: str = "python -m benchmarks.guard") ->
     rounds, steps = (2, 2) if options.quick else (7, 5)
     layout = "fsdp_tp" if len(jax.devices()) >= 8 else "single"
     mesh = common.layout_mesh(layout)
-    rules = spmd.get_rules(common.LAYOUTS[layout][1] if layout != "single" else "none")
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, b1=0.9, b2=0.95, weight_decay=0.1))
-    batch_sharding = spmd.batch_sharding(rules, mesh)
-    data = common.make_batch(cfg.vocab_size, batch, length, batch_sharding)
-    setups = {}
-    for name, limits in (("off", {}), ("on", {"max_update_ratio": 1.0, "max_param_growth": 10.0})):
-        sharded = guard.add_window(create_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), tx, rules, mesh), 32, mesh)
-        step = make_train_step(sharded, tx, rules, mesh, batch_sharding, loss_fn=lm_loss_fn(), spike_factor=10.0, **limits)
-        temp = step.lower(sharded.state, data).compile().memory_analysis().temp_size_in_bytes
-        setups[name] = {"step": step, "state": step(sharded.state, data)[0], "temp": temp}
+    rules = common.LAYOUTS[layout][1] if layout != "single" else "none"
+    setups, data = {}, None
+    for name, limits in (("off", []), ("on", ["run.max_update_ratio=1.0", "run.max_param_growth=10.0"])):
+        # the run's own step (clipping, AdamW, the guard's window and spike check), without / with the update check
+        setup = build(common.run_config(cfg, rules, batch, length, "run.spike_factor=10.0", "run.spike_window=32",
+                                        *limits), mesh=mesh)
+        data = data or common.make_batch(cfg.vocab_size, batch, length, setup.batch_sharding)
+        step, state = setup.train_step, setup.stepped.state
+        temp = step.lower(state, data).compile().memory_analysis().temp_size_in_bytes
+        setups[name] = {"step": step, "state": step(state, data)[0], "temp": temp}
 
     def timed_round(name: str):
         def one() -> float:
