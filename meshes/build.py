@@ -14,6 +14,7 @@ types) for code written for that mode.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -109,6 +110,17 @@ def single_device_mesh(device: jax.Device | None = None, *, axis_type: str = "au
     return make_mesh({}, devices=[device or jax.devices()[0]], axis_type=axis_type)
 
 
-def axis_sizes(mesh: Mesh) -> dict[str, int]:
+class MeshLike(Protocol):
+    """What :func:`axis_sizes` reads of a mesh: a ``jax.sharding.Mesh``, or a stand-in with its axis
+    names and an array of its shape as ``devices`` (planning decides layouts for meshes it does not have)."""
+
+    @property
+    def axis_names(self) -> tuple[Any, ...]: ...
+
+    @property
+    def devices(self) -> np.ndarray: ...
+
+
+def axis_sizes(mesh: MeshLike) -> dict[str, int]:
     """Ordered {axis: size} of a mesh."""
     return dict(zip(mesh.axis_names, mesh.devices.shape))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshes import axis_sizes
+from meshes.build import MeshLike
 from spmd.rules import Rules, RulesError, axes_of, get_rules
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ def logical_dims(tree: Any) -> dict[str, tuple[str | None, ...] | None]:
 REPLICATED_WHEN_OUTNUMBERED: tuple[str, ...] = ("kv_heads",)
 
 
-def fit_spec(spec: P, shape: Sequence[int], dims: Sequence[str | None], sizes: dict[str, int]) -> P:
+def fit_spec(spec: P, shape: Sequence[int], dims: Sequence[str | None], sizes: Mapping[str, int]) -> P:
     """``spec`` with every :data:`REPLICATED_WHEN_OUTNUMBERED` dim whose size its axes outnumber
     (product a multiple of the size, e.g. ``kv_heads``=2 over tensor=8) replicated; the rest as given."""
     entries = list(spec) + [None] * (len(shape) - len(spec))
@@ -91,7 +92,7 @@ def spec_for(
     shape: Sequence[int],
     dims: Sequence[str | None] | None,
     rules: Rules | str,
-    mesh: Mesh,
+    mesh: MeshLike,
     *,
     kind: str = "params",
     path: str = "array",

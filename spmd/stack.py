@@ -90,7 +90,7 @@ class Stack(nnx.Module):
 
         return apply, state
 
-    def __call__(self, x: jax.Array, *args: Any) -> jax.Array:
+    def __call__(self, x: jax.Array, *args: Any) -> jax.Array | tuple[jax.Array, Any]:
         """Run the blocks over ``x`` (a scan, or unrolled: :attr:`form`); variables the blocks update (batch
         statistics, RNG counts) are carried out of the scan and written back, one slice per layer. A block may return ``(x, aux)``
         (``aux`` a pytree of arrays, e.g. MoE losses): the stack then returns ``(y, aux summed over layers)``.

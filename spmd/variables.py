@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshes import axis_sizes
+from meshes.build import MeshLike
 from spmd.rules import Rules, RulesError, axes_of, get_rules
 from spmd.sharding import abstract_module, path_str, spec_for, variable_dims
 
@@ -74,7 +75,7 @@ def _default_spec(shape: tuple[int, ...], rules: Rules, sizes: dict[str, int], m
     return P(), f"replicated (no dim divides by {' x '.join(axes)}={n})"
 
 
-def decide(abstract_state: nnx.State, rules: Rules | str, mesh: Mesh, *, path_rules: PathRules = (),
+def decide(abstract_state: nnx.State, rules: Rules | str, mesh: MeshLike, *, path_rules: PathRules = (),
            min_default_size: int = MIN_DEFAULT_SIZE, on_indivisible: str = "error") -> list[Decision]:
     """One :class:`Decision` per variable of an (abstract) NNX state, in tree order."""
     rules = get_rules(rules)

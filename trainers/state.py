@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +48,10 @@ class TrainState:
     guard: Any = None
     outer_params: Any = None
     outer_opt_state: Any = None
+
+    if TYPE_CHECKING:  # struct.dataclass adds ``replace`` (dataclasses.replace) at runtime; declared for the type checker only
+
+        def replace(self, **changes: Any) -> TrainState: ...
 
     def as_dict(self) -> dict[str, Any]:
         """The set fields, by name: the form checkpoints hold."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -167,6 +168,7 @@ class Block(nnx.Module):
                               block=cfg.attention_block, exchange=cfg.context_exchange, bias=cfg.qkv_bias,
                               rope_scaling=cfg.llama3_scaling)
         self.mlp_norm = RMSNorm(cfg.d_model, rngs=rngs, eps=cfg.norm_eps)
+        self.mlp: MoE | GatedMLP
         if moe:
             self.mlp = MoE(cfg.d_model, cfg.expert_ff, cfg.n_experts, cfg.experts_per_token, rngs=rngs,
                            capacity_factor=cfg.capacity_factor, router=cfg.router, n_shared=cfg.n_shared_experts,
@@ -207,8 +209,8 @@ class MoEGroup(nnx.Module):
 
     def __call__(self, x_BLD: jax.Array, positions_L: jax.Array, *segment_ids: jax.Array) -> tuple[jax.Array, dict]:
         for block in self.dense:
-            x_BLD = block(x_BLD, positions_L, *segment_ids)
-        return self.moe(x_BLD, positions_L, *segment_ids)
+            x_BLD = cast(jax.Array, block(x_BLD, positions_L, *segment_ids))  # a dense Block returns x alone
+        return cast(tuple[jax.Array, dict], self.moe(x_BLD, positions_L, *segment_ids))  # a MoE Block returns (x, stats)
 
 
 def _make_block(cfg: GPTConfig) -> tuple[Callable[[nnx.Rngs], nnx.Module], int]:

@@ -64,7 +64,9 @@ def _build_tables(schedule: Schedule) -> tuple[np.ndarray, int, int, int]:
     ticks = schedule.ticks()
     has_b, split = schedule.has_backward, schedule.split_backward
     release = WEIGHT if split else BACKWARD
-    x_iv, g_iv, w_iv = [[] for _ in range(S)], [[] for _ in range(S)], [[] for _ in range(S)]
+    x_iv: list[list[tuple[int, int, Any]]] = [[] for _ in range(S)]
+    g_iv: list[list[tuple[int, int, Any]]] = [[] for _ in range(S)]
+    w_iv: list[list[tuple[int, int, Any]]] = [[] for _ in range(S)]
     for (kind, m, c), t in ticks.items():
         s = c % S
         if kind == FORWARD and c > 0:
@@ -354,7 +356,7 @@ def run_schedule(
         bax = manual_batch_axes(mesh, rules, x_MbLD.shape[1], axis, shard_params=False)
         layout = param_layout(stage_params, head_params, rules, mesh, axis, bax, compute_dtype)
     n_batch = int(np.prod([mesh.shape[a] for a in bax], dtype=int))
-    sm = dict(mesh=mesh, axis_names={axis, *bax}, check_vma=False)
+    sm: dict[str, Any] = dict(mesh=mesh, axis_names={axis, *bax}, check_vma=False)
     inner = functools.partial(with_inner_rules, mesh=mesh, rules=rules, axis=axis, batch_axes=bax)
     rows = P(None, bax or None)  # x[M, B/M, ...]: the microbatch rows split over the manual batch axes
     p_leaves, p_def = jax.tree.flatten(stage_params)
@@ -364,9 +366,9 @@ def run_schedule(
     in_specs = (p_specs, h_specs, rows, rows)
 
     if schedule.name == "gpipe":
-        run = jax.shard_map(inner(_gpipe_local(stage_fn, head_fn, S, M, axis, remat, layout, trees)),
-                            in_specs=in_specs, out_specs=(pip, pip), **sm)
-        loss, aux = run(order.convert(p_leaves, NATURAL), h_leaves, x_MbLD, targets_MbL)
+        gpipe_run = jax.shard_map(inner(_gpipe_local(stage_fn, head_fn, S, M, axis, remat, layout, trees)),
+                                  in_specs=in_specs, out_specs=(pip, pip), **sm)
+        loss, aux = gpipe_run(order.convert(p_leaves, NATURAL), h_leaves, x_MbLD, targets_MbL)
         return loss.sum(), jax.tree.map(lambda a: a.sum(), aux)
 
     table = functools.partial(_table_local, stage_fn, head_fn, axis=axis, layout=layout, trees=trees, n_batch=n_batch)

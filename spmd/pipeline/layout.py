@@ -65,7 +65,7 @@ class ParamLayout:
         gathered axes, all-reduce over the other manual batch axes (one reduction per step)."""
         out = []
         for g, plan in zip(grads, plans, strict=True):
-            used = set()
+            used: set[str] = set()
             for dim, axes in reversed(plan):
                 g = collectives.psum_scatter(g, axes, dim=dim)
                 used.update(axes)

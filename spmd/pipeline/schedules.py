@@ -13,6 +13,7 @@ See docs/pipelines.md.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -94,7 +95,7 @@ class Schedule:
             return {FORWARD: 1, BACKWARD: 2, WEIGHT: 2}
         return {FORWARD: 1, BACKWARD: 2 if self.name == "gpipe" else 3}
 
-    def lockstep_time(self, costs: dict[int, float] | None = None) -> float:
+    def lockstep_time(self, costs: Mapping[int, float] | None = None) -> float:
         """Step time in chunk forwards when all stages advance tick by tick (each tick as long as its
         slowest op, as the engine's scan runs): sum over ticks of the max op cost (:meth:`op_costs`)."""
         costs = self.op_costs() if costs is None else costs
@@ -179,7 +180,7 @@ class Schedule:
                 if key in seen:
                     raise ValueError(f"{_LETTER[kind]}{m} of chunk {key[2]} runs twice (ticks {seen[key]} and {t})")
                 seen[key] = t
-        kinds = (FORWARD, BACKWARD) if self.has_backward else (FORWARD,)
+        kinds: tuple[int, ...] = (FORWARD, BACKWARD) if self.has_backward else (FORWARD,)
         kinds += (WEIGHT,) if self.split_backward else ()
         for kind in kinds:
             for m in range(M):
@@ -238,10 +239,10 @@ class Schedule:
 
     def forward_only(self) -> Schedule:
         """The same per-stage forward order with the backwards removed (for evaluation)."""
-        orders = []
+        orders: list[list[Op]] = []
         for s in range(self.n_stages):
             col = self.actions[:, s]
-            orders.append([tuple(int(x) for x in a) for a in col if a[0] == FORWARD])
+            orders.append([(int(a[0]), int(a[1]), int(a[2])) for a in col if a[0] == FORWARD])
         table = _simulate(self.n_stages, self.n_microbatches, self.n_virtual, orders)
         return Schedule(self.name + "-forward", self.n_stages, self.n_microbatches, self.n_virtual, table)
 
@@ -251,7 +252,7 @@ def _simulate(S: int, M: int, V: int, orders: list[list[Op]]) -> np.ndarray:
     C = S * V
     done: dict[tuple[int, int, int], int] = {}
     ptr = [0] * S
-    rows = []
+    rows: list[list[Op]] = []
     limit = 4 * sum(len(o) for o in orders) + 4 * C
     while any(ptr[s] < len(orders[s]) for s in range(S)):
         t = len(rows)

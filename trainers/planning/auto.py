@@ -92,7 +92,7 @@ def choose_layout(cfg: Config, *, devices: int | None = None, hardware: str | No
 
 
 def _same_remat(a: bool | str | None, b: bool | str) -> bool:
-    policy = {False: "none", True: "full"}
+    policy: dict[bool | str | None, str] = {False: "none", True: "full"}
     return policy.get(a, a) == policy.get(b, b)
 
 

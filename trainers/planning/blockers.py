@@ -25,7 +25,8 @@ def _divisors(n: int) -> tuple[int, ...]:
 
 
 def _primes(n: int) -> dict[int, int]:
-    out, p = {}, 2
+    out: dict[int, int] = {}
+    p = 2
     while p * p <= n:
         while n % p == 0:
             out[p] = out.get(p, 0) + 1

@@ -109,7 +109,9 @@ def confirm_picks(cfg: Config, ranked: Sequence, k: int, devices: int, hw: Hardw
                   task: Task | str | None) -> dict:
     """Compile ``ranked`` estimates' layouts in rank order, a batch at a time, until ``k`` fit or 3k were
     compiled: ``{"compiled": dry runs in rank order, "confirmed": the estimates whose dry run fits}``."""
-    reports, confirmed, i = [], [], 0
+    reports: list[DryRunReport] = []
+    confirmed: list = []
+    i = 0
     while len(confirmed) < k and i < len(ranked) and len(reports) < 3 * k:
         batch = ranked[i:i + min(k - len(confirmed), 3 * k - len(reports))]
         i += len(batch)

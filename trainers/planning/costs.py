@@ -19,6 +19,7 @@ import math
 
 import jax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import spmd
 from spmd.models import flops_per_step
@@ -153,11 +154,9 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
         grads = local + sum(n * p.itemsize for n, p in zip(unsharded, infos))
     elif sizes.get("fsdp", 1) > 1 and S > 1 and pipe.enabled:  # the stage's layers gathered once before the
         # tick loop in their own dtype, and their gradient accumulated unsharded until after it (spmd/pipeline/layout.py)
-        gathered = 2 * sum(x.info.size // S * x.info.itemsize // x.compute_divisor
-                           for x in shards if x.info.dims and x.info.dims[0] == "layers")
+        gathered = 2 * sum(x.info.size // S * x.info.itemsize // x.compute_divisor for x in shards if x.info.dims and x.info.dims[0] == "layers")
     elif sizes.get("fsdp", 1) > 1:
-        gathered = 2 * sum(x.info.size // x.info.shape[0] * dt // x.compute_divisor
-                           for x in shards if x.info.dims and x.info.dims[0] == "layers")
+        gathered = 2 * sum(x.info.size // x.info.shape[0] * dt // x.compute_divisor for x in shards if x.info.dims and x.info.dims[0] == "layers")
     batch = 2 * b * cfg.run.grad_accum * data.seq_len * 4
     return MemoryEstimate(local, optimizer, grads, int(acts + gathered), batch, guard=window_bytes(cfg.run.spike_window))
 
@@ -228,8 +227,7 @@ def gpt_work(cfg: Config, sizes: dict[str, int]) -> Work:
     hbm += local_params * (32 + 8 * (run.grad_accum - 1))  # AdamW update; accumulator reads and writes
     once = run.grad_accum > 1 and run.fsdp_gather == "per_step"
     passes = 1 if once or piped else (2 if m.policy == "none" else 3)  # as comm_estimate counts the gathers
-    return Work(matmul, attention, hbm, model_flops, layers, passes, 1 if once else run.grad_accum,
-                pipeline_bubble(cfg, S))
+    return Work(matmul, attention, hbm, model_flops, layers, passes, 1 if once else run.grad_accum, pipeline_bubble(cfg, S))
 
 
 def roofline(cfg: Config, n_devices: int, hw: Hardware, mem: MemoryEstimate, traffic: list[Traffic], *,
@@ -245,8 +243,7 @@ def _roofline(work: Work, dtype: str, n_devices: int, hw: Hardware, traffic: lis
     """:class:`Roofline` of ``work`` from :func:`trainers.planning.perf.step_time`."""
     t = step_time(work, hw, dtype, traffic)
     peak = hw.peak(dtype)
-    return Roofline(work.matmul_flops + work.attention_flops, t.compute_s,
-                    t.elementwise_s, t.comm_s, t.step_s, t.overlap_s,
+    return Roofline(work.matmul_flops + work.attention_flops, t.compute_s, t.elementwise_s, t.comm_s, t.step_s, t.overlap_s,
                     work.model_flops / (t.step_s * n_devices * peak) if t.step_s > 0 else 0.0, t.dominant,
                     t.exposed_s, t.attention_s)
 
@@ -266,7 +263,7 @@ def _local_bytes(info: ParamInfo, spec, sizes: dict[str, int]) -> int:
     return math.prod(shape) * info.itemsize
 
 
-def _decided(profile: TaskProfile, cfg: Config, sizes: dict[str, int]) -> list[tuple[ParamInfo, object, int]]:
+def _decided(profile: TaskProfile, cfg: Config, sizes: dict[str, int]) -> list[tuple[ParamInfo, P, int]]:
     """``(info, spec, bytes per device)`` of every variable, parameters first, as the run shards them."""
     variables = profile.variables
     decisions = variables.decisions(cfg.rules, sizes)
@@ -294,7 +291,7 @@ def task_memory_estimate(profile: TaskProfile, cfg: Config, sizes: dict[str, int
 def _tensor_matmuls(profile: TaskProfile, decided, sizes: dict[str, int], batch: tuple[str, ...]):
     """``(matmul, operand side, sharded dim, axes)`` of each matmul against a weight split over mesh axes
     that do not split the batch (tensor-style), the weight recognised by its shape."""
-    sharded = {}
+    sharded: dict[tuple[int, ...], tuple[int, tuple[str, ...]]] = {}
     for info, spec, _ in decided[:len(profile.variables.infos)]:
         for k, entry in enumerate(spec):
             axes = tuple(a for a in axes_of(entry) if sizes.get(a, 1) > 1 and a not in batch)
@@ -310,8 +307,7 @@ def _tensor_matmuls(profile: TaskProfile, decided, sizes: dict[str, int], batch:
     return out
 
 
-def task_comm_estimate(profile: TaskProfile, cfg: Config, sizes: dict[str, int], hw: Hardware,
-                       dcn_axes: tuple[str, ...] = ()) -> list[Traffic]:
+def task_comm_estimate(profile: TaskProfile, cfg: Config, sizes: dict[str, int], hw: Hardware, dcn_axes: tuple[str, ...] = ()) -> list[Traffic]:
     """Any task's collectives per device per step, from how each parameter is sharded:
 
     - sharded over batch axes (FSDP): all-gathered over them in the forward and the backward pass,
@@ -353,8 +349,7 @@ def task_comm_estimate(profile: TaskProfile, cfg: Config, sizes: dict[str, int],
     return [Traffic.timed(kind, axes, count, nbytes, sizes, hw, dcn_axes) for (kind, axes), (count, nbytes) in totals.items()]
 
 
-def task_roofline(profile: TaskProfile, cfg: Config, sizes: dict[str, int], hw: Hardware, mem: MemoryEstimate,
-                  traffic: list[Traffic]) -> Roofline:
+def task_roofline(profile: TaskProfile, cfg: Config, sizes: dict[str, int], hw: Hardware, mem: MemoryEstimate, traffic: list[Traffic]) -> Roofline:
     """Any task's step time and MFU: the model FLOPs (the task's figure or 3 x the jaxpr's forward) split
     over the batch axes, and the FLOPs of matmuls against tensor-style weights also over their axes
     (a mesh axis that splits neither repeats the work); peak FLOP/s of the matmuls' dtype."""
@@ -362,8 +357,7 @@ def task_roofline(profile: TaskProfile, cfg: Config, sizes: dict[str, int], hw: 
     batch = batch_axes(cfg.rules, sizes)
     rows = cfg.data.global_batch
     total = sum(at(m.flops, rows) for m in profile.matmuls)
-    saved = sum(at(mm.flops, rows) * (1 - 1 / math.prod(sizes[a] for a in axes))
-                for mm, _, _, axes in _tensor_matmuls(profile, decided, sizes, batch))
+    saved = sum(at(mm.flops, rows) * (1 - 1 / math.prod(sizes[a] for a in axes)) for mm, _, _, axes in _tensor_matmuls(profile, decided, sizes, batch))
     model_flops = profile.model_flops(rows)
     executed = model_flops / math.prod(sizes[a] for a in batch) * (1 - saved / total if total else 1)
     # memory-bound work: the kept activations written and read back, the AdamW update over f32 state
@@ -383,13 +377,11 @@ class Costs:
     roofline: Roofline | None = None
 
 
-def layout_costs(cfg: Config, sizes: dict[str, int], hw: Hardware, *, profile: TaskProfile | None = None,
-                 dcn_axes: tuple[str, ...] = ()) -> Costs:
+def layout_costs(cfg: Config, sizes: dict[str, int], hw: Hardware, *, profile: TaskProfile | None = None, dcn_axes: tuple[str, ...] = ()) -> Costs:
     """``cfg`` on a mesh of these axis sizes: the static diagnostics (:func:`diagnose`), then memory,
     collectives and roofline, from the built-in GPT's formulas or from a task's ``profile``."""
-    issues = tuple(diagnose(cfg.model if profile is None else profile.variables, cfg.rules, sizes,
-                            global_batch=cfg.data.global_batch, grad_accum=cfg.run.grad_accum, pipeline=cfg.pipeline,
-                            seq_len=cfg.data.seq_len))
+    issues = tuple(diagnose(cfg.model if profile is None else profile.variables, cfg.rules, sizes, global_batch=cfg.data.global_batch,
+                            grad_accum=cfg.run.grad_accum, pipeline=cfg.pipeline, seq_len=cfg.data.seq_len))
     if any(i.fatal for i in issues):
         return Costs(issues)
     if profile is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any, cast
 
 import jax
 
@@ -88,11 +89,11 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
             issues.append(Issue("profile", "loss", None, profile.note, ""))
         n_params, flops = profile.variables.param_count, profile.model_flops(cfg.data.global_batch)
         name = cfg.run.name if cfg.run.name == task.name else f"{cfg.run.name} (task {task.name})"
-    common = dict(name=name, devices=devices, mesh=tuple(sizes.items()), dcn_axes=dcn_axes, rules=rules.name,
-                  hardware=hw, headroom=headroom, params=n_params, model_flops=flops,
-                  pipeline=f"{p.schedule} S={pipe} M={p.microbatches} V={p.virtual_stages}" if piped else "",
-                  bubble=pipeline_schedule(cfg, pipe).bubble_fraction if piped else 0.0,
-                  layer_stack=stack if task is None else "")
+    common: dict[str, Any] = dict(name=name, devices=devices, mesh=tuple(sizes.items()), dcn_axes=dcn_axes, rules=rules.name,
+                                  hardware=hw, headroom=headroom, params=n_params, model_flops=flops,
+                                  pipeline=f"{p.schedule} S={pipe} M={p.microbatches} V={p.virtual_stages}" if piped else "",
+                                  bubble=pipeline_schedule(cfg, pipe).bubble_fraction if piped else 0.0,
+                                  layer_stack=stack if task is None else "")
     backend = f"{jax.devices()[0].platform} ({devices} {'simulated ' if jax.devices()[0].platform == 'cpu' else ''}devices)"
     if any(i.fatal for i in issues):
         return DryRunReport(**common, analytic=None, compiled=None, state_bytes=0, batch_bytes=0, issues=tuple(issues),
@@ -101,7 +102,7 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
     # not cfg.mesh.build: the ICI x DCN sizes as one spec, since this process holds every planned slice
     mesh = meshes.make_mesh(meshes.MeshSpec.of(sizes), devices=jax.devices()[:devices], axis_type=cfg.mesh.axis_type)
     setup = build(cfg, run, mesh, abstract=True)  # the run's own step (trainers.setup), on shapes only
-    step, state = setup.train_step, setup.stepped.abstract
+    step, state = cast(jax.stages.Wrapped, setup.train_step), setup.stepped.abstract  # jitted: lowered below
     note = accumulation_note(setup.sharded, setup.state_rules, mesh, cfg.data.global_batch,
                              grad_accum=cfg.run.grad_accum, fsdp_gather=cfg.run.fsdp_gather, loss_fn=run.loss)
     if note:

@@ -143,7 +143,7 @@ class DryRunReport:
         model = c is not None and self.verdict != "compiled"
         cpu_state = c.argument - self.batch_bytes if c else None
         state = "state (params + optimizer" + (" + variables)" if a.other else ")")
-        rows = [("params", a.params, None, None), ("optimizer", a.optimizer, None, None)]
+        rows: list[tuple[str, int, int | None, int | None]] = [("params", a.params, None, None), ("optimizer", a.optimizer, None, None)]
         if a.other:
             rows.append(("model variables (batch stats, RNG, ...)", a.other, None, None))
         rows += [(state, a.state, self.state_bytes if c else None, cpu_state),
@@ -179,7 +179,7 @@ def format_plan(plan, top: int = 5) -> str:
     if picks:
         compiled = {id(e): r for e, r in zip(plan.ranked, plan.compiled)}  # compiled in rank order
         head = ("#", "layout", "mem/device", "compiled", "CPU compile", "step", "overlap", "MFU", "dominant cost")
-        rows = [head]
+        rows: list[tuple[object, ...]] = [head]
         for i, e in enumerate(picks, 1):
             r, c = e.roofline, compiled.get(id(e))
             cpu = fmt_bytes(c.compiled.total) if c is not None and c.compiled is not None else "-"
@@ -199,8 +199,8 @@ def format_plan(plan, top: int = 5) -> str:
                                          f"{fmt_bytes(r.peak_bytes)} > {fmt_bytes(r.budget)}") for e, r in dropped]
     if plan.rejected:
         groups = group_reasons(next((i for i in e.issues if i.fatal), None) for e in plan.rejected)
-        rows = [("rejected", "layouts", "e.g.")] + [(g, fmt_count(n), ex) for g, n, ex in groups]
-        lines += ["", format_table(rows, "<><", indent="    ")]
+        reasons = [("rejected", "layouts", "e.g.")] + [(g, fmt_count(n), ex) for g, n, ex in groups]
+        lines += ["", format_table(reasons, "<><", indent="    ")]
         over = [e for e in plan.rejected if e.buildable][:3]  # the closest by memory among buildable layouts
         if over:
             lines += ["", "closest over the budget:"] + [

@@ -42,7 +42,7 @@ class Traffic:
     seconds: float
 
     @classmethod
-    def timed(cls, kind: str, axes: tuple[str, ...], count: int, nbytes: float, sizes: dict[str, int], hw: Hardware,
+    def timed(cls, kind: str, axes: tuple[str, ...], count: float, nbytes: float, sizes: dict[str, int], hw: Hardware,
               dcn_axes: tuple[str, ...] = ()) -> Traffic:
         """``count`` collectives of ``nbytes`` in all over ``axes``, timed as hierarchical rings over the
         network levels they cross (:func:`trainers.hardware.axis_levels`; "dcn" when one leaves the fast network)."""
