@@ -41,8 +41,8 @@ def child_env(
     env = dict(os.environ if base is None else base)
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
     env.update(
-        XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={devices_per_process}",
-                            *(f for f in CPU_FLAGS if f not in flags)]),
+        XLA_FLAGS=" ".join([*(f for f in flags if f not in CPU_FLAGS),
+                            f"--xla_force_host_platform_device_count={devices_per_process}", *CPU_FLAGS]),
         JAX_PLATFORMS="cpu",
         SPMD_COORDINATOR=f"127.0.0.1:{port}",
         SPMD_NUM_PROCESSES=str(processes),
