@@ -70,7 +70,7 @@ def _status(key: str) -> int:
 
 def worker(pid: int, port: int, path: str, out: str) -> None:
     """One of 2 processes: import ``path`` onto fsdp=4 x tensor=2, write its figures to ``out``."""
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4 --xla_cpu_enable_concurrency_optimized_scheduler=false"
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     import jax
 
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid)

@@ -15,19 +15,6 @@ import warnings
 
 import jax
 
-# XLA:CPU's concurrency-optimized scheduler lets an executable loaded back from a persistent compile
-# cache run two independent collectives in different orders on different devices of one process, and
-# their rendezvous then wait for each other forever (a GPipe step on data x pipe: an all-reduce over
-# data on some devices, the pipe send on others). The default scheduler keeps one order.
-CPU_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
-
-
-def with_cpu_flags(flags: str) -> str:
-    """``flags`` (an ``XLA_FLAGS`` value) with :data:`CPU_FLAGS` added, unless it sets them itself."""
-    out = flags.split()
-    out += [f for f in CPU_FLAGS if not any(x.split("=")[0] == f.split("=")[0] for x in out)]
-    return " ".join(out)
-
 
 def backend_started() -> bool:
     """Whether a jax backend has already been initialised in this process."""
@@ -60,7 +47,6 @@ def simulate_cpu_devices(n: int = 8) -> list[jax.Device]:
             "before importing jax."
         )
     os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = with_cpu_flags(os.environ.get("XLA_FLAGS", ""))  # read when the backend starts
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", n)
     return jax.devices()

@@ -2,10 +2,8 @@
 
 import os
 
-_CPU_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"  # meshes.simulate.CPU_FLAGS: one collective order
-_flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-          if not f.startswith("--xla_force_host_platform_device_count") and f != _CPU_FLAG]
-os.environ["XLA_FLAGS"] = " ".join([*_flags, "--xla_force_host_platform_device_count=8", _CPU_FLAG])
+_flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+os.environ["XLA_FLAGS"] = " ".join([*_flags, "--xla_force_host_platform_device_count=8"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

@@ -48,7 +48,7 @@ def tiny_config(run_dir: str, steps: int, *sets: str):
 def worker_env(devices: int = 8) -> dict[str, str]:
     """Environment for a worker subprocess: CPU devices, the repo importable, the shared compile cache."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} --xla_cpu_enable_concurrency_optimized_scheduler=false"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     return env
 
 
@@ -118,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--digest", action="store_true", help="report a SHA-256 of the final state (one process only)")
     args = p.parse_args(argv)
 
-    os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={args.devices} "
-                               "--xla_cpu_enable_concurrency_optimized_scheduler=false")
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     import jax
 
     if args.num_processes > 1:

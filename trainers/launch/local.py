@@ -19,9 +19,6 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
-# meshes.simulate.CPU_FLAGS, copied: the launcher starts without importing jax (tests check they agree)
-CPU_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
-
 # The toolkit's own commands, run through this interpreter when they are not on PATH (no venv activated).
 OWN_COMMANDS = {"spmd-train": "trainers", "spmd-plan": "trainers.launch.plan"}
 
@@ -41,8 +38,7 @@ def child_env(
     env = dict(os.environ if base is None else base)
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
     env.update(
-        XLA_FLAGS=" ".join([*(f for f in flags if f not in CPU_FLAGS),
-                            f"--xla_force_host_platform_device_count={devices_per_process}", *CPU_FLAGS]),
+        XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={devices_per_process}"]),
         JAX_PLATFORMS="cpu",
         SPMD_COORDINATOR=f"127.0.0.1:{port}",
         SPMD_NUM_PROCESSES=str(processes),

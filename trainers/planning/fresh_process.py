@@ -20,7 +20,6 @@ import tempfile
 from typing import Any
 
 import meshes
-from meshes.simulate import with_cpu_flags
 
 TOOLKIT = ("meshes.", "spmd.", "trainers.")  # the modules whose names may cross
 # Most simulated CPU devices a compile may ask for: 4096 took 4.5 s and 0.7 GB on 2 cores, 16384 over 2 min
@@ -45,7 +44,7 @@ def call_with_devices(function: str, args: list, kwargs: dict[str, Any], devices
     ``devices`` simulated CPU devices; ``path`` goes first on the child's ``sys.path``."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
-    env["XLA_FLAGS"] = with_cpu_flags(f"{flags} --xla_force_host_platform_device_count={devices}".strip())
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
     if path is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (path, env.get("PYTHONPATH", "")) if p)
     with tempfile.TemporaryDirectory() as tmp:
