@@ -99,7 +99,8 @@ def normalise(nb):
                 if key in out.get("data", {}):
                     value = out["data"][key]
                     out["data"][key] = scrub("".join(value) if isinstance(value, list) else value)
-            out.pop("metadata", None) if out.output_type == "stream" else None
+            if out.output_type == "stream":
+                out.pop("metadata", None)
             if out.output_type == "stream" and kept and kept[-1].output_type == "stream" and kept[-1].name == out.name:
                 kept[-1].text += out.text  # one stream output however the kernel's flushes split it
                 continue
