@@ -43,11 +43,12 @@ _LHS_CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
-def dot_flops(compiled_text: str) -> tuple[float, dict[str, float]]:
-    """(total matmul FLOPs per execution of the program, {jax op name: FLOPs}), loops multiplied."""
+def dot_flops(compiled_text: str, unknown_trips: float = 1.0) -> tuple[float, dict[str, float]]:
+    """(total matmul FLOPs per execution of the program, {jax op name: FLOPs}), loops multiplied; a loop
+    whose trip count is known only at run time (e.g. grouped expert blocks) counts ``unknown_trips`` times."""
     total, by_op = 0.0, defaultdict(float)
     for comp in spmd.hlo.computations(compiled_text):  # each with its executions per step (loop trips)
-        times = comp.count
+        times = comp.count * (1 if comp.trip_count_known else unknown_trips)
         shapes: dict[str, list[int]] = {}
         for line in comp.lines:
             m = _SHAPED.match(line)

@@ -29,6 +29,7 @@ from spmd.rules import Rules, axes_of
 from trainers.state import ShardedState, TrainState
 
 OUTER_OPTIMIZERS = ("auto", "nesterov", "sgd")
+OUTER_DTYPES = ("float32", "bfloat16", "int8")  # how the outer all-reduce moves the pseudo-gradients
 NESTEROV_FROM = 100  # "auto": DiLoCo's outer Nesterov from this H on, plain model averaging below it
 OUTER_DEFAULTS = {"nesterov": (0.7, 0.9), "sgd": (1.0, 0.0)}  # (outer_lr, outer_momentum) when not set
 OUTER_KEYS = ("outer_params", "outer_opt_state")
@@ -43,17 +44,23 @@ class LocalSGDConfig:
     The outer optimizer: ``"nesterov"`` (DiLoCo's: lr 0.7, momentum 0.9), ``"sgd"`` (heavy-ball
     momentum ``outer_momentum``; lr 1 and momentum 0 = plain model averaging, and with H = 1 data
     parallelism), or ``"auto"`` (the default): plain averaging for H < ``NESTEROV_FROM`` (100),
-    DiLoCo's Nesterov from there on. ``outer_lr`` / ``outer_momentum`` None: the chosen optimizer's."""
+    DiLoCo's Nesterov from there on. ``outer_lr`` / ``outer_momentum`` None: the chosen optimizer's.
+    ``outer_dtype``: what the outer all-reduce moves; ``"float32"`` the params, ``"bfloat16"`` each
+    group's pseudo-gradient in bf16 (half the bytes), ``"int8"`` it quantized with a scale per
+    chunk (a quarter); summed in f32 (:func:`compressed_mean`)."""
 
     every: int = 0
     outer_optimizer: str = "auto"
     outer_lr: float | None = None
     outer_momentum: float | None = None
+    outer_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 0:
             raise ValueError(f"local_sgd.every={self.every!r} must be an integer >= 0 (0: off; H >= 1 inner steps "
                              "between synchronisations)")
+        if self.outer_dtype not in OUTER_DTYPES:
+            raise ValueError(f"local_sgd.outer_dtype={self.outer_dtype!r}; valid: {', '.join(OUTER_DTYPES)}")
         if self.outer_optimizer not in OUTER_OPTIMIZERS:
             raise ValueError(f"local_sgd.outer_optimizer={self.outer_optimizer!r}; valid: {', '.join(OUTER_OPTIMIZERS)}")
         if self.outer_lr is not None and (not isinstance(self.outer_lr, (int, float)) or not 0 < self.outer_lr < math.inf):
@@ -90,7 +97,8 @@ class LocalSGDConfig:
     def describe(self) -> str:
         """The resolved outer optimizer, e.g. ``"sgd lr 1 momentum 0 (auto at H=10)"``."""
         how = f" (auto at H={self.every})" if self.outer_optimizer == "auto" else ""
-        return f"{self.outer} lr {self.lr:g} momentum {self.momentum:g}{how}"
+        moved = "" if self.outer_dtype == "float32" else f", {self.outer_dtype} pseudo-gradients"
+        return f"{self.outer} lr {self.lr:g} momentum {self.momentum:g}{how}{moved}"
 
 
 def outer_optimizer(cfg: LocalSGDConfig) -> optax.GradientTransformation:
@@ -184,8 +192,12 @@ class LocalSGD:
             return groups.replace(outer_params=state.outer_params, outer_opt_state=state.outer_opt_state), metrics
 
         def outer(state: TrainState) -> TrainState:
-            mean = group_mean(state.params, mesh, G)
-            pseudo_grad = jax.tree.map(jnp.subtract, state.outer_params, mean)
+            if cfg.outer_dtype == "float32":
+                mean = group_mean(state.params, mesh, G)
+                pseudo_grad = jax.tree.map(jnp.subtract, state.outer_params, mean)
+            else:
+                pseudo_grad = compressed_mean(state.outer_params, state.params, self.shardings.params, param_shardings,
+                                              mesh, G, cfg.outer_dtype)
             updates, opt_state = self.tx.update(pseudo_grad, state.outer_opt_state, state.outer_params)
             new = optax.apply_updates(state.outer_params, updates)
             params = jax.tree.map(lambda x: jnp.broadcast_to(x, (G, *x.shape)), new)
@@ -263,3 +275,40 @@ def group_mean(params_G: Any, mesh: Mesh, groups: int) -> Any:
     specs = jax.tree.map(lambda _: P(AXIS), params_G)
     return jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=jax.tree.map(lambda _: P(), params_G),
                          axis_names=frozenset({AXIS}))(params_G)
+
+
+def compressed_mean(outer: Any, params_G: Any, group_shardings: Any, shardings: Any, mesh: Mesh, groups: int,
+                    dtype: str) -> Any:
+    """``mean_g (outer - params[g])``, the pseudo-gradient, moved over ``data`` in ``dtype``: each device's
+    shard is flattened into G chunks, encoded (bf16; int8 with one f32 scale per chunk); an all-to-all
+    gives each group every group's copy of one chunk, summed in f32 and encoded again; an all-gather
+    the whole. The ring all-reduce's bytes at ``dtype``'s width (bf16 travels as its uint16 bits: no
+    reduction runs in it). Manual over every mesh axis: the bytes are the shards'."""
+    def one(o, p_1):
+        d = (o - p_1[0]).astype(jnp.float32)
+        n = d.size
+        flat = jnp.pad(d.reshape(-1), (0, -n % groups)).reshape(groups, -1)
+        recv = [jax.lax.all_to_all(a, AXIS, 0, 0) for a in _encode(flat, dtype)]
+        mean = jnp.sum(_decode(recv, dtype), axis=0) / groups
+        full = _decode([jax.lax.all_gather(a[0], AXIS) for a in _encode(mean[None], dtype)], dtype)
+        return full.reshape(-1)[:n].reshape(d.shape).astype(o.dtype)
+
+    spec = lambda s: s.spec
+    return jax.shard_map(lambda o, p: jax.tree.map(one, o, p), mesh=mesh,
+                         in_specs=(jax.tree.map(spec, shardings), jax.tree.map(spec, group_shardings)),
+                         out_specs=jax.tree.map(spec, shardings), check_vma=False)(outer, params_G)
+
+
+def _encode(x_NC: jax.Array, dtype: str) -> list[jax.Array]:
+    """``x[N, C]`` as sent: bf16 bits as uint16; int8 symmetric per row, ``[q[N, C], scale[N, 1] f32]``."""
+    if dtype == "bfloat16":
+        return [jax.lax.bitcast_convert_type(x_NC.astype(jnp.bfloat16), jnp.uint16)]
+    scale = jnp.max(jnp.abs(x_NC), axis=1, keepdims=True) / 127.0
+    q = jnp.round(x_NC / jnp.where(scale > 0, scale, 1.0))
+    return [jnp.clip(q, -127, 127).astype(jnp.int8), scale]
+
+
+def _decode(parts: list[jax.Array], dtype: str) -> jax.Array:
+    if dtype == "bfloat16":
+        return jax.lax.bitcast_convert_type(parts[0], jnp.bfloat16).astype(jnp.float32)
+    return parts[0].astype(jnp.float32) * parts[1]

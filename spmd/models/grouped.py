@@ -3,10 +3,12 @@
 ``grouped_mlp(x[R, D], group[R], ...)`` runs row r through SwiGLU expert ``group[r]`` (rows with
 ``group == G`` are absent: output 0). Rows are counting-sorted by expert into blocks of ``b`` rows,
 each block owned by one expert (its rows padded to a multiple of ``b``); a loop multiplies each
-block by its expert's weights, sliced in place: ``max_rows + G * (b - 1)`` rows at most instead of
-``G * R``. ``b`` is the largest power of two (<= 128) whose padding stays under 1/16 of the rows.
-(``jax.lax.ragged_dot`` does the same on TPU/GPU, but XLA:CPU lowers it to every row times every
-group.) Single-device code: under expert parallelism it runs inside the MoE layer's shard_map.
+used block by its expert's weights, sliced in place. Buffers hold ``max_rows + G * (b - 1)`` rows
+(a static bound); the loops run only over the blocks that hold rows, a trip count known at run
+time, so the work follows the rows present. ``b``: the largest power of two (<= 128) whose padding
+stays under 1/16 of the expected rows. (``jax.lax.ragged_dot`` does the same on TPU/GPU, but
+XLA:CPU lowers it to every row times every group.) Under expert parallelism it runs inside the
+MoE layer's shard_map.
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from spmd import collectives
 MAX_BLOCK = 128
 
 
-def block_rows(max_rows: int, n_groups: int) -> int:
-    """Rows per block: the largest power of two <= 128 with ``n_groups * (b - 1) <= max_rows / 16``."""
+def block_rows(rows: int, n_groups: int) -> int:
+    """Rows per block: the largest power of two <= 128 with ``n_groups * (b - 1) <= rows / 16``."""
     b = 1
-    while b < MAX_BLOCK and n_groups * (2 * b - 1) * 16 <= max_rows:
+    while b < MAX_BLOCK and n_groups * (2 * b - 1) * 16 <= rows:
         b *= 2
     return b
 
@@ -34,67 +36,78 @@ def n_blocks(max_rows: int, n_groups: int, block: int) -> int:
     return max(1, (max_rows + n_groups * (block - 1)) // block)
 
 
-def _per_block(x_NBD: jax.Array, w_GDF: jax.Array, group_N: jax.Array, spec: str) -> jax.Array:
-    """``einsum(spec)(x[n], w[group[n]])`` for every block n, in a loop that slices one expert's weights
-    at a time (a gather of every block's weights is slow on CPU and holds N copies)."""
-    def body(_, xs):
-        x_BD, g = xs
-        return None, jnp.einsum(spec, x_BD, jax.lax.dynamic_index_in_dim(w_GDF, g, keepdims=False))
-    return jax.lax.scan(body, None, (x_NBD, group_N))[1]
+def _per_block(x_NBD: jax.Array, w_GDF: jax.Array, group_N: jax.Array, used: jax.Array, spec: str) -> jax.Array:
+    """``einsum(spec)(x[n], w[group[n]])`` for the ``used`` first blocks n (the rest: 0), in a loop that
+    slices one expert's weights at a time (a gather of every block's weights is slow on CPU and holds
+    N copies) and runs ``used`` times (a traced trip count: the work follows the rows present)."""
+    def body(n, y_NBF):
+        w_DF = jax.lax.dynamic_index_in_dim(w_GDF, group_N[n], keepdims=False)
+        blk = jnp.einsum(spec, jax.lax.dynamic_index_in_dim(x_NBD, n, keepdims=False), w_DF)
+        return jax.lax.dynamic_update_index_in_dim(y_NBF, blk.astype(y_NBF.dtype), n, 0)
+
+    f = w_GDF.shape[-1] if spec.endswith("bf") else w_GDF.shape[-2]
+    y_NBF = collectives.varying_like(jnp.zeros((*x_NBD.shape[:2], f), jnp.result_type(x_NBD, w_GDF)), x_NBD, w_GDF)
+    return jax.lax.fori_loop(0, used, body, y_NBF)
 
 
 @jax.custom_vjp
-def _gathered_matmul(x_NBD: jax.Array, w_GDF: jax.Array, group_N: jax.Array) -> jax.Array:
-    """``y[n] = x[n] @ w[group[n]]`` for every block n: ``y[N, B, F]``."""
-    return _per_block(x_NBD, w_GDF, group_N, "bd,df->bf")
+def _gathered_matmul(x_NBD: jax.Array, w_GDF: jax.Array, group_N: jax.Array, used: jax.Array) -> jax.Array:
+    """``y[n] = x[n] @ w[group[n]]`` for the ``used`` first blocks n (the rest 0): ``y[N, B, F]``."""
+    return _per_block(x_NBD, w_GDF, group_N, used, "bd,df->bf")
 
 
-def _gathered_fwd(x_NBD, w_GDF, group_N):
-    return _gathered_matmul(x_NBD, w_GDF, group_N), (x_NBD, w_GDF, group_N)
+def _gathered_fwd(x_NBD, w_GDF, group_N, used):
+    return _gathered_matmul(x_NBD, w_GDF, group_N, used), (x_NBD, w_GDF, group_N, used)
 
 
 def _gathered_bwd(res, dy_NBF):
-    """``dx[n] = dy[n] @ w[group[n]]^T``; ``dw[g] = sum over g's blocks of x[n]^T @ dy[n]``, added in place."""
-    x_NBD, w_GDF, group_N = res
-    dx_NBD = _per_block(dy_NBF, w_GDF, group_N, "bf,df->bd")
+    """``dx[n] = dy[n] @ w[group[n]]^T``; ``dw[g] = sum over g's blocks of x[n]^T @ dy[n]``, added in
+    place; both over the used blocks only."""
+    x_NBD, w_GDF, group_N, used = res
+    dx_NBD = _per_block(dy_NBF, w_GDF, group_N, used, "bf,df->bd")
 
-    def add(dw_GDF, xs):
-        x_BD, dy_BF, g = xs
+    def add(n, dw_GDF):
+        g = group_N[n]
+        x_BD, dy_BF = (jax.lax.dynamic_index_in_dim(a, n, keepdims=False) for a in (x_NBD, dy_NBF))
         part_DF = jax.lax.dynamic_index_in_dim(dw_GDF, g, keepdims=False) + jnp.einsum("bd,bf->df", x_BD, dy_BF)
-        return jax.lax.dynamic_update_index_in_dim(dw_GDF, part_DF, g, 0), None
+        return jax.lax.dynamic_update_index_in_dim(dw_GDF, part_DF.astype(dw_GDF.dtype), g, 0)
 
     dw_GDF = collectives.varying_like(jnp.zeros(w_GDF.shape, w_GDF.dtype), w_GDF, x_NBD, dy_NBF)
-    dw_GDF = jax.lax.scan(add, dw_GDF, (x_NBD, dy_NBF, group_N))[0]
-    return dx_NBD, dw_GDF, np.zeros(group_N.shape, jax.dtypes.float0)
+    dw_GDF = jax.lax.fori_loop(0, used, add, dw_GDF)
+    zero = np.zeros((), jax.dtypes.float0)
+    return dx_NBD, dw_GDF, np.zeros(group_N.shape, jax.dtypes.float0), zero
 
 
 _gathered_matmul.defvjp(_gathered_fwd, _gathered_bwd)
 
 
 def grouped_mlp(x_RD: jax.Array, group_R: jax.Array, w_gate_up_GDTF: jax.Array, w_down_GFD: jax.Array, *,
-                max_rows: int) -> jax.Array:
-    """``y[R, D]``: row r through expert ``group[r]``'s SwiGLU, 0 where ``group[r] == G`` (absent).
+                max_rows: int, expected_rows: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """``(y[R, D], rows)``: row r through expert ``group[r]``'s SwiGLU, 0 where ``group[r] == G``
+    (absent); ``rows`` (int32 scalar): the rows the experts computed, padding included.
 
-    ``max_rows`` bounds the present rows (a static shape: the blocks hold that many plus padding).
+    ``max_rows`` bounds the present rows (a static shape: the buffers hold that many plus padding);
+    ``expected_rows`` (default ``max_rows``) sets the block size, so padding stays small for the
+    typical count when the bound is a worst case.
     """
     r, d = x_RD.shape
     g = w_gate_up_GDTF.shape[0]
     f = w_down_GFD.shape[1]
     if max_rows < 1:
         raise ValueError(f"grouped_mlp needs max_rows >= 1 (a bound on the present rows), got {max_rows}")
-    b = block_rows(max_rows, g)
+    b = block_rows(min(expected_rows or max_rows, max_rows), g)
     nb = n_blocks(max_rows, g, b)
     onehot_RG = jax.nn.one_hot(group_R, g, dtype=jnp.int32)  # absent rows (group G): all zero
     count_G = jnp.sum(onehot_RG, axis=0)
     blocks_G = (count_G + b - 1) // b
     end_G = jnp.cumsum(blocks_G)
+    used = jnp.minimum(end_G[-1], nb)
     rank_R = jnp.sum((jnp.cumsum(onehot_RG, axis=0) - 1) * onehot_RG, axis=-1)  # place within its group
     first_row_R = jnp.take((end_G - blocks_G) * b, jnp.minimum(group_R, g - 1))
     dest_R = jnp.where(group_R < g, first_row_R + rank_R, nb * b)  # absent rows fall outside: dropped
     x_ND = jnp.zeros((nb * b, d), x_RD.dtype).at[dest_R].set(x_RD, mode="drop")
-    # the block's expert; blocks past the last group's (no rows) take the last expert and compute zeros
-    group_N = jnp.minimum(jnp.sum(end_G[None, :] <= jnp.arange(nb)[:, None], axis=1), g - 1)
-    h_NBTF = _gathered_matmul(x_ND.reshape(nb, b, d), w_gate_up_GDTF.reshape(g, d, 2 * f), group_N)
+    group_N = jnp.minimum(jnp.sum(end_G[None, :] <= jnp.arange(nb)[:, None], axis=1), g - 1)  # the block's expert
+    h_NBTF = _gathered_matmul(x_ND.reshape(nb, b, d), w_gate_up_GDTF.reshape(g, d, 2 * f), group_N, used)
     h_NBF = jax.nn.silu(h_NBTF[..., :f]) * h_NBTF[..., f:]
-    y_NBD = _gathered_matmul(h_NBF, w_down_GFD, group_N)
-    return y_NBD.reshape(nb * b, d).at[dest_R].get(mode="fill", fill_value=0)
+    y_NBD = _gathered_matmul(h_NBF, w_down_GFD, group_N, used)
+    return y_NBD.reshape(nb * b, d).at[dest_R].get(mode="fill", fill_value=0), used * b

@@ -74,36 +74,36 @@ def dispatch_combine(x_TD: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array
 def expert_rows(tokens: int, n_experts: int, k: int, capacity_factor: float, ep: int = 1) -> tuple[int, int]:
     """``(buffer rows, expert rows)`` of one device's ``tokens``: the rows packed for dispatch (``E * C``
     with a capacity; under ``ep > 1`` dropless ``E * T``; one device dropless ``T * k``) and the rows
-    its experts compute (with a capacity ``E * C``; dropless the grouped blocks of :func:`dropless`,
-    or the dense ``E * T`` slots where grouping would hold no fewer)."""
+    its experts compute (with a capacity ``E * C``; dropless, with balanced routing, the ``T * k``
+    assignments in the grouped blocks of :func:`dropless`: padding included)."""
     if capacity_factor > 0:
         slots = n_experts * router_lib.capacity(tokens, n_experts, k, capacity_factor)
         return slots, slots
-    most = tokens * k if ep == 1 else ep * tokens * min(k, n_experts // ep)  # rows a device may hold
     groups = n_experts // ep
-    b = grouped.block_rows(most, groups)
-    rows = grouped.n_blocks(most, groups, b) * b
-    return (tokens * k, rows) if ep == 1 else (n_experts * tokens, min(rows, n_experts * tokens))
+    b = grouped.block_rows(tokens * k, groups)
+    rows = tokens * k + groups * (b - 1) // 2  # half a block of padding per expert on average
+    return (tokens * k, rows) if ep == 1 else (n_experts * tokens, rows)
 
 
 def dropless(x_TD: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array, w_gate_up_EDTF: jax.Array,
-             w_down_EFD: jax.Array, *, n_experts: int, axis: str | None = None) -> jax.Array:
-    """One device's tokens through their experts, none dropped, with grouped matmuls: ``y[T, D]``.
+             w_down_EFD: jax.Array, *, n_experts: int, axis: str | None = None) -> tuple[jax.Array, jax.Array]:
+    """One device's tokens through their experts, none dropped, with grouped matmuls: ``(y[T, D], rows)``,
+    ``rows`` the expert rows this device computed (int32, block padding included).
 
     Without ``axis`` the ``T * k`` assignments go through :func:`spmd.models.grouped.grouped_mlp`
     (``T * k`` rows plus block padding, not ``E * T``). With ``axis`` the tokens travel as in
     :func:`dispatch_combine` with ``C = T`` (the same all-to-alls); the receiving device groups the
-    rows it holds for each of its E/ep experts: at most ``ep * T * min(k, E/ep)`` of them (every
-    source's tokens may pick it), so grouping saves work when E/ep > k, and the dense slots run
-    otherwise. An empty slot is a zero row and a SwiGLU expert maps zero to zero (value and
-    gradients), so a row is present iff it is nonzero.
+    rows it holds for each of its E/ep experts. Its buffers hold the worst case, ``ep * T * min(k,
+    E/ep)`` rows (every source's tokens may pick it); the grouped loops run over the rows that came,
+    ``T * k`` with balanced routing. An empty slot is a zero row and a SwiGLU expert maps zero to
+    zero (value and gradients), so a row is present iff it is nonzero.
     """
     t, d = x_TD.shape
     k = experts_TK.shape[1]
     if axis is None:
         x_RD = jnp.broadcast_to(x_TD[:, None, :], (t, k, d)).reshape(t * k, d)
-        y_TKD = grouped.grouped_mlp(x_RD, experts_TK.reshape(t * k), w_gate_up_EDTF, w_down_EFD,
-                                    max_rows=t * k).reshape(t, k, d)
+        y_RD, rows = grouped.grouped_mlp(x_RD, experts_TK.reshape(t * k), w_gate_up_EDTF, w_down_EFD, max_rows=t * k)
+        y_TKD = y_RD.reshape(t, k, d)
     else:
         local = w_gate_up_EDTF.shape[0]
         ep = n_experts // local
@@ -111,18 +111,15 @@ def dropless(x_TD: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array, w_gate
         x_TKD = jnp.broadcast_to(x_TD[:, None, :], (t, k, d))
         x_ECD = jnp.zeros((n_experts, t, d), x_TD.dtype).at[experts_TK, slot_TK].add(x_TKD, mode="drop")
         x_ECD = collectives.all_to_all(x_ECD, axis, split_dim=0, concat_dim=0)  # dispatch
-        max_rows = ep * t * min(k, local)
-        if expert_rows(t, n_experts, k, 0.0, ep)[1] < n_experts * t:
-            x_RD = x_ECD.reshape(n_experts * t, d)
-            group_R = jnp.broadcast_to(jnp.arange(local)[None, :, None], (ep, local, t)).reshape(-1)
-            group_R = jnp.where(jnp.any(x_RD != 0, axis=-1), group_R, local)
-            y_ECD = grouped.grouped_mlp(x_RD, group_R, w_gate_up_EDTF, w_down_EFD, max_rows=max_rows)
-        else:
-            y_ECD = experts_mlp(x_ECD.reshape(ep, local, t, d), w_gate_up_EDTF, w_down_EFD)
-        y_ECD = collectives.all_to_all(y_ECD.reshape(n_experts, t, d), axis, split_dim=0, concat_dim=0)  # combine
+        x_RD = x_ECD.reshape(n_experts * t, d)
+        group_R = jnp.broadcast_to(jnp.arange(local)[None, :, None], (ep, local, t)).reshape(-1)
+        group_R = jnp.where(jnp.any(x_RD != 0, axis=-1), group_R, local)
+        y_RD, rows = grouped.grouped_mlp(x_RD, group_R, w_gate_up_EDTF, w_down_EFD,
+                                         max_rows=min(ep * t * min(k, local), n_experts * t), expected_rows=t * k)
+        y_ECD = collectives.all_to_all(y_RD.reshape(n_experts, t, d), axis, split_dim=0, concat_dim=0)  # combine
         y_TKD = y_ECD.at[experts_TK, slot_TK].get(mode="fill", fill_value=0)
     y_TD = jnp.einsum("tkd,tk->td", y_TKD.astype(jnp.float32), gates_TK)
-    return y_TD.astype(x_TD.dtype)
+    return y_TD.astype(x_TD.dtype), rows
 
 
 def expert_layout(rules: Rules, sizes: dict[str, int], n_experts: int) -> tuple[int, P, tuple[str, ...]]:
@@ -165,15 +162,17 @@ class MoE(nnx.Module):
     ``n_shared > 0`` a shared :class:`GatedMLP` of width ``n_shared * F`` added on every token.
 
     ``stats`` (f32 scalars): ``aux_loss``, ``z_loss``, ``load_max``, ``load_min`` (from
-    :func:`spmd.models.router.route`) and ``dropped`` (fraction of assignments over capacity). A
-    model adds ``w_aux * aux_loss + w_z * z_loss`` to its loss.
+    :func:`spmd.models.router.route`) and ``dropped`` (fraction of assignments over capacity); with
+    ``report_rows``, ``expert_rows`` too: rows the experts computed per top-k assignment, mean over
+    devices (1 + block padding dropless, ``E * C / (T * k)`` with a capacity; it depends on the
+    layout). A model adds ``w_aux * aux_loss + w_z * z_loss`` to its loss.
     """
 
     opens_manual_region = True  # runs its own shard_map: callers must not wrap it in another one
 
     def __init__(self, d_model: int, d_ff: int, n_experts: int, k: int = 2, *, rngs: nnx.Rngs,
                  capacity_factor: float = 0.0, router: str = "softmax", n_shared: int = 0,
-                 dtype: jnp.dtype = jnp.float32):
+                 dtype: jnp.dtype = jnp.float32, report_rows: bool = False):
         if n_experts < 1 or not 1 <= k <= n_experts:
             raise ValueError(f"MoE needs n_experts >= 1 and 1 <= k <= n_experts, got n_experts={n_experts}, k={k}")
         if router not in router_lib.ROUTERS:
@@ -188,6 +187,7 @@ class MoE(nnx.Module):
         self.shared = GatedMLP(d_model, n_shared * d_ff, rngs=rngs, dtype=dtype) if n_shared else None
         self.n_experts, self.k, self.capacity_factor, self.router, self.dtype = (
             n_experts, k, capacity_factor, router, dtype)
+        self.report_rows = report_rows
 
     def __call__(self, x_BLD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         b, length, d = x_BLD.shape
@@ -201,10 +201,12 @@ class MoE(nnx.Module):
         # psum_invariant, has a combiner XLA:CPU's all-reduce promotion aborts on)
         w_gate_up = weight(self.w_gate_up, self.dtype).astype(jnp.float32)
         w_down = weight(self.w_down, self.dtype).astype(jnp.float32)
-        y_BLD, kept_BLK = self._experts(x_BLD, experts_BLK, gates_BLK, w_gate_up, w_down)
+        y_BLD, kept_BLK, rows = self._experts(x_BLD, experts_BLK, gates_BLK, w_gate_up, w_down)
         if self.shared is not None:
             y_BLD = y_BLD + self.shared(x_BLD)
         stats = dict(routing.stats, dropped=1.0 - jnp.mean(kept_BLK.astype(jnp.float32)))
+        if self.report_rows:  # depends on the layout (block padding per device): not a model metric
+            stats["expert_rows"] = jnp.mean(rows.astype(jnp.float32)) / (b * length * self.k / rows.size)
         return constrain(y_BLD, ("batch", "length", "embed")), stats
 
     def _experts(self, x_BLD, experts_BLK, gates_BLK, w_gate_up, w_down):
@@ -223,14 +225,17 @@ class MoE(nnx.Module):
             args = (x_BLD.reshape(t, d), experts_BLK.reshape(t, k), gates_BLK.reshape(t, k), w_gate_up, w_down)
             axis = "expert" if ep > 1 else None
             if cf == 0:
-                y_TD, kept_TK = dropless(*args, n_experts=n, axis=axis), args[1] >= 0  # all kept
+                (y_TD, rows), kept_TK = dropless(*args, n_experts=n, axis=axis), args[1] >= 0  # all kept
             else:
-                y_TD, kept_TK = dispatch_combine(*args, n_experts=n, capacity=router_lib.capacity(t, n, k, cf), axis=axis)
-            return y_TD.reshape(b, length, d), kept_TK.reshape(b, length, k)
+                capacity = router_lib.capacity(t, n, k, cf)
+                y_TD, kept_TK = dispatch_combine(*args, n_experts=n, capacity=capacity, axis=axis)
+                rows = jnp.asarray(n * capacity, jnp.int32)  # every slot: E/ep experts x ep sources x C
+            return y_TD.reshape(b, length, d), kept_TK.reshape(b, length, k), rows[None]
 
         if not manual:
             return local(x_BLD, experts_BLK, gates_BLK, w_gate_up, w_down)
         w_spec = P("expert") if ep > 1 else P()
         tok = P(spec[0], spec[1])
-        return jax.shard_map(local, mesh=layout[0], in_specs=(tok, tok, tok, w_spec, w_spec), out_specs=(tok, tok),
+        return jax.shard_map(local, mesh=layout[0], in_specs=(tok, tok, tok, w_spec, w_spec),
+                             out_specs=(tok, tok, P(manual)),
                              axis_names=set(manual))(x_BLD, experts_BLK, gates_BLK, w_gate_up, w_down)

@@ -212,3 +212,29 @@ def test_two_processes_one_group_each_match_one_process(tmp_path):
     assert all(abs(losses[s] - reference.losses[s]) <= 1e-5 * reference.losses[s] for s in losses), (losses, reference.losses)
     bytes_two = [r["data_bytes"] for r in read_metrics(two) if r["split"] == "train"][-1]
     assert bytes_two == reference.summary["data_bytes"] > 0  # 2 outer steps, the same compiled programs
+
+
+@pytest.mark.parametrize("dtype, tol, share", [("bfloat16", 1e-2, 0.5), ("int8", 2e-2, 0.25)])
+def test_compressed_outer_all_reduce_against_a_host_mean(runs, dtype, tol, share):
+    """local_sgd.outer_dtype: the pseudo-gradient mean moved in bf16 / int8 (one f32 scale per chunk)
+    is the host mean within the format's rounding, for the bytes over ``data`` of that format."""
+    from trainers.local_sgd import compressed_mean
+
+    local, state = runs["h2_local"], runs["h2"].state
+    rng = np.random.default_rng(1)
+    outer = jax.device_get(state["outer_params"])
+    group_params = jax.tree.map(lambda x: np.stack([x + rng.normal(0, 0.01, x.shape).astype(x.dtype) for _ in range(2)]),
+                                outer)
+    sh = local.shardings
+    fn = jax.jit(lambda o, p: compressed_mean(o, p, sh.params, sh.outer_params, local.mesh, 2, dtype))
+    args = jax.device_put(outer, sh.outer_params), jax.device_put(group_params, sh.params)
+    got = jax.device_get(fn(*args))
+    for g, o, p in zip(jax.tree.leaves(got), jax.tree.leaves(outer), jax.tree.leaves(group_params)):
+        want = o - p.mean(0)
+        assert np.abs(g - want).max() <= tol * np.abs(want).max() and np.abs(want).max() > 0
+    def wire(compiled):  # bytes one device sends over data (ring algorithms)
+        return sum(op.count * op.wire_bytes for op in spmd.hlo.collectives(compiled, local.mesh) if "data" in op.axes)
+
+    ops = spmd.hlo.collectives(fn.lower(*args).compile(), local.mesh)
+    moved, f32 = wire(fn.lower(*args).compile()), wire(local.compiled["outer"])
+    assert share * 0.9 <= moved / f32 <= share * 1.1, (moved, f32, spmd.hlo.format_collectives(ops))
