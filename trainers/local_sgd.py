@@ -142,9 +142,11 @@ def check_resume(stored: Any, groups: int | None, step: int) -> None:
 
 
 def data_bytes(compiled: Any, mesh: Mesh) -> int:
-    """Bytes per device that one run of ``compiled`` sends over ``data`` (every collective whose axes
-    include it, as the accelerator runs it; ``spmd.hlo.collectives``)."""
-    return sum(op.total_bytes for op in spmd.hlo.collectives(compiled, mesh) if AXIS in op.axes)
+    """Bytes per device that one run of ``compiled`` sends over ``data``: every collective whose axes
+    include it, as the accelerator runs it (``spmd.hlo.collectives``), at its ring wire bytes (an
+    all-reduce 2 (g-1)/g of its buffer, a reduce-scatter, all-gather or all-to-all (g-1)/g)."""
+    ops = spmd.hlo.collectives(compiled, mesh)
+    return round(sum(op.count * op.wire_bytes for op in ops if AXIS in op.axes))
 
 
 class LocalSGD:

@@ -54,7 +54,10 @@ def runs(tmp_path_factory):
         h1 = train(tiny(root / "h1", *common, *H1, "run.grad_accum=2"), keep_state=True)  # 2 microbatches per group
         h1_local = _made[-1]
         h2 = train(tiny(root / "h2", *common, *H2), keep_state=True)
-    return {"root": root, "dp": dp, "h1": h1, "h1_local": h1_local, "h2": h2, "h2_local": _made[-1], "common": common}
+        h2_local = _made[-1]
+        int8 = train(tiny(root / "int8", *common, *H2, "local_sgd.outer_dtype=int8"))
+    return {"root": root, "dp": dp, "h1": h1, "h1_local": h1_local, "h2": h2, "h2_local": h2_local, "common": common,
+            "int8": int8, "int8_local": _made[-1]}
 
 
 def _close(a, b, tol=1e-5):
@@ -156,6 +159,7 @@ def test_restores_onto_another_group_count_or_mode_are_refused(runs, tmp_path):
     (["local_sgd.every=200", "local_sgd.outer_momentum=0"], r"'nesterov' needs local_sgd.outer_momentum > 0"),
     (["local_sgd.every=2", "local_sgd.outer_lr=0"], r"local_sgd.outer_lr=0.0 must be a finite number > 0"),
     (["local_sgd.every=2", "local_sgd.outer_momentum=1"], r"outer_momentum=1.0 must be a number in \[0, 1\)"),
+    (["local_sgd.every=2", "local_sgd.outer_dtype=fp8"], r"outer_dtype='fp8'; valid: float32, bfloat16, int8"),
     (["local_sgd.every=2", "mesh.axes=fsdp=4,tensor=2"], r"needs replica groups over the data axis, .* gives data=1"),
 ])
 def test_bad_configs_are_refused(sets, match):
@@ -238,3 +242,14 @@ def test_compressed_outer_all_reduce_against_a_host_mean(runs, dtype, tol, share
     ops = spmd.hlo.collectives(fn.lower(*args).compile(), local.mesh)
     moved, f32 = wire(fn.lower(*args).compile()), wire(local.compiled["outer"])
     assert share * 0.9 <= moved / f32 <= share * 1.1, (moved, f32, spmd.hlo.format_collectives(ops))
+
+
+def test_a_run_with_int8_outer_steps_tracks_the_float32_run(runs):
+    """local_sgd.outer_dtype=int8 in a run: the same steps until the first outer step, then within the
+    rounding of the int8 pseudo-gradients; its outer step sends about a quarter of the f32 one's bytes."""
+    h2, int8 = runs["h2"], runs["int8"]
+    assert [int8.losses[s] for s in (1, 2)] == [h2.losses[s] for s in (1, 2)]
+    assert all(int8.losses[s] == pytest.approx(h2.losses[s], rel=1e-2) for s in (3, 4, 5))
+    assert int8.losses[3] != h2.losses[3]  # the outer step after step 2 ran in int8
+    share = runs["int8_local"].bytes_per_call["outer"] / runs["h2_local"].bytes_per_call["outer"]
+    assert 0.24 <= share <= 0.27, share
