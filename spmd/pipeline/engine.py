@@ -123,6 +123,10 @@ def _sender(branches: tuple, axis: str) -> Callable[[jax.Array, jax.Array, jax.A
     return lambda k, y, dx: jax.lax.switch(k, fns, y, dx) if branches else none(y, dx)
 
 
+def _cast_x(local: Callable, dtype: Any) -> Callable:
+    return lambda p, h, x, tg: local(p, h, x.astype(dtype), tg)
+
+
 def _tree_zeros(tree: Any) -> Any:
     return jax.tree.map(jnp.zeros_like, tree)
 
@@ -143,7 +147,7 @@ def _gpipe_local(stage_fn: StageFn, head_fn: HeadFn, S: int, M: int, axis: str, 
 
     def run(p_leaves, h_leaves, x_MbLD, tg_MbL):
         s = jax.lax.axis_index(axis)
-        params = jax.tree.unflatten(trees[0], layout.gather(p_leaves, layout.stage_plans))  # autodiff: f32
+        params = jax.tree.unflatten(trees[0], layout.gather(p_leaves, layout.stage_plans, layout.stage_dtypes))
         head = jax.tree.unflatten(trees[1], layout.gather(h_leaves, layout.head_plans))
 
         def tick(pairs):
@@ -366,8 +370,10 @@ def run_schedule(
     in_specs = (p_specs, h_specs, rows, rows)
 
     if schedule.name == "gpipe":
-        gpipe_run = jax.shard_map(inner(_gpipe_local(stage_fn, head_fn, S, M, axis, remat, layout, trees)),
-                                  in_specs=in_specs, out_specs=(pip, pip), **sm)
+        local, dt = _gpipe_local(stage_fn, head_fn, S, M, axis, remat, layout, trees), x_MbLD.dtype
+        if mesh.devices.flat[0].platform == "cpu" and dt.itemsize < 4:  # x in f32: autodiff sums its cotangent over
+            local, x_MbLD = _cast_x(local, dt), x_MbLD.astype(jnp.float32)  # pipe, which XLA:CPU aborts on in bf16
+        gpipe_run = jax.shard_map(inner(local), in_specs=in_specs, out_specs=(pip, pip), **sm)
         loss, aux = gpipe_run(order.convert(p_leaves, NATURAL), h_leaves, x_MbLD, targets_MbL)
         return loss.sum(), jax.tree.map(lambda a: a.sum(), aux)
 

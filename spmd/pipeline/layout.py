@@ -8,6 +8,7 @@ See docs/pipelines.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -83,14 +84,30 @@ def gather_dtypes(leaves: list[Any], compute_dtype: Any) -> tuple[Any, ...]:
     return tuple(compute_dtype if a.ndim >= 3 and jnp.issubdtype(a.dtype, jnp.floating) else None for a in leaves)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def narrow_gather(x: jax.Array, plan: GatherPlan, dtype: Any) -> jax.Array:
     """``W[.., D_fsdp, ..] -> W[.., D, ..]`` moved in ``dtype`` (half the bytes of f32 under bf16) and
     widened back: the same values as the cast the blocks apply at use, so the forward pass is unchanged.
-    The table engine does not differentiate it: it reduces the gathered gradients itself (:meth:`ParamLayout.reduce`)."""
-    y = x.astype(dtype)
+    Its VJP reduce-scatters the gradient in the parameter dtype (GPipe differentiates it; the table
+    engine reduces the gathered gradients itself, :meth:`ParamLayout.reduce`)."""
+    bits = jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")  # moved as its bits: no float collective to promote
+    y = jax.lax.bitcast_convert_type(x.astype(dtype), bits)
     for dim, axes in plan:
         y = collectives.all_gather(y, axes, dim=dim, tiled=True)
-    return y.astype(x.dtype)
+    return jax.lax.bitcast_convert_type(y, dtype).astype(x.dtype)
+
+
+def _narrow_gather_fwd(x, plan, dtype):
+    return narrow_gather(x, plan, dtype), None
+
+
+def _narrow_gather_bwd(plan, dtype, _, g):
+    for dim, axes in reversed(plan):
+        g = collectives.psum_scatter(g, axes, dim=dim)
+    return (g,)
+
+
+narrow_gather.defvjp(_narrow_gather_fwd, _narrow_gather_bwd)
 
 
 def _leaf_dims(tree: Any) -> list[tuple[str | None, ...] | None] | None:

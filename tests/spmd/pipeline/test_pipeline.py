@@ -218,11 +218,11 @@ def test_fsdp_weights_gathered_and_gradients_reduced_once_per_step():
     assert permutes and all(x.count == ticks > 1 and x.trip_count_known for x in permutes)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_fsdp_gathers_move_the_compute_dtype(schedule, monkeypatch):
     """bf16 compute, fsdp=2 x pipe=2 x tensor=2: the stage weight matrices are gathered over fsdp in bf16
     (half the bytes of f32), with the same loss and gradients as gathering them in f32 (the blocks cast
-    them to bf16 at use either way). (gpipe, whose gathers autodiff transposes, keeps f32 gathers.)"""
+    them to bf16 at use either way). gpipe differentiates the gather: its gradient is reduce-scattered in f32."""
     import dataclasses
 
     from spmd.pipeline import layout
