@@ -143,7 +143,6 @@ def _gpipe_local(stage_fn: StageFn, head_fn: HeadFn, S: int, M: int, axis: str, 
     all-gather into the one reduce-scatter of the gradients. Loss and aux are averaged over the manual batch
     axes; the ``shard_map``'s transpose sums the other parameter cotangents over them once, at its boundary."""
     stage = jax.checkpoint(stage_fn, prevent_cse=False) if remat else stage_fn
-    batch_axes = layout.batch_axes
 
     def run(p_leaves, h_leaves, x_MbLD, tg_MbL):
         s = jax.lax.axis_index(axis)
@@ -168,8 +167,8 @@ def _gpipe_local(stage_fn: StageFn, head_fn: HeadFn, S: int, M: int, axis: str, 
 
         shape = jax.eval_shape(head_all, outs)
         loss, aux = jax.lax.cond(s == S - 1, head_all, lambda o: _tree_zeros(shape), outs)
-        if batch_axes:
-            loss, aux = jax.lax.pmean((loss, aux), batch_axes)
+        # per device, averaged over the batch axes outside: a pmean here would transpose into a psum of a
+        # constant, free to run before the loop's permutes on some devices and after them on others
         return loss[None], jax.tree.map(lambda a: a[None], aux)
 
     return run
@@ -373,9 +372,10 @@ def run_schedule(
         local, dt = _gpipe_local(stage_fn, head_fn, S, M, axis, remat, layout, trees), x_MbLD.dtype
         if mesh.devices.flat[0].platform == "cpu" and dt.itemsize < 4:  # x in f32: autodiff sums its cotangent over
             local, x_MbLD = _cast_x(local, dt), x_MbLD.astype(jnp.float32)  # pipe, which XLA:CPU aborts on in bf16
-        gpipe_run = jax.shard_map(inner(local), in_specs=in_specs, out_specs=(pip, pip), **sm)
+        per_device = P((axis, *bax))  # [S * n_batch]: stage-major
+        gpipe_run = jax.shard_map(inner(local), in_specs=in_specs, out_specs=(per_device, per_device), **sm)
         loss, aux = gpipe_run(order.convert(p_leaves, NATURAL), h_leaves, x_MbLD, targets_MbL)
-        return loss.sum(), jax.tree.map(lambda a: a.sum(), aux)
+        return jax.tree.map(lambda a: a.reshape(S, n_batch).sum(0).mean(), (loss, aux))
 
     table = functools.partial(_table_local, stage_fn, head_fn, axis=axis, layout=layout, trees=trees, n_batch=n_batch)
     grad_specs = (p_specs, [P(axis, *spec) for spec in h_specs], P(axis, None, bax or None))

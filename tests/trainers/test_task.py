@@ -11,10 +11,12 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers.hlo_checks import unanchored_collectives
 from test_variables import Plain
 
 import meshes
 import spmd
+import trainers.setup as setup_lib
 from trainers import Config, Task, lm_task, load_task, override, recipe, train
 from trainers.logger import read_metrics
 from trainers.loop import TaskError
@@ -146,3 +148,11 @@ def test_a_user_stack_model_runs_as_a_pipeline(tmp_path):
                   mesh=meshes.make_mesh({"data": 1}, devices=jax.devices()[:1]))
     assert piped.losses == pytest.approx(plain.losses, rel=1e-5)
     assert piped.losses[3] != pytest.approx(piped.losses[1], rel=1e-3)  # it trains: the comparison is not vacuous
+    # every collective is anchored to the step's data: GPipe's loss mean over data was a psum of a constant in
+    # the backward, which an executable loaded back from the compile cache ran on either side of the loop's
+    # permutes on different devices, until XLA aborted the waiting process
+    built = setup_lib.build(override(_cfg(tmp_path / "pp2", 3, *sets), ["mesh.axes=data=4,pipe=2", "pipeline.schedule=gpipe",
+                                                                         "pipeline.microbatches=2"]), _stack_lm_task(pipe),
+                            abstract=True)
+    text = built.train_step.lower(built.stepped.abstract, built.abstract_batch()).compile().as_text()
+    assert "collective-permute" in text and not unanchored_collectives(text), unanchored_collectives(text)
