@@ -72,16 +72,18 @@ def dispatch_combine(x_TD: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array
 
 
 def expert_rows(tokens: int, n_experts: int, k: int, capacity_factor: float, ep: int = 1) -> tuple[int, int]:
-    """``(buffer rows, expert rows)`` of one device's ``tokens``: the rows packed for dispatch (``E * C``
-    with a capacity; under ``ep > 1`` dropless ``E * T``; one device dropless ``T * k``) and the rows
-    its experts compute (with a capacity ``E * C``; dropless, with balanced routing, the ``T * k``
-    assignments in the grouped blocks of :func:`dropless`: padding included)."""
+    """``(buffer rows, expert rows)`` of one device's ``tokens``, as static shapes hold them (memory): the
+    rows packed for dispatch (``E * C`` with a capacity; under ``ep > 1`` dropless ``E * T``; one device
+    dropless ``T * k``) and the rows its experts' buffers hold (with a capacity ``E * C``; dropless the
+    grouped blocks of :func:`dropless` for the most rows a device may receive; the loops compute only
+    the blocks that hold rows, ``T * k`` plus padding with balanced routing)."""
     if capacity_factor > 0:
         slots = n_experts * router_lib.capacity(tokens, n_experts, k, capacity_factor)
         return slots, slots
     groups = n_experts // ep
+    most = tokens * k if ep == 1 else min(ep * tokens * min(k, groups), n_experts * tokens)
     b = grouped.block_rows(tokens * k, groups)
-    rows = tokens * k + groups * (b - 1) // 2  # half a block of padding per expert on average
+    rows = grouped.n_blocks(most, groups, b) * b
     return (tokens * k, rows) if ep == 1 else (n_experts * tokens, rows)
 
 
