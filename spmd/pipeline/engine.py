@@ -24,6 +24,7 @@ from spmd.pipeline.layout import ParamLayout, param_layout
 from spmd.pipeline.order import NATURAL, LayerOrder, order_of
 from spmd.pipeline.schedules import BACKWARD, FORWARD, IDLE, WEIGHT, Schedule
 from spmd.pipeline.sends import gpipe_sends, send_plan
+from spmd.pipeline.split import SplitBackward
 from spmd.rules import Rules
 
 StageFn = Callable[[Any, jax.Array], jax.Array]  # (chunk params [Lc, ...], x[b, L, D]) -> y
@@ -218,8 +219,9 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
         }
         if train:
             carry.update(pgrad=_tree_zeros(params), hgrad=_tree_zeros(head), dx=jnp.zeros_like(x_MbLD))
-        if train and n_w:  # per W slot: the chunk's per-layer output gradients dy[Lc, b, L, D]
-            carry["wstash"] = jnp.zeros((n_w, params[0].shape[1], *zx.shape), zx.dtype)
+        if train and n_w:  # per W slot: B's residuals W reads and the per-layer output gradients
+            split = SplitBackward(layer, [a[0] for a in params], zx)
+            carry["wstash"] = [jnp.zeros((n_w, *a.shape), a.dtype) for a in split.stash]
 
         def chunk(v):
             return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, v, keepdims=False), params)
@@ -262,30 +264,15 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
                 c["dx"] = c["dx"].at[m].add(jnp.where(first == 1, dx, 0))
                 return c, zx, jnp.where(first == 1, 0, dx)
 
-            def bwd_input(c):  # B: recompute the chunk layer by layer, gradient w.r.t. its input only
-                def taps_run(x, taps):  # zero taps on each layer's output: their gradients are the dy's
-                    def body(x, a):
-                        return layer(a[0], x) + a[1].astype(x.dtype), None
-                    return jax.lax.scan(body, x, (chunk(v), taps))[0]
-
-                taps = jnp.zeros((params[0].shape[1], *zx.shape), zx.dtype)
-                _, vjp = jax.vjp(taps_run, x_in, taps)
-                dx, dys = vjp(c["gbuf"][gs])
+            def bwd_input(c):  # B: recompute the chunk keeping each layer's residuals, input gradient only
+                dx, vals = split.bwd_input(chunk(v), x_in, c["gbuf"][gs])
                 c = dict(c)
-                c["wstash"] = c["wstash"].at[ws].set(dys)
+                c["wstash"] = [buf.at[ws].set(a) for buf, a in zip(c["wstash"], vals, strict=True)]
                 c["dx"] = c["dx"].at[m].add(jnp.where(first == 1, dx, 0))
                 return c, zx, jnp.where(first == 1, 0, dx)
 
-            def weight(c):  # W: recompute the chunk, sum_l dy_l . layer_l(p_l, x_l) with x_l held constant
-                dys = c["wstash"][ws]
-
-                def contract(p):
-                    def body(x, a):
-                        y = layer(a[0], jax.lax.stop_gradient(x))
-                        return y, jnp.sum(y * a[1].astype(y.dtype))
-                    return jax.lax.scan(body, x_in, (p, dys))[1].sum()
-
-                dp = jax.grad(contract)(chunk(v))
+            def weight(c):  # W: the weight gradient from B's residuals and per-layer output gradients
+                dp = split.weight(chunk(v), [buf[ws] for buf in c["wstash"]])
                 c = dict(c)
                 c["pgrad"] = jax.tree.map(lambda acc, g: acc.at[v].add(g), c["pgrad"], dp)
                 return c, zx, zx
