@@ -21,7 +21,8 @@ from jax._src import core as jax_core
 from jax._src.interpreters import partial_eval as pe
 
 Layer = Callable[[list[jax.Array], jax.Array], jax.Array]  # (one layer's leaves, x[b, L, D]) -> y
-_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
+_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr", "remat2": "jaxpr",
+          "custom_jvp_call": "call_jaxpr"}
 
 
 def _inline(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
