@@ -185,13 +185,13 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
     gradients stay local partial sums at gathered size through every tick and are reduced
     (:meth:`ParamLayout.reduce`) once after the schedule; loss and aux are averaged over them.
 
-    Backward ops recompute their chunk from the stashed input. A schedule with W ops splits them:
-    B runs the chunk layer by layer (``stage_fn`` on one-layer slices) with zero taps on each
-    layer's output and takes the VJP w.r.t. the input and the taps only (no weight gradient is
-    formed): it sends the input gradient upstream and keeps the taps' gradients, the per-layer
-    output gradients ``dy[Lc, b, L, D]``, in a W-stash slot. W recomputes the layers from the
-    stashed chunk input (held until W, not B) and takes the gradient of ``sum_l dy_l . layer_l(p_l,
-    x_l)`` with each layer input held constant: the weight gradient alone, added to the accumulator.
+    Backward ops recompute their chunk from the stashed input. A schedule with W ops splits them
+    (:class:`spmd.pipeline.split.SplitBackward`): B recomputes the chunk layer by layer (``stage_fn``
+    on one-layer slices) keeping each layer's VJP residuals and runs only the backward equations the
+    input gradient needs; it sends that gradient upstream and keeps, in a W-stash slot, the values
+    the remaining weight-gradient equations read (activation residuals, intermediate gradients),
+    not the weights. W runs those equations alone: no recompute, no input-gradient matmuls; the
+    weight gradient is added to the accumulator.
     """
     batch_axes = layout.batch_axes
     M, V = schedule.n_microbatches, schedule.n_virtual
