@@ -124,6 +124,12 @@ def _sender(branches: tuple, axis: str) -> Callable[[jax.Array, jax.Array, jax.A
     return lambda k, y, dx: jax.lax.switch(k, fns, y, dx) if branches else none(y, dx)
 
 
+def _with_slot(branch: Callable, slot: Callable, c: dict) -> tuple:
+    """``branch(c)`` with ``c["slot"]``: the W-stash slot's new values, set by B, else ``slot()``, unchanged."""
+    c, y, dx = branch(c)
+    return ({**c, "slot": slot()} if "slot" not in c else c), y, dx
+
+
 def _tree_zeros(tree: Any) -> Any:
     return jax.tree.map(jnp.zeros_like, tree)
 
@@ -235,6 +241,7 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
             c["stash"] = c["stash"].at[rf].set(jnp.where(row[_RECV_F] >= 0, c["recv_f"], c["stash"][rf]))
             c["gbuf"] = c["gbuf"].at[rb].set(jnp.where(row[_RECV_B] >= 0, c["recv_b"], c["gbuf"][rb]))
             x_in = jnp.where(first == 1, x_MbLD[m], c["stash"][xs])
+            wstash = c.pop("wstash", None)
 
             def idle(c):
                 return c, zx, zx
@@ -267,12 +274,12 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
             def bwd_input(c):  # B: recompute the chunk keeping each layer's residuals, input gradient only
                 dx, vals = split.bwd_input(chunk(v), x_in, c["gbuf"][gs])
                 c = dict(c)
-                c["wstash"] = [buf.at[ws].set(a) for buf, a in zip(c["wstash"], vals, strict=True)]
+                c["slot"] = vals
                 c["dx"] = c["dx"].at[m].add(jnp.where(first == 1, dx, 0))
                 return c, zx, jnp.where(first == 1, 0, dx)
 
             def weight(c):  # W: the weight gradient from B's residuals and per-layer output gradients
-                dp = split.weight(chunk(v), [buf[ws] for buf in c["wstash"]])
+                dp = split.weight(chunk(v), [buf[ws] for buf in wstash])
                 c = dict(c)
                 c["pgrad"] = jax.tree.map(lambda acc, g: acc.at[v].add(g), c["pgrad"], dp)
                 return c, zx, zx
@@ -281,7 +288,11 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
                 branches = [idle, fwd, fwd_last]
             else:
                 branches = [idle, fwd, fwd_last, bwd_input, weight] if n_w else [idle, fwd, fwd_last, bwd]
+            if wstash is not None:  # the W-stash is written outside the switch: only B's slot comes out of it
+                branches = [functools.partial(_with_slot, b, lambda: [buf[ws] for buf in wstash]) for b in branches]
             c, y, dx = jax.lax.switch(jnp.minimum(kind, len(branches) - 1), branches, c)
+            if wstash is not None:
+                c["wstash"] = [buf.at[ws].set(a) for buf, a in zip(wstash, c.pop("slot"), strict=True)]
             c["recv_f"], c["recv_b"] = send(k_send, y, dx)
             return c, None
 
