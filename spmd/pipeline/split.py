@@ -114,7 +114,8 @@ class SplitBackward:
         reads = [v for e in self.w_eqns for v in e.invars] + list(self.dp_out)
         self.boundary = list(dict.fromkeys(v for v in reads if isinstance(v, jax_core.Var) and v not in skip))
         Lc = chunk_leaves[0].shape[0]
-        self.stash = [jax.ShapeDtypeStruct((Lc, *v.aval.shape), v.aval.dtype) for v in self.boundary]
+        shaped: list[Any] = [v.aval for v in self.boundary]
+        self.stash = [jax.ShapeDtypeStruct((Lc, *a.shape), a.dtype) for a in shaped]
 
     def _env(self, p_l: list[jax.Array]) -> dict[Any, Any]:
         """The consts and the residuals computed from the layer's leaves alone."""
