@@ -113,6 +113,10 @@ class SplitBackward:
         skip = made | set(self.consts) | {jaxpr.invars[i] for i in self.from_p}
         reads = [v for e in self.w_eqns for v in e.invars] + list(self.dp_out)
         self.boundary = list(dict.fromkeys(v for v in reads if isinstance(v, jax_core.Var) and v not in skip))
+        read_b = {v for e in self.b_eqns for v in e.invars if isinstance(v, jax_core.Var)} | set(self.boundary)
+        read_b |= {self.dx_out} if isinstance(self.dx_out, jax_core.Var) else set()
+        self.kept = [i for i in self.from_x if jaxpr.invars[i] in read_b]  # what B's forward keeps
+        self.n_leaves = len(avals)
         Lc = chunk_leaves[0].shape[0]
         shaped: list[Any] = [v.aval for v in self.boundary]
         self.stash = [jax.ShapeDtypeStruct((Lc, *a.shape), a.dtype) for a in shaped]
@@ -127,7 +131,9 @@ class SplitBackward:
         def fwd(x, p_l):
             y, vjp = jax.vjp(self.layer, p_l, x)
             leaves = jax.tree.leaves(vjp)
-            return y, [leaves[i] for i in self.from_x]
+            if len(leaves) != self.n_leaves:
+                raise ValueError(f"the layer's VJP has {len(leaves)} residuals here, {self.n_leaves} when traced alone")
+            return y, [leaves[i] for i in self.kept]
 
         # the last layer outside the loop: its output is not needed, so its last matmuls are dropped
         x, res = jax.lax.scan(fwd, x, [a[:-1] for a in chunk])
@@ -136,7 +142,7 @@ class SplitBackward:
 
         def bwd(g, a):  # g: this layer's output gradient
             p_l, res_l = a
-            env = {**self._env(p_l), **{self.invars[i]: r for i, r in zip(self.from_x, res_l, strict=True)},
+            env = {**self._env(p_l), **{self.invars[i]: r for i, r in zip(self.kept, res_l, strict=True)},
                    self.invars[-1]: g}
             outs = _run(self.b_eqns, env, [self.dx_out, *self.boundary])
             return outs[0].astype(g.dtype), outs[1:]

@@ -142,9 +142,7 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
             n_x, n_g = stash_sizes(cfg, S)
             chunk = m.n_layers // (S * pipe.virtual_stages)
             acts = (n_x + n_g + 2 + M) * x_in + kept(b / M, chunk) + logits(b / M)
-            # zero bubble: per W-stash slot, what W reads of B's backward (spmd.pipeline.split): about the
-            # chunk's activations (each matmul's input and output gradient) and the per-layer dy
-            acts += pipeline_schedule(cfg, S).weight_stash_size() * chunk * (b / M * L * per_token_layer + x_in)
+            acts += pipeline_schedule(cfg, S).weight_stash_size() * chunk * (b / M * L * per_token_layer + x_in)  # W reads ~ acts + dy
     else:
         acts = kept(b, m.n_layers) + logits(b)
     # FSDP/TP: one layer's weights gathered in the compute dtype (two in flight when prefetched); gradient
