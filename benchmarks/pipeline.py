@@ -126,9 +126,11 @@ def zero_bubble_step_rows(quick: bool) -> list[Row]:
     ratio = float(flops["zb-h1"].max() / flops["1f1b"].max())
     return [Row(f"pp{STAGES} zb-h1 vs 1f1b M={M}: step time", f"{zb * 1e3:.1f} ms", f"{one * 1e3:.1f} ms 1f1b",
                 zb / one, "-", None,
-                f"simulated CPU devices share cores, so time follows total work (zb: F 1 + B 2 + W 1 = 4 chunk "
-                f"forwards per microbatch, as 1f1b, but in more, smaller ops); one device per stage would follow "
-                f"the lockstep time, ratio {lock:.3f}; temp bytes per device {fmt_bytes(temp['zb-h1'])} vs "
+                f"simulated CPU devices share cores, so time follows total work: zb runs F 1 + B 2 + W 1 = 4 chunk "
+                f"forwards per microbatch, 1f1b's matmul FLOPs (next row), but 3 ops per microbatch over "
+                f"{get_schedule('zb-h1', STAGES, M).n_ticks} ticks against 2 over {get_schedule('1f1b', STAGES, M).n_ticks}, "
+                f"and on these small blocks per-op and per-tick overhead weighs more than FLOPs; one device per stage "
+                f"would follow the lockstep time, ratio {lock:.3f}; temp bytes per device {fmt_bytes(temp['zb-h1'])} vs "
                 f"{fmt_bytes(temp['1f1b'])}"),
             Row(f"pp{STAGES} zb-h1 vs 1f1b M={M}: executed matmul FLOPs per device", f"{flops['zb-h1'].max() / 1e6:.2f} MFLOP",
                 f"{flops['1f1b'].max() / 1e6:.2f} MFLOP 1f1b", ratio, "<= 1.02", ratio <= 1.02,

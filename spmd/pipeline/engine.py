@@ -225,7 +225,7 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
         }
         if train:
             carry.update(pgrad=_tree_zeros(params), hgrad=_tree_zeros(head), dx=jnp.zeros_like(x_MbLD))
-        if train and n_w:  # per W slot: B's residuals W reads and the per-layer output gradients
+        if train and n_w:  # per W slot: what W reads of B's backward, stacked over the chunk's layers
             split = SplitBackward(layer, [a[0] for a in params], zx)
             carry["wstash"] = [jnp.zeros((n_w, *a.shape), a.dtype) for a in split.stash]
 
@@ -278,7 +278,7 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
                 c["dx"] = c["dx"].at[m].add(jnp.where(first == 1, dx, 0))
                 return c, zx, jnp.where(first == 1, 0, dx)
 
-            def weight(c):  # W: the weight gradient from B's residuals and per-layer output gradients
+            def weight(c):  # W: the weight gradient from what B stashed, no recompute
                 dp = split.weight(chunk(v), [buf[ws] for buf in wstash])
                 c = dict(c)
                 c["pgrad"] = jax.tree.map(lambda acc, g: acc.at[v].add(g), c["pgrad"], dp)
