@@ -49,27 +49,34 @@ def dot_flops(compiled_text: str, unknown_trips: float = 1.0) -> tuple[float, di
     total, by_op = 0.0, defaultdict(float)
     for comp in spmd.hlo.computations(compiled_text):  # each with its executions per step (loop trips)
         times = comp.count * (1 if comp.trip_count_known else unknown_trips)
-        shapes: dict[str, list[int]] = {}
-        for line in comp.lines:
-            m = _SHAPED.match(line)
-            if not m:
-                continue
-            name, dims, op, rest = m.groups()
-            shapes[name] = [int(d) for d in dims.split(",") if d]
-            if op != "dot" or not times:
-                continue
-            lhs_dims, lhs_name = _OPERAND.match(rest).groups()  # "f32[4,8]{1,0} %x" or "%x"
-            lhs = [int(d) for d in lhs_dims.split(",") if d] if lhs_dims is not None else shapes.get(lhs_name)
-            if lhs is None:
-                raise ValueError(f"dot operand {lhs_name!r} has no shape in computation {comp.name!r}: {line.strip()[:200]}")
-            contract = _LHS_CONTRACT.search(line)
-            k = math.prod(lhs[int(i)] for i in contract.group(1).split(",") if i) if contract else 1
-            flops = 2.0 * math.prod(shapes[name]) * k * times
-            total += flops
-            meta = _OP_NAME.search(line)
-            key = meta.group(1).split("/")[-2] if meta and meta.group(1).count("/") >= 1 else "?"
-            by_op[("bwd " if meta and "transpose(" in meta.group(1) else "fwd ") + key] += flops
+        for flops, key in computation_dots(comp) if times else ():
+            total += flops * times
+            by_op[key] += flops * times
     return total, dict(by_op)
+
+
+def computation_dots(comp: spmd.hlo.Computation) -> list[tuple[float, str]]:
+    """(FLOPs, "fwd|bwd <jax op name>") of each matmul (``dot``) of one computation, per execution of it."""
+    shapes: dict[str, list[int]] = {}
+    out = []
+    for line in comp.lines:
+        m = _SHAPED.match(line)
+        if not m:
+            continue
+        name, dims, op, rest = m.groups()
+        shapes[name] = [int(d) for d in dims.split(",") if d]
+        if op != "dot":
+            continue
+        lhs_dims, lhs_name = _OPERAND.match(rest).groups()  # "f32[4,8]{1,0} %x" or "%x"
+        lhs = [int(d) for d in lhs_dims.split(",") if d] if lhs_dims is not None else shapes.get(lhs_name)
+        if lhs is None:
+            raise ValueError(f"dot operand {lhs_name!r} has no shape in computation {comp.name!r}: {line.strip()[:200]}")
+        contract = _LHS_CONTRACT.search(line)
+        k = math.prod(lhs[int(i)] for i in contract.group(1).split(",") if i) if contract else 1
+        meta = _OP_NAME.search(line)
+        key = meta.group(1).split("/")[-2] if meta and meta.group(1).count("/") >= 1 else "?"
+        out.append((2.0 * math.prod(shapes[name]) * k, ("bwd " if meta and "transpose(" in meta.group(1) else "fwd ") + key))
+    return out
 
 
 def run(options: common.Options, command: str = "python -m benchmarks.mfu") -> list[Row]:

@@ -15,7 +15,9 @@ Runs only if ``spmd.pipeline`` exists (otherwise the section says "pipeline: not
 3. **Zero bubble** (tables, and steps): ZB-H1 / ZB-H2 useful fraction against
    ``1 - (S-1)/(3M+S-1)`` (every op, F, B or W, one tick), ZB-H1's bubble against 1F1B's, and the
    measured step time of ZB-H1 against 1F1B on the same setup (reported, not judged: on shared CPU
-   cores time follows total work, 5 chunk forwards per microbatch against 4, not the bubble).
+   cores time follows total work, not the bubble), and the matmul FLOPs each device executes per
+   step, from the compiled HLO (:func:`executed_dot_flops`), against 1F1B's: W reuses B's residuals,
+   so F 1 + B 2 + W 1 = 4 chunk forwards per microbatch, 1F1B's 4 (goal <= 1.02).
 4. **Comms** (also shown by ``benchmarks.comms``): bytes sent over ``pipe`` per step, summed over
    the stages, against the minimum ``2 M (C-1)`` activations ``[B/M, L, D]`` (C = S V chunks: each
    microbatch's activation crosses every chunk boundary forward once, its gradient backward once).
@@ -120,11 +122,61 @@ def zero_bubble_step_rows(quick: bool) -> list[Row]:
 
     lock = get_schedule("zb-h1", STAGES, M).lockstep_time() / get_schedule("1f1b", STAGES, M).lockstep_time()
     temp = {n: spmd.inspection.memory(s.compiled).temp for n, s in setups.items()}
+    flops = {n: executed_dot_flops(s.compiled, get_schedule(n, STAGES, M)) for n, s in setups.items()}
+    ratio = float(flops["zb-h1"].max() / flops["1f1b"].max())
     return [Row(f"pp{STAGES} zb-h1 vs 1f1b M={M}: step time", f"{zb * 1e3:.1f} ms", f"{one * 1e3:.1f} ms 1f1b",
                 zb / one, "-", None,
-                f"simulated CPU devices share cores, so time follows total work (zb: F 1 + B 2 + W 2 = 5 chunk "
-                f"forwards per microbatch, 1f1b 4: 1.25); one device per stage would follow the lockstep time, "
-                f"ratio {lock:.3f}; temp bytes per device {fmt_bytes(temp['zb-h1'])} vs {fmt_bytes(temp['1f1b'])}")]
+                f"simulated CPU devices share cores, so time follows total work: zb runs F 1 + B 2 + W 1 = 4 chunk "
+                f"forwards per microbatch, 1f1b's matmul FLOPs (next row), but 3 ops per microbatch over "
+                f"{get_schedule('zb-h1', STAGES, M).n_ticks} ticks against 2 over {get_schedule('1f1b', STAGES, M).n_ticks}, "
+                f"and on these small blocks per-op and per-tick overhead weighs more than FLOPs; one device per stage "
+                f"would follow the lockstep time, ratio {lock:.3f}; temp bytes per device {fmt_bytes(temp['zb-h1'])} vs "
+                f"{fmt_bytes(temp['1f1b'])}"),
+            Row(f"pp{STAGES} zb-h1 vs 1f1b M={M}: executed matmul FLOPs per device", f"{flops['zb-h1'].max() / 1e6:.2f} MFLOP",
+                f"{flops['1f1b'].max() / 1e6:.2f} MFLOP 1f1b", ratio, "<= 1.02", ratio <= 1.02,
+                "busiest device (the last stage: the head), from the compiled HLO: loop bodies times their trip "
+                "counts, each branch of the tick switch on the ticks its stage takes it; per stage "
+                + ", ".join(f"{a / b:.3f}" for a, b in zip(flops["zb-h1"], flops["1f1b"], strict=True)))]
+
+
+def executed_dot_flops(compiled, schedule) -> np.ndarray:
+    """``[S]``: the matmul FLOPs each stage's device executes per step, from the compiled HLO, loop
+    bodies times their trip counts (:func:`benchmarks.mfu.computation_dots`); a computation under the
+    table engine's compute switch counts only on the ticks its stage takes that branch
+    (:func:`spmd.pipeline.sends.branch_ticks`), not on every tick as :func:`benchmarks.mfu.dot_flops` does."""
+    import re
+
+    from benchmarks.mfu import computation_dots
+    from spmd.pipeline.sends import _BRANCHES, _callees, branch_ticks
+
+    comps = {c.name: c for c in spmd.hlo.computations(compiled)}
+    n_branches, T = (5 if schedule.split_backward else 4), schedule.n_ticks
+    ticks = branch_ticks(schedule)
+    ticks[:, n_branches - 1] += ticks[:, n_branches:].sum(1)  # the engine clamps the op code to its last branch
+    under: dict[str, set[int]] = {}  # computation -> the compute branches it runs under
+    for comp in comps.values():
+        if not comp.count or comp.count % T:
+            continue
+        for line in comp.lines:
+            found = _BRANCHES.search(line) if " conditional(" in line else None
+            names = re.findall(r"%?([\w.\-]+)", found.group(1)) if found else []
+            if len(names) != n_branches:
+                continue
+            for k, name in enumerate(names):
+                todo = [name]
+                while todo:
+                    c = todo.pop()
+                    if c in comps and k not in under.setdefault(c, set()):
+                        under[c].add(k)
+                        todo += _callees(comps[c])
+    out = np.zeros(schedule.n_stages)
+    for name, comp in comps.items():
+        flops = sum(f for f, _ in computation_dots(comp)) if comp.count else 0.0
+        if name in under:
+            out += flops * comp.count / T * ticks[:, sorted(under[name])].sum(1)
+        else:
+            out += flops * comp.count
+    return out
 
 
 def pipeline_setup(name: str, M: int, quick: bool) -> common.GPTSetup:

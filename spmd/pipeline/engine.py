@@ -24,6 +24,7 @@ from spmd.pipeline.layout import ParamLayout, param_layout
 from spmd.pipeline.order import NATURAL, LayerOrder, order_of
 from spmd.pipeline.schedules import BACKWARD, FORWARD, IDLE, WEIGHT, Schedule
 from spmd.pipeline.sends import gpipe_sends, send_plan
+from spmd.pipeline.split import SplitBackward
 from spmd.rules import Rules
 
 StageFn = Callable[[Any, jax.Array], jax.Array]  # (chunk params [Lc, ...], x[b, L, D]) -> y
@@ -123,8 +124,10 @@ def _sender(branches: tuple, axis: str) -> Callable[[jax.Array, jax.Array, jax.A
     return lambda k, y, dx: jax.lax.switch(k, fns, y, dx) if branches else none(y, dx)
 
 
-def _cast_x(local: Callable, dtype: Any) -> Callable:
-    return lambda p, h, x, tg: local(p, h, x.astype(dtype), tg)
+def _with_slot(branch: Callable, slot: Callable, c: dict) -> tuple:
+    """``branch(c)`` with ``c["slot"]``: the W-stash slot's new values, set by B, else ``slot()``, unchanged."""
+    c, y, dx = branch(c)
+    return ({**c, "slot": slot()} if "slot" not in c else c), y, dx
 
 
 def _tree_zeros(tree: Any) -> Any:
@@ -136,7 +139,7 @@ def _add(a: Any, b: Any) -> Any:
 
 
 def _gpipe_local(stage_fn: StageFn, head_fn: HeadFn, S: int, M: int, axis: str, remat: bool,
-                 layout: ParamLayout, trees: tuple[Any, Any]):
+                 layout: ParamLayout, trees: tuple[Any, Any], x_dtype: Any):
     """Per-device GPipe forward: scans over M + S - 1 ticks, each run of ticks sending over the stage pairs
     that carry a microbatch (``sends.gpipe_sends``); autodiff gives the backward. Takes the flattened stage
     and head leaves (``trees``: their treedefs) and gathers them once before the loop; autodiff turns that
@@ -145,7 +148,7 @@ def _gpipe_local(stage_fn: StageFn, head_fn: HeadFn, S: int, M: int, axis: str, 
     stage = jax.checkpoint(stage_fn, prevent_cse=False) if remat else stage_fn
 
     def run(p_leaves, h_leaves, x_MbLD, tg_MbL):
-        s = jax.lax.axis_index(axis)
+        s, x_MbLD = jax.lax.axis_index(axis), x_MbLD.astype(x_dtype)
         params = jax.tree.unflatten(trees[0], layout.gather(p_leaves, layout.stage_plans, layout.stage_dtypes))
         head = jax.tree.unflatten(trees[1], layout.gather(h_leaves, layout.head_plans))
 
@@ -187,13 +190,13 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
     gradients stay local partial sums at gathered size through every tick and are reduced
     (:meth:`ParamLayout.reduce`) once after the schedule; loss and aux are averaged over them.
 
-    Backward ops recompute their chunk from the stashed input. A schedule with W ops splits them:
-    B runs the chunk layer by layer (``stage_fn`` on one-layer slices) with zero taps on each
-    layer's output and takes the VJP w.r.t. the input and the taps only (no weight gradient is
-    formed): it sends the input gradient upstream and keeps the taps' gradients, the per-layer
-    output gradients ``dy[Lc, b, L, D]``, in a W-stash slot. W recomputes the layers from the
-    stashed chunk input (held until W, not B) and takes the gradient of ``sum_l dy_l . layer_l(p_l,
-    x_l)`` with each layer input held constant: the weight gradient alone, added to the accumulator.
+    Backward ops recompute their chunk from the stashed input. A schedule with W ops splits them
+    (:class:`spmd.pipeline.split.SplitBackward`): B recomputes the chunk layer by layer (``stage_fn``
+    on one-layer slices) keeping each layer's VJP residuals and runs only the backward equations the
+    input gradient needs; it sends that gradient upstream and keeps, in a W-stash slot, the values
+    the remaining weight-gradient equations read (activation residuals, intermediate gradients),
+    not the weights. W runs those equations alone: no recompute, no input-gradient matmuls; the
+    weight gradient is added to the accumulator.
     """
     batch_axes = layout.batch_axes
     M, V = schedule.n_microbatches, schedule.n_virtual
@@ -221,8 +224,9 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
         }
         if train:
             carry.update(pgrad=_tree_zeros(params), hgrad=_tree_zeros(head), dx=jnp.zeros_like(x_MbLD))
-        if train and n_w:  # per W slot: the chunk's per-layer output gradients dy[Lc, b, L, D]
-            carry["wstash"] = jnp.zeros((n_w, params[0].shape[1], *zx.shape), zx.dtype)
+        if train and n_w:  # per W slot: what W reads of B's backward, stacked over the chunk's layers
+            split = SplitBackward(layer, [a[0] for a in params], zx)
+            carry["wstash"] = [jnp.zeros((n_w, *a.shape), a.dtype) for a in split.stash]
 
         def chunk(v):
             return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, v, keepdims=False), params)
@@ -236,6 +240,7 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
             c["stash"] = c["stash"].at[rf].set(jnp.where(row[_RECV_F] >= 0, c["recv_f"], c["stash"][rf]))
             c["gbuf"] = c["gbuf"].at[rb].set(jnp.where(row[_RECV_B] >= 0, c["recv_b"], c["gbuf"][rb]))
             x_in = jnp.where(first == 1, x_MbLD[m], c["stash"][xs])
+            wstash = c.pop("wstash", None)
 
             def idle(c):
                 return c, zx, zx
@@ -265,30 +270,15 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
                 c["dx"] = c["dx"].at[m].add(jnp.where(first == 1, dx, 0))
                 return c, zx, jnp.where(first == 1, 0, dx)
 
-            def bwd_input(c):  # B: recompute the chunk layer by layer, gradient w.r.t. its input only
-                def taps_run(x, taps):  # zero taps on each layer's output: their gradients are the dy's
-                    def body(x, a):
-                        return layer(a[0], x) + a[1].astype(x.dtype), None
-                    return jax.lax.scan(body, x, (chunk(v), taps))[0]
-
-                taps = jnp.zeros((params[0].shape[1], *zx.shape), zx.dtype)
-                _, vjp = jax.vjp(taps_run, x_in, taps)
-                dx, dys = vjp(c["gbuf"][gs])
+            def bwd_input(c):  # B: recompute the chunk keeping each layer's residuals, input gradient only
+                dx, vals = split.bwd_input(chunk(v), x_in, c["gbuf"][gs])
                 c = dict(c)
-                c["wstash"] = c["wstash"].at[ws].set(dys)
+                c["slot"] = vals
                 c["dx"] = c["dx"].at[m].add(jnp.where(first == 1, dx, 0))
                 return c, zx, jnp.where(first == 1, 0, dx)
 
-            def weight(c):  # W: recompute the chunk, sum_l dy_l . layer_l(p_l, x_l) with x_l held constant
-                dys = c["wstash"][ws]
-
-                def contract(p):
-                    def body(x, a):
-                        y = layer(a[0], jax.lax.stop_gradient(x))
-                        return y, jnp.sum(y * a[1].astype(y.dtype))
-                    return jax.lax.scan(body, x_in, (p, dys))[1].sum()
-
-                dp = jax.grad(contract)(chunk(v))
+            def weight(c):  # W: the weight gradient from what B stashed, no recompute
+                dp = split.weight(chunk(v), [buf[ws] for buf in wstash])
                 c = dict(c)
                 c["pgrad"] = jax.tree.map(lambda acc, g: acc.at[v].add(g), c["pgrad"], dp)
                 return c, zx, zx
@@ -297,7 +287,11 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
                 branches = [idle, fwd, fwd_last]
             else:
                 branches = [idle, fwd, fwd_last, bwd_input, weight] if n_w else [idle, fwd, fwd_last, bwd]
+            if wstash is not None:  # the W-stash is written outside the switch: only B's slot comes out of it
+                branches = [functools.partial(_with_slot, b, lambda: [buf[ws] for buf in wstash]) for b in branches]
             c, y, dx = jax.lax.switch(jnp.minimum(kind, len(branches) - 1), branches, c)
+            if wstash is not None:
+                c["wstash"] = [buf.at[ws].set(a) for buf, a in zip(wstash, c.pop("slot"), strict=True)]
             c["recv_f"], c["recv_b"] = send(k_send, y, dx)
             return c, None
 
@@ -369,9 +363,9 @@ def run_schedule(
     in_specs = (p_specs, h_specs, rows, rows)
 
     if schedule.name == "gpipe":
-        local, dt = _gpipe_local(stage_fn, head_fn, S, M, axis, remat, layout, trees), x_MbLD.dtype
-        if mesh.devices.flat[0].platform == "cpu" and dt.itemsize < 4:  # x in f32: autodiff sums its cotangent over
-            local, x_MbLD = _cast_x(local, dt), x_MbLD.astype(jnp.float32)  # pipe, which XLA:CPU aborts on in bf16
+        local = _gpipe_local(stage_fn, head_fn, S, M, axis, remat, layout, trees, x_MbLD.dtype)
+        if mesh.devices.flat[0].platform == "cpu":  # x in f32 (cast inside): autodiff sums its cotangent over pipe,
+            x_MbLD = x_MbLD.astype(jnp.float32)  # which XLA:CPU aborts on in bf16
         per_device = P((axis, *bax))  # [S * n_batch]: stage-major
         gpipe_run = jax.shard_map(inner(local), in_specs=in_specs, out_specs=(per_device, per_device), **sm)
         loss, aux = gpipe_run(order.convert(p_leaves, NATURAL), h_leaves, x_MbLD, targets_MbL)

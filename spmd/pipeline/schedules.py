@@ -90,9 +90,9 @@ class Schedule:
     def op_costs(self) -> dict[int, int]:
         """Cost of each op kind as the table engine runs it, in forwards of one chunk: F = 1; the
         whole backward B = 3 (recompute + input and weight gradients); split, B = 2 (recompute +
-        input gradient) and W = 2 (recompute + weight gradient). gpipe (autodiff): B = 2."""
+        input gradient) and W = 1 (weight gradient from B's residuals). gpipe (autodiff): B = 2."""
         if self.split_backward:
-            return {FORWARD: 1, BACKWARD: 2, WEIGHT: 2}
+            return {FORWARD: 1, BACKWARD: 2, WEIGHT: 1}
         return {FORWARD: 1, BACKWARD: 2 if self.name == "gpipe" else 3}
 
     def lockstep_time(self, costs: Mapping[int, float] | None = None) -> float:

@@ -28,7 +28,7 @@ from trainers import override, recipe
 from trainers.hardware import custom, get_hardware
 from trainers.launch.plan import main
 from trainers.planning.blockers import blockers, group_reasons, workable_counts
-from trainers.planning.costs import memory_estimate
+from trainers.planning.costs import gpt_work, memory_estimate
 from trainers.planning.diagnose import (
     Issue,
     check_collectives,
@@ -416,16 +416,19 @@ def test_planner_lists_seq_layouts_for_a_long_sequence():
     assert {x.sizes.get("expert", 1) for x in moe} == {1, 2, 4}  # 4 experts do not split 8 ways
 
 
-def test_zero_bubble_layouts_hold_the_weight_stash_and_pay_the_second_recompute():
+def test_zero_bubble_layouts_hold_the_weight_stash_and_no_second_recompute():
     cfg = deep_model()
     mesh = (("data", 2), ("pipe", 4))
     one, zb = (estimate_layout(cfg, Layout(mesh, "dp", False, name, 8), "h100") for name in ("1f1b", "zb-h1"))
     zb_cfg = Layout(mesh, "dp", False, "zb-h1", 8).apply(cfg)
     stash = get_schedule("zb-h1", 4, 8).weight_stash_size()
     x_in = 32 // 2 // 8 * zb_cfg.data.seq_len * zb_cfg.model.d_model * 4  # x[B/M, L, D] per device, f32
-    # the per-layer output gradients of `stash` microbatches, for the 16 / 4 layers of a chunk
-    assert stash > 0 and zb.memory.activations - one.memory.activations == stash * 4 * x_in
-    # each op as the engine runs it (F 1, B 2, W 2 chunk forwards) tick by tick: ZB-H1 is faster than
-    # 1F1B's lockstep (every tick with a backward costs 3) although it recomputes the chunk twice
+    # per slot, for the 16 / 4 layers of a chunk: what W reads of B (the layers' activations, several x_in
+    # each) and the per-layer output gradients
+    assert stash > 0 and zb.memory.activations - one.memory.activations > stash * 4 * 3 * x_in
+    # each op as the engine runs it (F 1, B 2, W 1 chunk forwards: W recomputes nothing) tick by tick:
+    # the same matmuls as 1F1B, whose lockstep (every tick with a backward costs 3) is slower
+    layouts = [Layout(mesh, "dp", False, name, 8) for name in ("1f1b", "zb-h1")]
+    assert len({gpt_work(x.apply(cfg), x.sizes).matmul_flops for x in layouts}) == 1
     assert zb.roofline.compute_s < one.roofline.compute_s
     assert get_schedule("zb-h1", 4, 8).lockstep_time() < get_schedule("1f1b", 4, 8).lockstep_time()

@@ -142,7 +142,7 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
             n_x, n_g = stash_sizes(cfg, S)
             chunk = m.n_layers // (S * pipe.virtual_stages)
             acts = (n_x + n_g + 2 + M) * x_in + kept(b / M, chunk) + logits(b / M)
-            acts += pipeline_schedule(cfg, S).weight_stash_size() * chunk * x_in  # zero bubble: dy per layer for W
+            acts += pipeline_schedule(cfg, S).weight_stash_size() * chunk * (b / M * L * per_token_layer + x_in)  # W reads ~ acts + dy
     else:
         acts = kept(b, m.n_layers) + logits(b)
     # FSDP/TP: one layer's weights gathered in the compute dtype (two in flight when prefetched); gradient
@@ -206,8 +206,8 @@ def gpt_work(cfg: Config, sizes: dict[str, int]) -> Work:
     S, t = sizes.get("pipe", 1), sizes.get("tensor", 1)
     piped = S > 1 and cfg.pipeline.enabled
     whole = m.policy in RECOMPUTES_BLOCK or (piped and cfg.pipeline.remat)
-    table = pipeline_schedule(cfg, S) if piped else None  # the table engine recomputes in B (and in W, split)
-    recompute = (1 if whole else 0) + (0 if table is None or table.name == "gpipe" else 2 if table.split_backward else 1)
+    table = pipeline_schedule(cfg, S) if piped else None  # the table engine recomputes in its backward (B, split)
+    recompute = (1 if whole else 0) + (0 if table is None or table.name == "gpipe" else 1)
     tokens = data.global_batch * data.seq_len
     model_flops = flops_per_step(m, data.global_batch, data.seq_len)
     attn_model = 12 * m.n_layers * m.n_heads * m.k * data.seq_len * tokens

@@ -1,6 +1,7 @@
 """Zero-bubble schedules (ZB-H1, ZB-H2): their tables (bubble = the paper's formula, below 1F1B's;
 in-flight inputs; validation catching W misplaced) and the engine's B/W split (loss and gradients
-equal one device's, on a tiny stack and on the GPT over data x pipe x tensor)."""
+equal one device's, on a tiny stack and on the GPT over data x pipe x tensor; W recomputes nothing:
+the step executes 1F1B's matmul FLOPs)."""
 
 from __future__ import annotations
 
@@ -209,6 +210,17 @@ def test_gpt_data_pipe_tensor_matches_one_device(schedule):
     table = sched.sent_bytes(act)
     assert table.executed == table.minimum == 2 * 4 * (2 - 1) * act
     assert hlo_sent_bytes(c.compiled, sched, c.mesh) == {"executed": table.executed, "unattributed": 0}
+
+
+def test_zb_h1_executes_1f1b_matmul_flops():
+    """W reuses B's residuals and B skips the weight gradient: per device, the compiled ZB-H1 step runs
+    1F1B's matmul FLOPs (from the HLO: loop bodies times their trip counts, each branch of the tick switch
+    on the ticks its stage takes it), not the 5/4 of a W that recomputes its chunk."""
+    from benchmarks.pipeline import executed_dot_flops
+
+    flops = {name: executed_dot_flops(c.compiled, get_schedule(name, 2, 4))
+             for name in ("1f1b", "zb-h1") for c in [case((("data", 2), ("pipe", 2), ("tensor", 2)), "dp_tp", name, 4, 1)]}
+    assert (flops["1f1b"] > 0).all() and (flops["zb-h1"] <= 1.02 * flops["1f1b"]).all(), flops
 
 
 def test_engine_refuses_an_invalid_table_before_tracing():
