@@ -90,7 +90,9 @@ def _zb_v_rows(S: int, M: int) -> list[list[Op]]:
     oldest W of the microbatch that keeps the next one from starting (at most S microbatches are in
     flight: microbatch m enters when m - S is done everywhere), the B of either chunk whose gradient
     has arrived, the forward of its second chunk, then of its first, the oldest W; else it idles."""
-    C, rows, done = 2 * S, [], {}
+    C = 2 * S
+    rows: list[list[Op]] = []
+    done: dict[tuple[int, int, int], int] = {}
     nxt = {k: [[0, 0] for _ in range(S)] for k in (FORWARD, BACKWARD, WEIGHT)}  # per device and v: next m
 
     def ready(kind: int, s: int, v: int, t: int) -> bool:
