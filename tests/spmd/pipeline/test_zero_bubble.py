@@ -17,7 +17,7 @@ import meshes
 from spmd.pipeline import LayerOrder, PipelineConfig, get_schedule, send_plan
 from spmd.pipeline.engine import _build_tables, run_schedule
 from spmd.pipeline.schedules import BACKWARD, FORWARD, IDLE, WEIGHT, Schedule, minimum_sends
-from spmd.pipeline.sends import hlo_sent_bytes
+from spmd.pipeline.sends import branch_ticks, hlo_sent_bytes
 
 ZB = ("zb-h1", "zb-h2")
 SIZES = [(S, M) for S in (2, 4) for M in (S, 2 * S, 4 * S)]
@@ -127,6 +127,8 @@ def test_zb_v_places_chunks_in_a_v_and_sends_over_neighbours():
     assert (index > 0).sum() == sum(1 for u, d in zip(plan.up, plan.down) if u or d)
     # some tick gives a stage two forwards, one from each side: why the engine sends by channel
     assert any({b for _, b in u} & {b for _, b in d} for u, d in zip(plan.up, plan.down))
+    ticks = branch_ticks(sch)  # the compute switch: the head's forward (last chunk) runs on stage 0
+    assert list(ticks[:, 2]) == [M, 0, 0, 0] and list(ticks[:, 1]) == [M, 2 * M, 2 * M, 2 * M]
     x = np.arange(16 * 3).reshape(16, 3)
     order = LayerOrder(S, 2, "v")
     assert np.array_equal(order.to_natural(order.to_stored(x)), x)
