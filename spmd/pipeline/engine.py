@@ -94,14 +94,13 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
                  layout: ParamLayout, trees: tuple[Any, Any], n_batch: int = 1):
     """Per-device table-driven engine; returns (loss, aux) and, when ``train``, the gradients.
 
-    Takes the flattened stage leaves in chunk order (device s's block: its chunks ``s, s+S, ...``, or
-    ``s, 2S-1-s`` in a V)
-    and the head leaves (``trees``: their treedefs) and gathers the ones a manual batch axis shards
-    once, before the tick loop. Each tick sends only what the table sends: one ``ppermute`` per
-    channel over the pairs of :func:`spmd.pipeline.sends.send_plan`, none on a tick without
-    sends; an output whose next chunk is on the same stage is handed over locally. With manual batch axes (``n_batch``
-    devices along them) each device sees its own rows: the loss cotangent is ``1/(M*n_batch)``,
-    gradients stay local partial sums at gathered size through every tick and are reduced
+    Takes the flattened stage leaves in chunk order (device s's block: its chunks ``s, s+S, ...``,
+    or ``s, 2S-1-s`` in a V) and the head leaves (``trees``: their treedefs) and gathers the ones a
+    manual batch axis shards once, before the tick loop. Each tick sends only what the table sends:
+    one ``ppermute`` per channel over the pairs of :func:`spmd.pipeline.sends.send_plan`, none on a
+    tick without sends; an output whose next chunk is on the same stage is handed over locally.
+    With manual batch axes (``n_batch`` devices along them) each device sees its own rows: the loss
+    cotangent is ``1/(M*n_batch)``, gradients stay local partial sums at gathered size through every tick and are reduced
     (:meth:`ParamLayout.reduce`) once after the schedule; loss and aux are averaged over them.
 
     Backward ops recompute their chunk from the stashed input. A schedule with W ops splits them:

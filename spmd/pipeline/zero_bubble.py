@@ -107,7 +107,7 @@ def _zb_v_rows(S: int, M: int) -> list[list[Op]]:
     while any(m < M for per in nxt[WEIGHT] for m in per):
         t = len(rows)
         oldest = min(min(per) for per in nxt[WEIGHT])  # microbatches below it are done on every device
-        full = nxt[FORWARD][0][0] >= oldest + S
+        full = oldest + S <= nxt[FORWARD][0][0] < M
         row: list[Op] = []
         for s in range(S):
             urgent = [(WEIGHT, v) for v in (0, 1) if full and nxt[WEIGHT][s][v] == oldest and ready(WEIGHT, s, v, t)]
