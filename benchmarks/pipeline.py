@@ -18,6 +18,7 @@ Runs only if ``spmd.pipeline`` exists (otherwise the section says "pipeline: not
    cores time follows total work, not the bubble), and the matmul FLOPs each device executes per
    step, from the compiled HLO (:func:`executed_dot_flops`), against 1F1B's: W reuses B's residuals,
    so F 1 + B 2 + W 1 = 4 chunk forwards per microbatch, 1F1B's 4 (goal <= 1.02).
+   ZB-V (2 chunks per device in a V) against ``1 - (S-1)/(6M+S-1)``, in ticks of a chunk op.
 4. **Comms** (also shown by ``benchmarks.comms``): bytes sent over ``pipe`` per step, summed over
    the stages, against the minimum ``2 M (C-1)`` activations ``[B/M, L, D]`` (C = S V chunks: each
    microbatch's activation crosses every chunk boundary forward once, its gradient backward once).
@@ -101,7 +102,23 @@ def zero_bubble_rows(S: int, Ms: Sequence[int]) -> list[Row]:
                         f"{one.bubble_fraction:.4f} 1f1b", h1.bubble_fraction / one.bubble_fraction,
                         f"= (M+S-1)/(3M+S-1) = {target:.3f}", abs(h1.bubble_fraction / one.bubble_fraction - target) < 1e-9,
                         "from the tables; tends to 1/3 as M grows"))
+        rows.append(zb_v_row(S, M))
     return rows
+
+
+def zb_v_row(S: int, M: int) -> Row:
+    """ZB-V's table against its bubble ``(S-1)/(6M+S-1)`` (2 chunks per device, each op one chunk-tick);
+    the note compares its peak chunk inputs held, halved (a chunk is half a stage), with 1F1B's."""
+    from spmd.pipeline import get_schedule
+
+    sched, one, h1 = get_schedule("zb-v", S, M, 2), get_schedule("1f1b", S, M), get_schedule("zb-h1", S, M)
+    useful, theory = 1 - sched.bubble_fraction, 1 - (S - 1) / (6 * M + S - 1)
+    return Row(f"schedule zb-v S={S} M={M} V=2", f"{useful:.4f}", f"{theory:.4f} = 1 - (S-1)/(6M+S-1)",
+               useful / theory, "1.00", abs(useful / theory - 1) < 1e-9,
+               f"{sched.n_ticks} ticks of a chunk (half a stage); bubble {sched.bubble_fraction:.4f} (zb-h1 "
+               f"{h1.bubble_fraction:.4f}); max in-flight {sched.max_in_flight} chunk inputs = "
+               f"{sched.max_in_flight / 2:g} stage inputs (1f1b {one.max_in_flight}); lockstep time "
+               f"{sched.lockstep_time() / 2:.0f} stage forwards (zb-h1 {h1.lockstep_time():.0f})")
 
 
 def zero_bubble_step_rows(quick: bool) -> list[Row]:
@@ -186,7 +203,7 @@ def pipeline_setup(name: str, M: int, quick: bool) -> common.GPTSetup:
     from spmd.pipeline import PipelineConfig
 
     cfg, batch, length = common.gpt_config(quick=True)  # small blocks: the schedule, not the matmuls, is measured
-    V = 2 if name == "interleaved" else 1
+    V = 2 if name in ("interleaved", "zb-v") else 1
     cfg = dataclasses.replace(cfg, n_layers=STAGES * V * (1 if quick else 2))
     mesh = meshes.make_mesh({"pipe": STAGES}, devices=jax.devices()[:STAGES])
     batch = 4 * STAGES  # the same global batch for every M (M <= 4 S: at least one row per microbatch)
@@ -196,11 +213,12 @@ def pipeline_setup(name: str, M: int, quick: bool) -> common.GPTSetup:
 
 def comms_row(name: str, M: int, setup: common.GPTSetup) -> Row:
     """Bytes the compiled step sends over ``pipe`` (``hlo_sent_bytes``: each switch branch weighed by how
-    often the table takes it) against the minimum ``2 x M x (C-1)`` activations (``Schedule.sent_bytes``)."""
+    often the table takes it) against the minimum ``2 x M x (C-1)`` activations (``Schedule.sent_bytes``;
+    ZB-V ``2 x M x (C-2)``: its turn stays on one device)."""
     from spmd.pipeline import get_schedule
     from spmd.pipeline.sends import hlo_sent_bytes
 
-    V = 2 if name == "interleaved" else 1
+    V = 2 if name in ("interleaved", "zb-v") else 1
     sched = get_schedule(name, STAGES, M, V)
     cfg, (batch, length) = setup.cfg, setup.batch["inputs"].shape
     act = (batch // M) * length * cfg.d_model * np.dtype(cfg.compute_dtype).itemsize
@@ -212,7 +230,7 @@ def comms_row(name: str, M: int, setup: common.GPTSetup) -> Row:
             f"{fmt_bytes(max(table.per_stage))}; unattributed permutes {fmt_bytes(found['unattributed'])}; "
             f"per-tick collectives over pipe besides the sends: {len(other)}")
     return Row(f"pp{STAGES} {name} M={M}: sends over pipe", fmt_bytes(measured),
-               f"{fmt_bytes(table.minimum)} = 2 x M x (C-1) x [B/M,L,D], C = {sched.n_chunks}",
+               f"{fmt_bytes(table.minimum)} = 2 x M x (C-{2 if name == 'zb-v' else 1}) x [B/M,L,D], C = {sched.n_chunks}",
                measured / table.minimum, "1.00", measured <= table.minimum * 1.01 and not other, note)
 
 
@@ -317,6 +335,7 @@ def run(options: common.Options, command: str = "python -m benchmarks.pipeline")
         try:
             rows += step_rows(options.quick)
             rows += zero_bubble_step_rows(options.quick)
+            rows.append(comms_row("zb-v", 2 * STAGES, pipeline_setup("zb-v", 2 * STAGES, options.quick)))
             if len(jax.devices()) >= 8:
                 rows += fsdp_gather_rows(options.quick) + fsdp_gather_rows(options.quick, "gpipe")
         except Exception as exc:  # report the engine's failure next to the schedule rows

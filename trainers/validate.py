@@ -74,10 +74,10 @@ def check_pipeline(model: GPTConfig, pipeline: PipelineConfig, rules: spmd.Rules
             f"batch of {micro} (data.global_batch={global_batch} / run.grad_accum={grad_accum}) does not split into "
             f"pipeline.microbatches={M}", f"use data.global_batch a multiple of {M * grad_accum}, or "
             f"pipeline.microbatches a divisor of {micro}", fatal=True))
-    if pipeline.schedule == "interleaved" and M % S:
+    if pipeline.schedule in ("interleaved", "zb-v") and M % S:
         issues.append(Issue(
             "pipeline", "pipeline", None,
-            f"interleaved schedule needs pipeline.microbatches={M} to be a multiple of pipe={S}",
+            f"{pipeline.schedule} schedule needs pipeline.microbatches={M} to be a multiple of pipe={S}",
             f"use pipeline.microbatches a multiple of {S}", fatal=True))
     axes = batch_axes(rules, {a: s if s > 0 else 2 for a, s in sizes.items()})
     if known and S > 1 and not issues and all(sizes[a] > 0 for a in axes):

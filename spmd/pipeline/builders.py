@@ -1,4 +1,4 @@
-"""The schedules by name: GPipe, 1F1B and interleaved built here, ZB-H1 and ZB-H2 in
+"""The schedules by name: GPipe, 1F1B and interleaved built here, ZB-H1, ZB-H2 and ZB-V in
 :mod:`spmd.pipeline.zero_bubble`; :func:`get_schedule` picks one. Each is a table
 (:class:`spmd.pipeline.schedules.Schedule`) the engine runs; see docs/pipelines.md.
 """
@@ -6,7 +6,8 @@
 from __future__ import annotations
 
 from spmd.pipeline import zero_bubble
-from spmd.pipeline.schedules import BACKWARD, FORWARD, NAMES, Op, Schedule, _check_sizes, _simulate
+from spmd.pipeline.schedules import BACKWARD, FORWARD, NAMES, Op, Schedule, _simulate
+from spmd.pipeline.simulate import _check_sizes
 
 
 def gpipe(S: int, M: int) -> Schedule:
@@ -52,7 +53,9 @@ def get_schedule(name: str, S: int, M: int, V: int = 1, *, n_layers: int | None 
     if name not in NAMES:
         raise ValueError(f"unknown pipeline schedule {name!r}; valid: {', '.join(NAMES)}")
     _check_sizes(S, M, V)
-    if name != "interleaved" and V != 1:
+    if name == "zb-v" and V != 2:
+        raise ValueError(f"schedule 'zb-v' runs V=2 chunks per stage (placed in a V); got virtual stages V={V}")
+    if name not in ("interleaved", "zb-v") and V != 1:
         raise ValueError(f"schedule {name!r} has one chunk per stage; got virtual stages V={V} (use 'interleaved')")
     if n_layers is not None and n_layers % (S * V):
         raise ValueError(f"{n_layers} layers do not split into S*V = {S}*{V} = {S * V} equal chunks")
@@ -62,4 +65,6 @@ def get_schedule(name: str, S: int, M: int, V: int = 1, *, n_layers: int | None 
         return one_f_one_b(S, M)
     if name in ("zb-h1", "zb-h2"):
         return zero_bubble.zb_h1(S, M) if name == "zb-h1" else zero_bubble.zb_h2(S, M)
+    if name == "zb-v":
+        return zero_bubble.zb_v(S, M)
     return interleaved(S, M, V)

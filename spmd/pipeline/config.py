@@ -7,8 +7,8 @@ stages S. With no active mesh, a ``pipe`` axis of size 1, or ``schedule="none"``
 as the plain scan on the whole batch (same loss: the mean over equal microbatches is the mean over
 the batch), so one config serves every mesh.
 
-With V > 1 a run stores the stack in the schedule's chunk order (:meth:`PipelineConfig.layer_order`).
-The global batch ``x[B_batch, L, D]`` is cut into M microbatches as the trainer's gradient accumulation
+With V > 1 (``interleaved``, or ``zb-v``, which needs V = 2) a run stores the stack in the schedule's
+chunk order (:meth:`PipelineConfig.layer_order`). The global batch ``x[B_batch, L, D]`` is cut into M microbatches as the trainer's gradient accumulation
 does: microbatch j holds rows ``j, j+M, j+2M, ...``, so under ``batch -> data`` no data moves.
 """
 
@@ -33,7 +33,7 @@ SCHEDULES = ("none", *NAMES)
 class PipelineConfig:
     """How to pipeline a block stack: schedule name, microbatches M, virtual stages V, stage remat."""
 
-    schedule: str = "none"  # "none" (plain scan) | "gpipe" | "1f1b" | "interleaved" | "zb-h1" | "zb-h2"
+    schedule: str = "none"  # "none" (plain scan) | "gpipe" | "1f1b" | "interleaved" | "zb-h1" | "zb-h2" | "zb-v"
     microbatches: int = 1
     virtual_stages: int = 1
     remat: bool = False  # gpipe only: rematerialise each stage in the backward pass
@@ -45,7 +45,10 @@ class PipelineConfig:
             raise ValueError(f"pipeline.microbatches must be >= 1, got {self.microbatches}")
         if self.virtual_stages < 1:
             raise ValueError(f"pipeline.virtual_stages must be >= 1, got {self.virtual_stages}")
-        if self.virtual_stages > 1 and self.schedule != "interleaved":
+        if self.schedule == "zb-v" and self.virtual_stages != 2:
+            raise ValueError(f"pipeline.schedule 'zb-v' runs 2 chunks per stage: set pipeline.virtual_stages=2, "
+                             f"got {self.virtual_stages}")
+        if self.virtual_stages > 1 and self.schedule not in ("interleaved", "zb-v"):
             raise ValueError(f"pipeline.virtual_stages={self.virtual_stages} needs schedule 'interleaved', "
                              f"got {self.schedule!r}")
 
@@ -59,10 +62,11 @@ class PipelineConfig:
 
     def layer_order(self, n_stages: int) -> LayerOrder:
         """The order a stack runs in place on ``n_stages`` stages: the interleaved schedule's chunk
-        order ``LayerOrder(S, V)``, natural otherwise (also with one stage or ``schedule="none"``)."""
+        order ``LayerOrder(S, V)``, ZB-V's ``LayerOrder(S, 2, "v")``, natural otherwise (also with one
+        stage or ``schedule="none"``)."""
         if not self.enabled or n_stages <= 1:
             return NATURAL
-        return LayerOrder(n_stages, self.virtual_stages)
+        return LayerOrder(n_stages, self.virtual_stages, "v" if self.schedule == "zb-v" else "loop")
 
 
 def split_microbatches(x: jax.Array, m: int) -> jax.Array:

@@ -22,107 +22,26 @@ from jax.sharding import PartitionSpec as P
 from spmd.manual import manual_batch_axes, with_inner_rules
 from spmd.pipeline.layout import ParamLayout, param_layout
 from spmd.pipeline.order import NATURAL, LayerOrder, order_of
-from spmd.pipeline.schedules import BACKWARD, FORWARD, IDLE, WEIGHT, Schedule
+from spmd.pipeline.schedules import Schedule
 from spmd.pipeline.sends import gpipe_sends, send_plan
 from spmd.pipeline.split import SplitBackward
+from spmd.pipeline.tables import (
+    _FIRST,
+    _GSLOT,
+    _KIND,
+    _M,
+    _V,
+    _WSLOT,
+    _XSLOT,
+    _arrivals,
+    _build_tables,
+    _receive,
+    _sender,
+)
 from spmd.rules import Rules
 
 StageFn = Callable[[Any, jax.Array], jax.Array]  # (chunk params [Lc, ...], x[b, L, D]) -> y
 HeadFn = Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, dict]]  # (head params, y, targets) -> (loss, aux)
-
-# table fields
-_KIND, _M, _V, _FIRST, _XSLOT, _GSLOT, _RECV_F, _RECV_B, _WSLOT = range(9)
-_IDLE, _FWD, _FWD_LAST, _BWD, _WGT = range(5)  # _BWD: the whole backward, or B when the schedule has W
-
-
-def _intervals_to_slots(intervals: list[tuple[int, int, Any]]) -> tuple[dict[Any, int], int]:
-    """Greedy interval colouring: ``(start, end, key)`` (inclusive ticks) -> slot; returns slots and count."""
-    free_at: list[int] = []  # per slot: first tick it is free again
-    slots = {}
-    for start, end, key in sorted(intervals, key=lambda x: (x[0], x[1])):
-        for i, free in enumerate(free_at):  # noqa: B007 - i is read after the loop
-            if free <= start:
-                break
-        else:
-            i = len(free_at)
-            free_at.append(0)
-        free_at[i] = end + 1
-        slots[key] = i
-    return slots, max(1, len(free_at))
-
-
-def _build_tables(schedule: Schedule) -> tuple[np.ndarray, int, int, int]:
-    """The per-device program of a schedule: int32 ``[ticks, S, 9]`` plus stash, grad-buffer and
-    W-stash sizes.
-
-    Per (tick, stage): kind (idle/fwd/fwd_last/bwd/wgt), m, v, first-chunk flag, the stash slot of the
-    chunk input (held to the chunk's W when the schedule has W ops, else to its backward), the
-    grad-buffer slot of the output gradient (held to the backward / B), the slots where this tick's
-    incoming activation / gradient (sent by a neighbour on the previous tick) are written (-1: none),
-    and the W-stash slot holding the per-layer output gradients from B to W (-1: none).
-    """
-    S, C, T = schedule.n_stages, schedule.n_chunks, schedule.n_ticks
-    ticks = schedule.ticks()
-    has_b, split = schedule.has_backward, schedule.split_backward
-    release = WEIGHT if split else BACKWARD
-    x_iv: list[list[tuple[int, int, Any]]] = [[] for _ in range(S)]
-    g_iv: list[list[tuple[int, int, Any]]] = [[] for _ in range(S)]
-    w_iv: list[list[tuple[int, int, Any]]] = [[] for _ in range(S)]
-    for (kind, m, c), t in ticks.items():
-        s = c % S
-        if kind == FORWARD and c > 0:
-            end = ticks[(release, m, c)] if has_b else t
-            x_iv[s].append((ticks[(FORWARD, m, c - 1)] + 1, end, (m, c)))
-        if kind == BACKWARD:
-            start = ticks[(FORWARD, m, c)] if c == C - 1 else ticks[(BACKWARD, m, c + 1)] + 1
-            g_iv[s].append((start, t, (m, c)))
-        if kind == WEIGHT:
-            w_iv[s].append((ticks[(BACKWARD, m, c)], t, (m, c)))
-    x_slots, g_slots, w_slots, n_x, n_g, n_w = {}, {}, {}, 1, 1, 1
-    for s in range(S):
-        xs, nx = _intervals_to_slots(x_iv[s])
-        gs, ng = _intervals_to_slots(g_iv[s])
-        ws, nw = _intervals_to_slots(w_iv[s])
-        x_slots.update(xs)
-        g_slots.update(gs)
-        w_slots.update(ws)
-        n_x, n_g, n_w = max(n_x, nx), max(n_g, ng), max(n_w, nw)
-    table = np.full((T, S, 9), -1, np.int32)
-    table[..., _KIND] = _IDLE
-    table[..., _FIRST] = 0
-    for t in range(T):
-        for s in range(S):
-            kind, m, v = (int(x) for x in schedule.actions[t, s])
-            if kind == IDLE:
-                continue
-            c = v * S + s
-            code = {BACKWARD: _BWD, WEIGHT: _WGT}.get(kind, _FWD_LAST if c == C - 1 else _FWD)
-            table[t, s, :_XSLOT] = (code, m, v, int(c == 0))
-            table[t, s, _XSLOT] = x_slots.get((m, c), -1)
-            table[t, s, _GSLOT] = g_slots.get((m, c), -1) if has_b else -1
-            table[t, s, _WSLOT] = w_slots.get((m, c), -1)
-            if kind == FORWARD and c + 1 < C and t + 1 < T:
-                table[t + 1, (c + 1) % S, _RECV_F] = x_slots[(m, c + 1)]
-            if kind == BACKWARD and c > 0 and t + 1 < T:
-                table[t + 1, (c - 1) % S, _RECV_B] = g_slots[(m, c - 1)]
-    return table, n_x, n_g, n_w if split else 0
-
-
-def _sender(branches: tuple, axis: str) -> Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
-    """``send(k, y, dx) -> (recv_f, recv_b)``: branch 0 sends nothing, branch k the ``ppermute`` s of
-    ``branches[k-1]`` (forward pairs for ``y``, backward for ``dx``), k from the tick: the same on every
-    device. Both directions in one branch: as two independent conditionals, a program loaded back from
-    the compile cache ran them concurrently and mixed the two exchanges (docs/pipelines.md)."""
-    def permute(x, pairs):
-        return jax.lax.ppermute(x, axis, list(pairs)) if pairs else jnp.zeros_like(x)
-
-    def none(y, dx):
-        return jnp.zeros_like(y), jnp.zeros_like(dx)
-
-    fns = [none] + [functools.partial(lambda y, dx, f, b: (permute(y, f), permute(dx, b)), f=f, b=b)
-                    for f, b in branches]
-    return lambda k, y, dx: jax.lax.switch(k, fns, y, dx) if branches else none(y, dx)
-
 
 def _with_slot(branch: Callable, slot: Callable, c: dict) -> tuple:
     """``branch(c)`` with ``c["slot"]``: the W-stash slot's new values, set by B, else ``slot()``, unchanged."""
@@ -181,13 +100,13 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
                  layout: ParamLayout, trees: tuple[Any, Any], n_batch: int = 1):
     """Per-device table-driven engine; returns (loss, aux) and, when ``train``, the gradients.
 
-    Takes the flattened stage leaves in chunk order (device s's block: its chunks ``s, s+S, ...``)
-    and the head leaves (``trees``: their treedefs) and gathers the ones a manual batch axis shards
-    once, before the tick loop. Each tick sends only what the table sends: one ``ppermute`` per
-    direction over the pairs of :func:`spmd.pipeline.sends.send_plan`, none on a tick without
-    sends. With manual batch axes (``n_batch``
-    devices along them) each device sees its own rows: the loss cotangent is ``1/(M*n_batch)``,
-    gradients stay local partial sums at gathered size through every tick and are reduced
+    Takes the flattened stage leaves in chunk order (device s's block: its chunks ``s, s+S, ...``,
+    or ``s, 2S-1-s`` in a V) and the head leaves (``trees``: their treedefs) and gathers the ones a
+    manual batch axis shards once, before the tick loop. Each tick sends only what the table sends:
+    one ``ppermute`` per channel over the pairs of :func:`spmd.pipeline.sends.send_plan`, none on a
+    tick without sends; an output whose next chunk is on the same stage is handed over locally.
+    With manual batch axes (``n_batch`` devices along them) each device sees its own rows: the loss
+    cotangent is ``1/(M*n_batch)``, gradients stay local partial sums at gathered size through every tick and are reduced
     (:meth:`ParamLayout.reduce`) once after the schedule; loss and aux are averaged over them.
 
     Backward ops recompute their chunk from the stashed input. A schedule with W ops splits them
@@ -203,7 +122,8 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
     table_np, n_x, n_g, n_w = _build_tables(schedule)
     plan = send_plan(schedule)
     send_branches, send_idx = plan.branches()
-    send = _sender(send_branches, axis)
+    arrivals = _arrivals(table_np)
+    send = _sender(send_branches, axis, arrivals)
 
     def stage(leaves, x):
         return stage_fn(jax.tree.unflatten(trees[0], leaves), x)
@@ -220,7 +140,7 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
         aux_shape = jax.eval_shape(lambda: head_fn(head, zx, tg_MbL[0])[1])
         carry = {
             "stash": jnp.zeros((n_x, *zx.shape), zx.dtype), "gbuf": jnp.zeros((n_g, *zx.shape), zx.dtype),
-            "recv_f": zx, "recv_b": zx, "loss": jnp.zeros((), jnp.float32), "aux": _tree_zeros(aux_shape),
+            "recv": {channel: zx for channel, _, _ in arrivals}, "loss": jnp.zeros((), jnp.float32), "aux": _tree_zeros(aux_shape),
         }
         if train:
             carry.update(pgrad=_tree_zeros(params), hgrad=_tree_zeros(head), dx=jnp.zeros_like(x_MbLD))
@@ -235,10 +155,8 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
             row_all, k_send = xs
             row = jax.lax.dynamic_index_in_dim(row_all, s, keepdims=False)
             kind, m, v, first = row[_KIND], row[_M], row[_V], row[_FIRST]
-            xs, gs, rf, rb, ws = (jnp.maximum(row[i], 0) for i in (_XSLOT, _GSLOT, _RECV_F, _RECV_B, _WSLOT))
-            c = dict(c)
-            c["stash"] = c["stash"].at[rf].set(jnp.where(row[_RECV_F] >= 0, c["recv_f"], c["stash"][rf]))
-            c["gbuf"] = c["gbuf"].at[rb].set(jnp.where(row[_RECV_B] >= 0, c["recv_b"], c["gbuf"][rb]))
+            xs, gs, ws = (jnp.maximum(row[i], 0) for i in (_XSLOT, _GSLOT, _WSLOT))
+            c = _receive(dict(c), row, arrivals)
             x_in = jnp.where(first == 1, x_MbLD[m], c["stash"][xs])
             wstash = c.pop("wstash", None)
 
@@ -292,7 +210,7 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
             c, y, dx = jax.lax.switch(jnp.minimum(kind, len(branches) - 1), branches, c)
             if wstash is not None:
                 c["wstash"] = [buf.at[ws].set(a) for buf, a in zip(wstash, c.pop("slot"), strict=True)]
-            c["recv_f"], c["recv_b"] = send(k_send, y, dx)
+            c["recv"] = send(k_send, y + dx)  # one of them is zero
             return c, None
 
         c, _ = jax.lax.scan(tick, carry, (table, jnp.asarray(send_idx)))
@@ -328,7 +246,7 @@ def run_schedule(
 
     ``stage_params`` leaves are ``[L, ...]`` (L divisible by S*V) in ``layer_order`` (None: the order
     in the variables' metadata, natural for plain arrays); ``stage_fn(params[Lc, ...], x)`` applies
-    Lc consecutive layers. The table engine reads the chunk order ``LayerOrder(S, V)`` in place;
+    Lc consecutive layers. The table engine reads the chunk order ``LayerOrder(S, V, placement)`` in place;
     another order is converted to it on every call, an all-to-all of ``(S-1)/S`` of the stack over
     ``pipe`` (and its gradients back). Differentiable w.r.t. ``stage_params``, ``head_params`` and
     ``x_MbLD``, gradients in the params' order. ``rules``: the rule set the model's constraints
@@ -345,7 +263,7 @@ def run_schedule(
         if a.shape[0] % (S * V):
             raise ValueError(f"{a.shape[0]} layers do not split into S*V = {S}*{V} = {S * V} equal chunks")
     order = order_of(stage_params) if layer_order is None else layer_order
-    chunks = LayerOrder(S, V)  # what the engine reads: device s's block holds chunks s, s+S, ...
+    chunks = LayerOrder(S, V, schedule.placement)  # what the engine reads: device s's chunks (s, s+S, ... or s, 2S-1-s)
     pip = P(axis)
     bax = manual_batch_axes(mesh, rules, x_MbLD.shape[1], axis)
     layout = param_layout(stage_params, head_params, rules, mesh, axis, bax, compute_dtype)

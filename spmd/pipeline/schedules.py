@@ -3,7 +3,8 @@
 A :class:`Schedule` is a table ``actions[tick, stage] = (kind, m, v)``, built in
 :mod:`spmd.pipeline.builders` (GPipe, 1F1B, interleaved) or :mod:`spmd.pipeline.zero_bubble`
 (whose backward is split into B, the input gradient, and W, the weight gradient); the bubble is
-what the order of ops implies. :func:`send_plan` / :func:`sent_bytes`: what a table sends.
+what the order of ops implies. Its ``placement`` says which device runs chunk c: ``"loop"``
+(``c % S``) or ``"v"`` (ZB-V). :func:`send_plan` / :func:`sent_bytes`: what a table sends.
 
     print(get_schedule("1f1b", 4, 8).timeline())
 
@@ -17,17 +18,22 @@ from collections.abc import Mapping
 
 import numpy as np
 
-IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3
+from spmd.pipeline.simulate import (
+    BACKWARD,
+    FORWARD,
+    IDLE,
+    NAMES,
+    PLACEMENTS,
+    WEIGHT,
+    Op,
+    _simulate,
+    chunk_at,
+    device_of,
+)
+
+__all__ = ["BACKWARD", "FORWARD", "IDLE", "NAMES", "PLACEMENTS", "WEIGHT", "Op", "Schedule", "SendPlan", "SentBytes",
+           "chunk_at", "device_of", "hop", "minimum_sends", "send_plan", "sent_bytes"]
 _LETTER = {FORWARD: "F", BACKWARD: "B", WEIGHT: "W"}
-NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
-
-Op = tuple[int, int, int]  # (kind, microbatch, virtual stage)
-
-
-def _check_sizes(S: int, M: int, V: int = 1) -> None:
-    for name, value in (("stages S", S), ("microbatches M", M), ("virtual stages V", V)):
-        if not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"pipeline schedule needs {name} >= 1, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -42,12 +48,24 @@ class Schedule:
     n_microbatches: int
     n_virtual: int
     actions: np.ndarray  # int32 [n_ticks, n_stages, 3]
+    placement: str = "loop"  # chunk c on device c % S ("loop") or in a V ("v", V = 2): :func:`chunk_at`
 
     def __post_init__(self) -> None:
         a = np.asarray(self.actions, dtype=np.int32)
         if a.ndim != 3 or a.shape[1:] != (self.n_stages, 3):
             raise ValueError(f"schedule actions must have shape [ticks, {self.n_stages}, 3], got {a.shape}")
+        if self.placement not in PLACEMENTS or (self.placement == "v" and self.n_virtual != 2):
+            raise ValueError(f"schedule placement {self.placement!r} with V={self.n_virtual}: valid are 'loop' "
+                             f"(any V) and 'v' (V = 2)")
         object.__setattr__(self, "actions", a)
+
+    def chunk(self, v: int, s: int) -> int:
+        """The chunk virtual stage v of stage s runs (:func:`chunk_at`)."""
+        return chunk_at(self.n_stages, self.n_virtual, self.placement, v, s)
+
+    def stage_of(self, c: int) -> int:
+        """The stage that runs chunk c: ``c % S`` in a loop, ``min(c, 2S-1-c)`` in a V."""
+        return device_of(self.n_stages, self.placement, c)[0]
 
     @property
     def n_ticks(self) -> int:
@@ -109,7 +127,7 @@ class Schedule:
         out = {}
         for t, s in zip(*np.nonzero(self.actions[..., 0])):
             kind, m, v = (int(x) for x in self.actions[t, s])
-            out[(kind, m, v * self.n_stages + int(s))] = int(t)
+            out[(kind, m, self.chunk(v, int(s)))] = int(t)
         return out
 
     def _release(self) -> int:
@@ -117,9 +135,10 @@ class Schedule:
         return WEIGHT if self.split_backward else BACKWARD
 
     def in_flight(self) -> np.ndarray:
-        """Per stage, the most microbatch inputs held at once: from the tick an input arrives (or,
-        for the first chunk, its forward) to the tick of its W (split), else its backward (or its
-        forward, without one)."""
+        """Per stage, the most chunk inputs held at once (one per microbatch and chunk): from the tick
+        an input arrives (or, for the first chunk, its forward) to the tick of its W (split), else its
+        backward (or its forward, without one). A chunk holds ``L/(S*V)`` layers, so with V > 1 an
+        input stands for a V-th of a one-chunk stage's activations: compare ``in_flight() / V``."""
         S, ticks, rel = self.n_stages, self.ticks(), self._release()
         count = np.zeros((self.n_ticks + 1, S), np.int64)
         for (kind, m, c), t in ticks.items():
@@ -127,7 +146,7 @@ class Schedule:
                 continue
             start = t if c == 0 else ticks[(FORWARD, m, c - 1)] + 1
             end = ticks.get((rel, m, c), t)
-            count[start:end + 1, c % S] += 1
+            count[start:end + 1, self.stage_of(c)] += 1
         return count.max(axis=0)
 
     @property
@@ -142,10 +161,10 @@ class Schedule:
         x_held, g_held = (np.zeros((self.n_ticks + 1, S), np.int64) for _ in range(2))
         for (kind, m, c), t in ticks.items():
             if kind == FORWARD and c > 0:
-                x_held[ticks[(FORWARD, m, c - 1)] + 1:ticks.get((rel, m, c), t) + 1, c % S] += 1
+                x_held[ticks[(FORWARD, m, c - 1)] + 1:ticks.get((rel, m, c), t) + 1, self.stage_of(c)] += 1
             elif kind == BACKWARD:
                 start = ticks[(FORWARD, m, c)] if c == C - 1 else ticks[(BACKWARD, m, c + 1)] + 1
-                g_held[start:t + 1, c % S] += 1
+                g_held[start:t + 1, self.stage_of(c)] += 1
         return max(1, int(x_held.max())), max(1, int(g_held.max()))
 
     def weight_stash_size(self) -> int:
@@ -157,7 +176,7 @@ class Schedule:
         held = np.zeros((self.n_ticks + 1, self.n_stages), np.int64)
         for (kind, m, c), t in ticks.items():
             if kind == WEIGHT:
-                held[ticks[(BACKWARD, m, c)]:t + 1, c % self.n_stages] += 1
+                held[ticks[(BACKWARD, m, c)]:t + 1, self.stage_of(c)] += 1
         return int(held.max())
 
     def sent_bytes(self, activation_bytes: int):
@@ -176,7 +195,7 @@ class Schedule:
                     continue
                 if kind not in _LETTER or not (0 <= m < M) or not (0 <= v < self.n_virtual):
                     raise ValueError(f"tick {t} stage {s}: invalid action {(kind, m, v)} for M={M}, V={self.n_virtual}")
-                key = (kind, m, v * S + s)
+                key = (kind, m, self.chunk(v, s))
                 if key in seen:
                     raise ValueError(f"{_LETTER[kind]}{m} of chunk {key[2]} runs twice (ticks {seen[key]} and {t})")
                 seen[key] = t
@@ -243,41 +262,8 @@ class Schedule:
         for s in range(self.n_stages):
             col = self.actions[:, s]
             orders.append([(int(a[0]), int(a[1]), int(a[2])) for a in col if a[0] == FORWARD])
-        table = _simulate(self.n_stages, self.n_microbatches, self.n_virtual, orders)
-        return Schedule(self.name + "-forward", self.n_stages, self.n_microbatches, self.n_virtual, table)
-
-
-def _simulate(S: int, M: int, V: int, orders: list[list[Op]]) -> np.ndarray:
-    """Place each stage's ops, in order, on the first tick whose inputs exist."""
-    C = S * V
-    done: dict[tuple[int, int, int], int] = {}
-    ptr = [0] * S
-    rows: list[list[Op]] = []
-    limit = 4 * sum(len(o) for o in orders) + 4 * C
-    while any(ptr[s] < len(orders[s]) for s in range(S)):
-        t = len(rows)
-        if t > limit:
-            raise ValueError(f"schedule deadlocks (S={S}, M={M}, V={V}): an op waits on one that never runs")
-        row = [(IDLE, -1, -1)] * S
-        for s in range(S):
-            if ptr[s] >= len(orders[s]):
-                continue
-            kind, m, v = orders[s][ptr[s]]
-            c = v * S + s
-            if kind == FORWARD:
-                ready = c == 0 or done.get((FORWARD, m, c - 1), t) < t
-            elif kind == WEIGHT:
-                ready = done.get((BACKWARD, m, c), t) < t
-            else:
-                ready = done.get((FORWARD, m, c), t) < t and (c == C - 1 or done.get((BACKWARD, m, c + 1), t) < t)
-            if ready:
-                row[s] = (kind, m, v)
-        for s, (kind, m, v) in enumerate(row):
-            if kind != IDLE:
-                done[(kind, m, v * S + s)] = t
-                ptr[s] += 1
-        rows.append(row)
-    return np.asarray(rows, dtype=np.int32).reshape(len(rows), S, 3)
+        table = _simulate(self.n_stages, self.n_microbatches, self.n_virtual, orders, self.placement)
+        return Schedule(self.name + "-forward", self.n_stages, self.n_microbatches, self.n_virtual, table, self.placement)
 
 
 Pairs = tuple[tuple[int, int], ...]  # (source stage, target stage)
@@ -285,21 +271,25 @@ Pairs = tuple[tuple[int, int], ...]  # (source stage, target stage)
 
 @dataclasses.dataclass(frozen=True)
 class SendPlan:
-    """Per tick, the stage pairs that carry a forward activation / a backward gradient."""
+    """Per tick, the stage pairs that carry a forward activation / a backward gradient, and the same
+    sends by channel: ``up`` (to the next stage: 1F1B's forwards) and ``down`` (to the previous one)."""
 
     n_stages: int
     forward: tuple[Pairs, ...]
     backward: tuple[Pairs, ...]
+    up: tuple[Pairs, ...]
+    down: tuple[Pairs, ...]
 
     def branches(self) -> tuple[tuple[tuple[Pairs, Pairs], ...], np.ndarray]:
-        """The distinct non-empty ``(forward pairs, backward pairs)`` of the ticks, in order of first use,
-        and per tick the switch branch: 0 for no send, k for ``branches[k - 1]``.
+        """The distinct non-empty ``(up pairs, down pairs)`` of the ticks, in order of first use, and per
+        tick the switch branch: 0 for no send, k for ``branches[k - 1]``. Each channel is a shift, so a
+        stage receives at most one activation per channel and tick (a V's stage gets forwards both ways).
 
-        The engine sends both directions of a tick from one branch of one conditional, so that the two
+        The engine sends both channels of a tick from one branch of one conditional, so that the two
         ``ppermute`` s of a tick are ordered on every device (see :func:`spmd.pipeline.engine.run_schedule`)."""
         found: list[tuple[Pairs, Pairs]] = []
-        index = np.zeros(len(self.forward), np.int32)
-        for t, pairs in enumerate(zip(self.forward, self.backward)):
+        index = np.zeros(len(self.up), np.int32)
+        for t, pairs in enumerate(zip(self.up, self.down)):
             if any(pairs):
                 if pairs not in found:
                     found.append(pairs)
@@ -320,22 +310,40 @@ class SendPlan:
         return out
 
 
+UP, DOWN, LOCAL = range(3)  # how an op's output reaches the next op of its microbatch
+
+
+def hop(schedule: Schedule, kind: int, c: int) -> tuple[int, int] | None:
+    """``(target stage, channel)`` of the output of op ``kind`` on chunk c, None when nothing is sent
+    (the last chunk's forward, the first chunk's backward, W). Channel LOCAL: the next chunk is on the
+    same stage (a V's turn), handed over without a send; in a loop forwards go UP and backwards DOWN
+    (also S = 2, where both reach the same stage), in a V the way the stage index moves."""
+    C = schedule.n_chunks
+    if (kind == FORWARD and c == C - 1) or (kind == BACKWARD and c == 0) or kind not in (FORWARD, BACKWARD):
+        return None
+    src, dst = schedule.stage_of(c), schedule.stage_of(c + 1 if kind == FORWARD else c - 1)
+    if src == dst:
+        return dst, LOCAL
+    if schedule.placement == "loop":
+        return dst, UP if kind == FORWARD else DOWN
+    return dst, UP if dst > src else DOWN
+
+
 def send_plan(schedule: Schedule) -> SendPlan:
     """Who sends to whom on each tick of ``schedule`` run by the table engine."""
-    S, C = schedule.n_stages, schedule.n_chunks
-    fwd, bwd = [], []
+    lists: tuple[list[Pairs], ...] = ([], [], [], [])
     for t in range(schedule.n_ticks):
-        f, b = [], []
-        for s in range(S):
+        f, b, chan = [], [], ([], [])  # type: ignore[var-annotated]
+        for s in range(schedule.n_stages):
             kind, _, v = (int(x) for x in schedule.actions[t, s])
-            c = v * S + s
-            if kind == FORWARD and c < C - 1:
-                f.append((s, (s + 1) % S))
-            elif kind == BACKWARD and c > 0:
-                b.append((s, (s - 1) % S))
-        fwd.append(tuple(f))
-        bwd.append(tuple(b))
-    return SendPlan(S, tuple(fwd), tuple(bwd))
+            to = hop(schedule, kind, schedule.chunk(v, s)) if kind != IDLE else None
+            if to is None or to[1] == LOCAL:
+                continue
+            (f if kind == FORWARD else b).append((s, to[0]))
+            chan[to[1]].append((s, to[0]))
+        for out, pairs in zip(lists, (f, b, *chan)):
+            out.append(tuple(pairs))
+    return SendPlan(schedule.n_stages, *(tuple(x) for x in lists))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,7 +351,7 @@ class SentBytes:
     """Bytes over ``pipe`` per step, summed over all (source, target) stage pairs of one pipeline."""
 
     executed: int  # what the table engine sends
-    minimum: int  # M*(C-1) activations each way (forward only: one way)
+    minimum: int  # M per stage-crossing chunk boundary each way (forward only: one way)
     per_stage: tuple[int, ...]  # what each stage sends
 
     @property
@@ -352,8 +360,10 @@ class SentBytes:
 
 
 def minimum_sends(schedule: Schedule) -> int:
-    """M*(C-1) activations forward, as many gradients backward when the schedule has backwards."""
-    one_way = schedule.n_microbatches * (schedule.n_chunks - 1)
+    """M activations forward per chunk boundary between two stages (M*(C-1) in a loop of S > 1; a V's
+    turn is on one stage, M*(C-2)), as many gradients backward when the schedule has backwards."""
+    C = schedule.n_chunks
+    one_way = schedule.n_microbatches * sum(schedule.stage_of(c) != schedule.stage_of(c + 1) for c in range(C - 1))
     return one_way * (2 if schedule.has_backward else 1)
 
 

@@ -1,13 +1,14 @@
 """What the table engine sends over ``pipe``: one activation per chunk boundary a microbatch crosses.
 
-A forward of chunk c < C-1 (C = S*V) sends its output ``x[B/M, L, D]`` to device ``(c+1) % S``,
-a backward of chunk c > 0 its input gradient to ``(c-1) % S``: M*(C-1) activations each way, the
-minimum. :func:`spmd.pipeline.schedules.send_plan` lists each tick's (source, target) stage pairs; the engine runs a tick's
-``ppermute`` s with exactly those pairs, both directions in one ``lax.switch`` branch picked by the
-tick (the same branch on every device), and none on a tick without sends. :func:`spmd.pipeline.schedules.sent_bytes` counts that from the table;
-:func:`hlo_sent_bytes` reads the compiled program and weighs each switch branch by how often the
-table takes it; :func:`hlo_branch_counts` weighs the collectives of the compute switch (a stage's
-tensor all-reduces, ...) by the ticks each stage runs each op. See docs/pipelines.md.
+A forward of chunk c < C-1 (C = S*V) sends its output ``x[B/M, L, D]`` to chunk c+1's device, a
+backward of chunk c > 0 its input gradient to chunk c-1's (none where both are on one device):
+M*(C-1) activations each way in a loop, M*(C-2) in ZB-V's V, the minimum.
+:func:`spmd.pipeline.schedules.send_plan` lists each tick's (source, target) pairs; the engine runs
+a tick's ``ppermute`` s with exactly those pairs, both channels in one ``lax.switch`` branch picked
+by the tick (the same on every device), none on a tick without sends; ``sent_bytes`` counts that
+from the table. :func:`hlo_sent_bytes` reads the compiled program and weighs each switch branch by
+how often the table takes it; :func:`hlo_branch_counts` weighs the collectives of the compute switch
+by the ticks each stage runs each op. See docs/pipelines.md.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def branch_ticks(schedule: Schedule) -> np.ndarray:
     for t in range(schedule.n_ticks):
         for s in range(schedule.n_stages):
             kind, _, v = (int(x) for x in schedule.actions[t, s])
-            last = v * schedule.n_stages + s == schedule.n_chunks - 1
+            last = schedule.chunk(v, s) == schedule.n_chunks - 1
             out[s, {IDLE: 0, BACKWARD: 3, WEIGHT: 4}.get(kind, 2 if last else 1)] += 1
     return out
 

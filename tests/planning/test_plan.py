@@ -73,11 +73,11 @@ def test_pipe_candidates_divide_layers_and_batch():
     for x in piped:
         assert math.prod(x.sizes.values()) == 8 and 16 % x.microbatches == 0
         assert x.microbatches in (x.pipe, 2 * x.pipe, 4 * x.pipe)
-        assert x.virtual_stages == (2 if x.schedule == "interleaved" else 1)
+        assert x.virtual_stages == (2 if x.schedule in ("interleaved", "zb-v") else 1)
         assert x.schedule == "1f1b" or x.virtual_stages == 1 or 4 % (2 * x.pipe) == 0  # V=2 where 2*pipe divides
     # every schedule spmd.pipeline.NAMES lists (the zero-bubble ones too), no special cases
     assert {x.schedule for x in piped} == set(spmd.pipeline.NAMES)
-    single = {n for n in spmd.pipeline.NAMES if n != "interleaved"}  # one chunk per stage
+    single = {n for n in spmd.pipeline.NAMES if n not in ("interleaved", "zb-v")}  # one chunk per stage (4 layers)
     assert {(x.schedule, x.microbatches) for x in piped if x.pipe == 4} == {(n, m) for n in single for m in (4, 8, 16)}
     assert {(x.schedule, x.microbatches) for x in piped if x.pipe == 2 and x.sizes["data"] == 4 and not x.remat} == {
         (n, m) for n in spmd.pipeline.NAMES for m in (2, 4, 8)}

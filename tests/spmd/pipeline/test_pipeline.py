@@ -84,7 +84,7 @@ def assert_matches_reference(loss, grads):
 
 FAST = [("gpipe", 2, 4, 1), ("1f1b", 2, 4, 1), ("interleaved", 2, 4, 2)]
 SLOW = [(s, S, M, V) for s, V in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)) for S in (2, 4) for M in (S, 2 * S)
-        if (s, S, M, V) not in FAST]
+        if (s, S, M, V) not in FAST] + [("zb-v", 2, 4, 2), ("zb-v", 4, 4, 2)]  # ZB-V: the stack converted to its V
 
 
 @pytest.mark.parametrize("schedule, S, M, V", FAST + [pytest.param(*c, marks=pytest.mark.slow) for c in SLOW])

@@ -38,6 +38,9 @@ def test_a_good_pipelined_config_builds():
                                      "pipeline.microbatches=8: use data.global_batch a multiple of 64")),
     (["pipeline.schedule=interleaved", "pipeline.virtual_stages=2", "pipeline.microbatches=2", "data.global_batch=4"],
      "interleaved schedule needs pipeline.microbatches=2 to be a multiple of pipe=4"),
+    (["pipeline.schedule=zb-v", "pipeline.virtual_stages=2", "pipeline.microbatches=6", "data.global_batch=12"],
+     "zb-v schedule needs pipeline.microbatches=6 to be a multiple of pipe=4"),
+    (["pipeline.schedule=zb-v"], "'zb-v' runs 2 chunks per stage: set pipeline.virtual_stages=2, got 1"),
     (["data.global_batch=8"], r"pipeline microbatch of 1 rows \(data.global_batch=8 / run.grad_accum=1 / "
                               r"pipeline.microbatches=8\) does not divide by data=2: use data.global_batch a multiple of 16"),
 ])
@@ -50,6 +53,7 @@ def test_neighbouring_good_values_pass():
     """Negative controls for each rejection above."""
     assert pp("model.n_layers=4").model.n_layers == 4
     assert pp("pipeline.schedule=interleaved", "pipeline.virtual_stages=2", "model.n_layers=16").model.n_layers == 16
+    assert pp("pipeline.schedule=zb-v", "pipeline.virtual_stages=2").pipeline.schedule == "zb-v"
     assert pp("data.global_batch=48").data.global_batch == 48
     assert pp("run.grad_accum=8", "pipeline.microbatches=4", "data.global_batch=256").run.grad_accum == 8
     assert pp("data.global_batch=16").data.global_batch == 16

@@ -1,7 +1,7 @@
-"""Zero-bubble schedules (ZB-H1, ZB-H2): their tables (bubble = the paper's formula, below 1F1B's;
-in-flight inputs; validation catching W misplaced) and the engine's B/W split (loss and gradients
-equal one device's, on a tiny stack and on the GPT over data x pipe x tensor; W recomputes nothing:
-the step executes 1F1B's matmul FLOPs)."""
+"""Zero-bubble schedules (ZB-H1, ZB-H2, ZB-V): their tables (bubble = the formula, below 1F1B's;
+in-flight inputs; validation catching W misplaced; ZB-V's V placement and its sends) and the engine's
+B/W split (loss and gradients equal one device's, on a tiny stack and on the GPT over data x pipe x
+tensor; W recomputes nothing: the step executes 1F1B's matmul FLOPs)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import pytest
 from test_pipeline import BATCH, CFG, LENGTH, assert_matches_reference, case
 
 import meshes
-from spmd.pipeline import PipelineConfig, get_schedule
+from spmd.pipeline import LayerOrder, PipelineConfig, get_schedule, send_plan
 from spmd.pipeline.engine import _build_tables, run_schedule
-from spmd.pipeline.schedules import BACKWARD, FORWARD, IDLE, WEIGHT, Schedule
-from spmd.pipeline.sends import hlo_sent_bytes
+from spmd.pipeline.schedules import BACKWARD, FORWARD, IDLE, WEIGHT, Schedule, minimum_sends
+from spmd.pipeline.sends import branch_ticks, hlo_sent_bytes
 
 ZB = ("zb-h1", "zb-h2")
 SIZES = [(S, M) for S in (2, 4) for M in (S, 2 * S, 4 * S)]
@@ -75,6 +75,66 @@ def test_in_flight_zb_h1_peak_equals_1f1b_zb_h2_up_to_2s(S, M):
     assert (nx, ng, nw) == (n_x, n_g, h1.weight_stash_size())
 
 
+@pytest.mark.parametrize("S, M", SIZES + [(1, 3), (3, 6), (5, 10), (8, 16)])
+def test_zb_v_bubble_is_its_formula_and_below_zb_h1(S, M):
+    """ZB-V (V = 2 chunks per device, every chunk op one tick): device S-1 starts at tick S-1 and then
+    never idles through its 6M ops, so the table has ``6M + S - 1`` ticks and bubble ``(S-1)/(6M+S-1)``:
+    the same S-1 idle ticks per device as ZB-H1 over twice the ticks (each a chunk, half a stage)."""
+    sch = get_schedule("zb-v", S, M, 2)
+    sch.validate()
+    assert (sch.placement, sch.n_virtual, sch.split_backward, sch.busy) == ("v", 2, True, 6 * M * S)
+    assert sch.n_ticks == 6 * M + S - 1
+    assert sch.bubble_fraction == pytest.approx((S - 1) / (6 * M + S - 1), abs=1e-12)
+    if S > 1:  # and the engine's scan, in forwards of a one-chunk stage (twice a ZB-V chunk's)
+        assert sch.bubble_fraction < get_schedule("zb-h1", S, M).bubble_fraction
+        assert sch.lockstep_time() / 2 < get_schedule("zb-h1", S, M).lockstep_time()
+        assert sch.lockstep_time() <= get_schedule("interleaved", S, M, 2).lockstep_time()
+    fo = sch.forward_only()
+    fo.validate()
+    assert fo.placement == "v" and fo.busy == 2 * M * S
+
+
+@pytest.mark.parametrize("S, M", SIZES + [(3, 6), (8, 16)])
+def test_zb_v_in_flight_equals_1f1b(S, M):
+    """Units: one ZB-V chunk input (with the activations of its L/(2S) layers) is half a 1F1B stage
+    input (L/S layers), so a device holding 2k chunk inputs holds what a 1F1B stage holding k does.
+    ZB-V holds at most 2S chunk inputs on any device, ``in_flight() / V`` <= S, 1F1B's peak (stage 0),
+    and reaches it: at most S microbatches are in flight, each with both chunks on each device."""
+    zbv, one = get_schedule("zb-v", S, M, 2), get_schedule("1f1b", S, M)
+    assert zbv.in_flight().max() == 2 * S and zbv.in_flight().min() >= 2 * S - 1
+    assert zbv.max_in_flight / zbv.n_virtual == one.max_in_flight == S
+    n_x, n_g = zbv.stash_sizes()
+    assert n_x <= 2 * S and 1 <= zbv.weight_stash_size() <= 2 * S
+    _, nx, ng, nw = _build_tables(zbv)
+    assert (nx, ng, nw) == (n_x, n_g, zbv.weight_stash_size())
+
+
+def test_zb_v_places_chunks_in_a_v_and_sends_over_neighbours():
+    S, M = 4, 8
+    sch = get_schedule("zb-v", S, M, 2)
+    assert [sch.stage_of(c) for c in range(2 * S)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert [sch.chunk(v, s) for s in range(S) for v in (0, 1)] == [0, 7, 1, 6, 2, 5, 3, 4]
+    assert list(LayerOrder(S, 2, "v").natural_index(16)) == [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9]
+    plan = send_plan(sch)
+    fwd = {p for pairs in plan.forward for p in pairs}
+    bwd = {p for pairs in plan.backward for p in pairs}
+    assert fwd == bwd == {(0, 1), (1, 2), (2, 3), (3, 2), (2, 1), (1, 0)}  # first arm up, second down, no (3, 3)
+    # the turn (chunk 3 -> 4 on stage 3) is handed over locally: M*(C-2) sends each way, the minimum
+    assert plan.count == minimum_sends(sch) == 2 * M * (2 * S - 2)
+    branches, index = plan.branches()
+    for up, down in branches:  # each channel a shift: every stage sends and receives at most once
+        assert all(b == a + 1 for a, b in up) and all(b == a - 1 for a, b in down)
+    assert (index > 0).sum() == sum(1 for u, d in zip(plan.up, plan.down) if u or d)
+    # some tick gives a stage two forwards, one from each side: why the engine sends by channel
+    assert any({b for _, b in u} & {b for _, b in d} for u, d in zip(plan.up, plan.down))
+    ticks = branch_ticks(sch)  # the compute switch: the head's forward (last chunk) runs on stage 0
+    assert list(ticks[:, 2]) == [M, 0, 0, 0] and list(ticks[:, 1]) == [M, 2 * M, 2 * M, 2 * M]
+    x = np.arange(16 * 3).reshape(16, 3)
+    order = LayerOrder(S, 2, "v")
+    assert np.array_equal(order.to_natural(order.to_stored(x)), x)
+    assert np.array_equal(order.convert(LayerOrder(S, 2).convert(x, order), LayerOrder(S, 2)), x)
+
+
 def test_timeline_and_gantt_show_w():
     import matplotlib
 
@@ -124,6 +184,9 @@ def test_validate_catches_misplaced_weight_ops():
     (("zb-h2", 2, 0), {}, r"microbatches M >= 1, got 0"),
     (("zb-h1", 0, 4), {}, r"stages S >= 1, got 0"),
     (("zb-h2", 4, 8), {"n_layers": 6}, r"6 layers do not split into S\*V = 4\*1 = 4 equal chunks"),
+    (("zb-v", 4, 8), {}, r"schedule 'zb-v' runs V=2 chunks per stage \(placed in a V\); got virtual stages V=1"),
+    (("zb-v", 4, 6, 2), {}, r"'zb-v' needs microbatches M=6 to be a multiple of stages S=4 \(M >= S\)"),
+    (("zb-v", 4, 8, 2), {"n_layers": 12}, r"12 layers do not split into S\*V = 4\*2 = 8 equal chunks"),
 ])
 def test_bad_inputs_name_the_numbers(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -134,6 +197,13 @@ def test_pipeline_config_accepts_zero_bubble():
     assert PipelineConfig("zb-h1", 8).make_schedule(4, n_layers=8).name == "zb-h1"
     with pytest.raises(ValueError, match=r"virtual_stages=2 needs schedule 'interleaved', got 'zb-h2'"):
         PipelineConfig("zb-h2", 8, 2)
+    zbv = PipelineConfig("zb-v", 8, 2)
+    assert zbv.make_schedule(4, n_layers=8).placement == "v"
+    assert zbv.layer_order(4) == LayerOrder(4, 2, "v") and zbv.layer_order(1).natural
+    with pytest.raises(ValueError, match=r"'zb-v' runs 2 chunks per stage: set pipeline.virtual_stages=2, got 1"):
+        PipelineConfig("zb-v", 8)
+    with pytest.raises(ValueError, match=r"placement 'v' with virtual=3"):
+        LayerOrder(4, 3, "v")
 
 
 # ---- the engine: a tiny stack (2 layers per stage) against the same stack on one device ----
@@ -165,7 +235,7 @@ def reference_loss(params, head, x, tg):
 @functools.cache
 def compiled(name: str, S: int, M: int):
     mesh = meshes.make_mesh({"pipe": S}, devices=jax.devices()[:S])
-    sch = get_schedule(name, S, M)
+    sch = get_schedule(name, S, M, 2 if name == "zb-v" else 1)
 
     def loss(p, h, x, tg):
         return run_schedule(stage_fn, head_fn, p, h, x, tg, schedule=sch, mesh=mesh)[0]
@@ -178,8 +248,9 @@ def max_rel_err(a, b) -> float:
     return max(jax.tree.leaves(errs))
 
 
-FAST = [("zb-h1", 2, 4), ("zb-h2", 2, 4), ("zb-h1", 4, 4), ("zb-h2", 4, 16)]
-ENGINE = FAST + [pytest.param(n, S, M, marks=pytest.mark.slow) for n in ZB for S, M in SIZES if (n, S, M) not in FAST]
+FAST = [("zb-h1", 2, 4), ("zb-h2", 2, 4), ("zb-h1", 4, 4), ("zb-h2", 4, 16), ("zb-v", 2, 2), ("zb-v", 4, 4)]
+ENGINE = FAST + [pytest.param(n, S, M, marks=pytest.mark.slow) for n in (*ZB, "zb-v") for S, M in SIZES
+                 if (n, S, M) not in FAST]
 
 
 @pytest.mark.parametrize("name, S, M", ENGINE)
@@ -197,19 +268,25 @@ def test_engine_b_w_split_matches_one_device(name, S, M):
                            ref_grads[0]) > 100 * TOL
 
 
-@pytest.mark.parametrize("schedule", ZB)
+@pytest.mark.parametrize("schedule", [*ZB, pytest.param("zb-v", marks=pytest.mark.slow)])
 def test_gpt_data_pipe_tensor_matches_one_device(schedule):
     """data=2 x pipe=2 x tensor=2 (dp_tp), M=4: the GPT's loss and every gradient equal one device's."""
-    c = case((("data", 2), ("pipe", 2), ("tensor", 2)), "dp_tp", schedule, 4, 1)
+    V = 2 if schedule == "zb-v" else 1
+    c = case((("data", 2), ("pipe", 2), ("tensor", 2)), "dp_tp", schedule, 4, V)
     spec = c.shardings["blocks"]["block"]["mlp"]["w_gate_up"].spec
     assert spec == jax.sharding.PartitionSpec("pipe", None, None, "tensor")
     assert_matches_reference(*c())
     # B sends the input gradient, W sends nothing: the compiled step moves 1F1B's minimum over pipe
-    sched = get_schedule(schedule, 2, 4)
+    sched = get_schedule(schedule, 2, 4, V)
     act = (BATCH // 4 // 2) * LENGTH * CFG.d_model * 4  # one microbatch's rows on one data shard, f32
     table = sched.sent_bytes(act)
-    assert table.executed == table.minimum == 2 * 4 * (2 - 1) * act
-    assert hlo_sent_bytes(c.compiled, sched, c.mesh) == {"executed": table.executed, "unattributed": 0}
+    crossings = 2 if schedule == "zb-v" else 1  # ZB-V's chunks 0 1 1 0 over the stages: its turn sends nothing
+    assert table.executed == table.minimum == 2 * 4 * crossings * act
+    sent = hlo_sent_bytes(c.compiled, sched, c.mesh)
+    assert sent["executed"] == table.executed
+    # the GPT stores its stack in natural order: for ZB-V it is permuted into the V (and the gradients
+    # back) over pipe on every step, outside the tick loop (a stack stored in the V, as the trainer's is, is not)
+    assert (sent["unattributed"] > 0) == (schedule == "zb-v")
 
 
 def test_zb_h1_executes_1f1b_matmul_flops():
