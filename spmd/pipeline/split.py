@@ -36,7 +36,11 @@ def _inline(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
     for eqn in jaxpr.eqns:
         vals, name, params = [read(v) for v in eqn.invars], eqn.primitive.name, eqn.params
         if name == "scan" and params["length"] == 1:
-            nc, nk, body = params["num_consts"], params["num_carry"], params["jaxpr"]
+            body = params["jaxpr"]
+            if "num_consts" in params:
+                nc, nk = params["num_consts"], params["num_carry"]
+            else:  # jax >= 0.12: the operand groups (consts, carry, xs) as a flat tree
+                nc, nk = (len(list(g)) for g in params["ft_in"].update(vals).unpack()[:2])
             outs = _inline(body.jaxpr, body.consts, *vals[:nc + nk], *(x[0] for x in vals[nc + nk:]))
             outs = [*outs[:nk], *(y[None] for y in outs[nk:])]
         elif name in _CALLS:
