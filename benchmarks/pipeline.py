@@ -161,31 +161,12 @@ def executed_dot_flops(compiled, schedule) -> np.ndarray:
     bodies times their trip counts (:func:`benchmarks.mfu.computation_dots`); a computation under the
     table engine's compute switch counts only on the ticks its stage takes that branch
     (:func:`spmd.pipeline.sends.branch_ticks`), not on every tick as :func:`benchmarks.mfu.dot_flops` does."""
-    import re
-
     from benchmarks.mfu import computation_dots
-    from spmd.pipeline.sends import _BRANCHES, _callees, branch_ticks
+    from spmd.pipeline.sends import compute_branches
 
     comps = {c.name: c for c in spmd.hlo.computations(compiled)}
-    n_branches, T = (5 if schedule.split_backward else 4), schedule.n_ticks
-    ticks = branch_ticks(schedule)
-    ticks[:, n_branches - 1] += ticks[:, n_branches:].sum(1)  # the engine clamps the op code to its last branch
-    under: dict[str, set[int]] = {}  # computation -> the compute branches it runs under
-    for comp in comps.values():
-        if not comp.count or comp.count % T:
-            continue
-        for line in comp.lines:
-            found = _BRANCHES.search(line) if " conditional(" in line else None
-            names = re.findall(r"%?([\w.\-]+)", found.group(1)) if found else []
-            if len(names) != n_branches:
-                continue
-            for k, name in enumerate(names):
-                todo = [name]
-                while todo:
-                    c = todo.pop()
-                    if c in comps and k not in under.setdefault(c, set()):
-                        under[c].add(k)
-                        todo += _callees(comps[c])
+    T = schedule.n_ticks
+    ticks, under = compute_branches(comps, schedule)
     out = np.zeros(schedule.n_stages)
     for name, comp in comps.items():
         flops = sum(f for f, _ in computation_dots(comp)) if comp.count else 0.0

@@ -122,16 +122,14 @@ def branch_ticks(schedule: Schedule) -> np.ndarray:
     return out
 
 
-def hlo_branch_counts(compiled: Any, schedule: Schedule) -> dict[str, tuple[int, ...]]:
-    """Per stage, the executions per step of each collective instruction (by name) inside the compute
-    switch of the table engine's tick loop (a conditional with one branch per op kind, run a multiple
-    of the ticks per step): its every-branch-every-tick count divided by the ticks, times the ticks that
-    stage takes the branch holding it (:func:`branch_ticks`). Collectives elsewhere are absent."""
-    comps = {c.name: c for c in hlo.computations(compiled)}
+def compute_branches(comps: dict[str, hlo.Computation], schedule: Schedule) -> tuple[np.ndarray, dict[str, set[int]]]:
+    """``(ticks[S, branches], {computation: the compute branches it runs under})`` of the table engine's
+    compute switch (a conditional with one branch per op kind, run a multiple of the ticks per step);
+    ``ticks`` as :func:`branch_ticks`, the op codes past the switch's last branch counted in it."""
     n_branches = 5 if schedule.split_backward else 4
     ticks = branch_ticks(schedule)
     ticks[:, n_branches - 1] += ticks[:, n_branches:].sum(1)  # the engine clamps the op code to its last branch
-    under: dict[str, set[int]] = {}  # computation -> the compute branches it runs under
+    under: dict[str, set[int]] = {}
     for comp in comps.values():
         if not comp.count or comp.count % schedule.n_ticks:
             continue
@@ -147,6 +145,16 @@ def hlo_branch_counts(compiled: Any, schedule: Schedule) -> dict[str, tuple[int,
                     if c in comps and k not in under.setdefault(c, set()):
                         under[c].add(k)
                         todo += _callees(comps[c])
+    return ticks, under
+
+
+def hlo_branch_counts(compiled: Any, schedule: Schedule) -> dict[str, tuple[int, ...]]:
+    """Per stage, the executions per step of each collective instruction (by name) inside the compute
+    switch of the table engine's tick loop (a conditional with one branch per op kind, run a multiple
+    of the ticks per step): its every-branch-every-tick count divided by the ticks, times the ticks that
+    stage takes the branch holding it (:func:`branch_ticks`). Collectives elsewhere are absent."""
+    comps = {c.name: c for c in hlo.computations(compiled)}
+    ticks, under = compute_branches(comps, schedule)
     out = {}
     for name, ks in under.items():
         comp = comps[name]
