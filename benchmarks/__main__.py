@@ -29,6 +29,7 @@ from benchmarks import (
     memory,
     mfu,
     moe,
+    moe_gpu,
     overhead,
     packing,
     peer,
@@ -62,6 +63,7 @@ BENCHMARKS: dict[str, Callable[..., int]] = {
     "packing": packing.main,
     "interchange": interchange.main,
     "decode_gpu": decode_gpu.main,
+    "moe_gpu": moe_gpu.main,
 }
 assert tuple(BENCHMARKS) == common.ORDER
 

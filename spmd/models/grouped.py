@@ -6,9 +6,9 @@ each block owned by one expert (its rows padded to a multiple of ``b``); a loop 
 used block by its expert's weights, sliced in place. Buffers hold ``max_rows + G * (b - 1)`` rows
 (a static bound); the loops run only over the blocks that hold rows, a trip count known at run
 time, so the work follows the rows present. ``b``: the largest power of two (<= 128) whose padding
-stays under 1/16 of the expected rows. (``jax.lax.ragged_dot`` does the same on TPU/GPU, but
-XLA:CPU lowers it to every row times every group.) Under expert parallelism it runs inside the
-MoE layer's shard_map.
+stays under 1/16 of the expected rows. On GPU and TPU the rows go unpadded through
+``jax.lax.ragged_dot`` instead (grouped-GEMM kernels; XLA:CPU lowers it to every row times every
+group). Under expert parallelism it runs inside the MoE layer's shard_map.
 """
 
 from __future__ import annotations
@@ -81,21 +81,29 @@ def _gathered_bwd(res, dy_NBF):
 _gathered_matmul.defvjp(_gathered_fwd, _gathered_bwd)
 
 
+IMPLS = ("loop", "ragged")
+
+
 def grouped_mlp(x_RD: jax.Array, group_R: jax.Array, w_gate_up_GDTF: jax.Array, w_down_GFD: jax.Array, *,
-                max_rows: int, expected_rows: int | None = None) -> tuple[jax.Array, jax.Array]:
+                max_rows: int, expected_rows: int | None = None, impl: str | None = None) -> tuple[jax.Array, jax.Array]:
     """``(y[R, D], rows)``: row r through expert ``group[r]``'s SwiGLU, 0 where ``group[r] == G``
     (absent); ``rows`` (int32 scalar): the rows the experts computed, padding included.
 
     ``max_rows`` bounds the present rows (a static shape: the buffers hold that many plus padding);
     ``expected_rows`` (default ``max_rows``) sets the block size, so padding stays small for the
-    typical count when the bound is a worst case.
+    typical count when the bound is a worst case. ``impl``: ``"loop"`` (the block loop above) or
+    ``"ragged"`` (rows sorted by expert, unpadded, through ``jax.lax.ragged_dot``: one grouped-GEMM
+    kernel per matrix on GPU and TPU); None: ``"loop"`` on CPU, ``"ragged"`` elsewhere.
     """
     r, d = x_RD.shape
     g = w_gate_up_GDTF.shape[0]
     f = w_down_GFD.shape[1]
     if max_rows < 1:
         raise ValueError(f"grouped_mlp needs max_rows >= 1 (a bound on the present rows), got {max_rows}")
-    b = block_rows(min(expected_rows or max_rows, max_rows), g)
+    impl = impl or ("loop" if jax.default_backend() == "cpu" else "ragged")
+    if impl not in IMPLS:
+        raise ValueError(f"grouped_mlp impl={impl!r}; valid: {', '.join(IMPLS)}")
+    b = 1 if impl == "ragged" else block_rows(min(expected_rows or max_rows, max_rows), g)
     nb = n_blocks(max_rows, g, b)
     onehot_RG = jax.nn.one_hot(group_R, g, dtype=jnp.int32)  # absent rows (group G): all zero
     count_G = jnp.sum(onehot_RG, axis=0)
@@ -106,6 +114,10 @@ def grouped_mlp(x_RD: jax.Array, group_R: jax.Array, w_gate_up_GDTF: jax.Array, 
     first_row_R = jnp.take((end_G - blocks_G) * b, jnp.minimum(group_R, g - 1))
     dest_R = jnp.where(group_R < g, first_row_R + rank_R, nb * b)  # absent rows fall outside: dropped
     x_ND = jnp.zeros((nb * b, d), x_RD.dtype).at[dest_R].set(x_RD, mode="drop")
+    if impl == "ragged":  # rows grouped by expert in order, count_G each: what ragged_dot's group sizes say
+        h_NTF = jax.lax.ragged_dot(x_ND, w_gate_up_GDTF.reshape(g, d, 2 * f), count_G)
+        y_ND = jax.lax.ragged_dot(jax.nn.silu(h_NTF[:, :f]) * h_NTF[:, f:], w_down_GFD, count_G)
+        return y_ND.at[dest_R].get(mode="fill", fill_value=0), jnp.sum(count_G)
     group_N = jnp.minimum(jnp.sum(end_G[None, :] <= jnp.arange(nb)[:, None], axis=1), g - 1)  # the block's expert
     h_NBTF = _gathered_matmul(x_ND.reshape(nb, b, d), w_gate_up_GDTF.reshape(g, d, 2 * f), group_N, used)
     h_NBF = jax.nn.silu(h_NBTF[..., :f]) * h_NBTF[..., f:]

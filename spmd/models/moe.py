@@ -88,7 +88,8 @@ def expert_rows(tokens: int, n_experts: int, k: int, capacity_factor: float, ep:
 
 
 def dropless(x_TD: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array, w_gate_up_EDTF: jax.Array,
-             w_down_EFD: jax.Array, *, n_experts: int, axis: str | None = None) -> tuple[jax.Array, jax.Array]:
+             w_down_EFD: jax.Array, *, n_experts: int, axis: str | None = None,
+             impl: str | None = None) -> tuple[jax.Array, jax.Array]:
     """One device's tokens through their experts, none dropped, with grouped matmuls: ``(y[T, D], rows)``,
     ``rows`` the expert rows this device computed (int32, block padding included).
 
@@ -104,7 +105,8 @@ def dropless(x_TD: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array, w_gate
     k = experts_TK.shape[1]
     if axis is None:
         x_RD = jnp.broadcast_to(x_TD[:, None, :], (t, k, d)).reshape(t * k, d)
-        y_RD, rows = grouped.grouped_mlp(x_RD, experts_TK.reshape(t * k), w_gate_up_EDTF, w_down_EFD, max_rows=t * k)
+        y_RD, rows = grouped.grouped_mlp(x_RD, experts_TK.reshape(t * k), w_gate_up_EDTF, w_down_EFD, max_rows=t * k,
+                                         impl=impl)
         y_TKD = y_RD.reshape(t, k, d)
     else:
         local = w_gate_up_EDTF.shape[0]
@@ -117,7 +119,8 @@ def dropless(x_TD: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array, w_gate
         group_R = jnp.broadcast_to(jnp.arange(local)[None, :, None], (ep, local, t)).reshape(-1)
         group_R = jnp.where(jnp.any(x_RD != 0, axis=-1), group_R, local)
         y_RD, rows = grouped.grouped_mlp(x_RD, group_R, w_gate_up_EDTF, w_down_EFD,
-                                         max_rows=min(ep * t * min(k, local), n_experts * t), expected_rows=t * k)
+                                         max_rows=min(ep * t * min(k, local), n_experts * t), expected_rows=t * k,
+                                         impl=impl)
         y_ECD = collectives.all_to_all(y_RD.reshape(n_experts, t, d), axis, split_dim=0, concat_dim=0)  # combine
         y_TKD = y_ECD.at[experts_TK, slot_TK].get(mode="fill", fill_value=0)
     y_TD = jnp.einsum("tkd,tk->td", y_TKD.astype(jnp.float32), gates_TK)
@@ -167,14 +170,15 @@ class MoE(nnx.Module):
     :func:`spmd.models.router.route`) and ``dropped`` (fraction of assignments over capacity); with
     ``report_rows``, ``expert_rows`` too: rows the experts computed per top-k assignment, mean over
     devices (1 + block padding dropless, ``E * C / (T * k)`` with a capacity; it depends on the
-    layout). A model adds ``w_aux * aux_loss + w_z * z_loss`` to its loss.
+    layout). A model adds ``w_aux * aux_loss + w_z * z_loss`` to its loss. ``grouped_impl``: how
+    dropless experts run (:func:`spmd.models.grouped.grouped_mlp`'s ``impl``; None: by backend).
     """
 
     opens_manual_region = True  # runs its own shard_map: callers must not wrap it in another one
 
     def __init__(self, d_model: int, d_ff: int, n_experts: int, k: int = 2, *, rngs: nnx.Rngs,
                  capacity_factor: float = 0.0, router: str = "softmax", n_shared: int = 0,
-                 dtype: jnp.dtype = jnp.float32, report_rows: bool = False):
+                 dtype: jnp.dtype = jnp.float32, report_rows: bool = False, grouped_impl: str | None = None):
         if n_experts < 1 or not 1 <= k <= n_experts:
             raise ValueError(f"MoE needs n_experts >= 1 and 1 <= k <= n_experts, got n_experts={n_experts}, k={k}")
         if router not in router_lib.ROUTERS:
@@ -189,7 +193,7 @@ class MoE(nnx.Module):
         self.shared = GatedMLP(d_model, n_shared * d_ff, rngs=rngs, dtype=dtype) if n_shared else None
         self.n_experts, self.k, self.capacity_factor, self.router, self.dtype = (
             n_experts, k, capacity_factor, router, dtype)
-        self.report_rows = report_rows
+        self.report_rows, self.grouped_impl = report_rows, grouped_impl
 
     def __call__(self, x_BLD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         b, length, d = x_BLD.shape
@@ -227,7 +231,7 @@ class MoE(nnx.Module):
             args = (x_BLD.reshape(t, d), experts_BLK.reshape(t, k), gates_BLK.reshape(t, k), w_gate_up, w_down)
             axis = "expert" if ep > 1 else None
             if cf == 0:
-                (y_TD, rows), kept_TK = dropless(*args, n_experts=n, axis=axis), args[1] >= 0  # all kept
+                (y_TD, rows), kept_TK = dropless(*args, n_experts=n, axis=axis, impl=self.grouped_impl), args[1] >= 0
             else:
                 capacity = router_lib.capacity(t, n, k, cf)
                 y_TD, kept_TK = dispatch_combine(*args, n_experts=n, capacity=capacity, axis=axis)

@@ -135,14 +135,19 @@ def test_grouped_mlp_matches_a_per_row_reference():
         y = jnp.einsum("rf,rfd->rd", jax.nn.silu(h[:, 0]) * h[:, 1], w_d[jnp.minimum(group, g - 1)])
         return jnp.where((group < g)[:, None], y, 0.0)
 
-    def run(x, w_gu, w_d):
-        return grouped.grouped_mlp(x, group, w_gu, w_d, max_rows=int(np.sum(np.asarray(group) < g)))[0]
+    for impl in grouped.IMPLS:  # the block loop (CPU's default) and ragged_dot (GPU's and TPU's)
+        def run(x, w_gu, w_d, impl=impl):
+            return grouped.grouped_mlp(x, group, w_gu, w_d, max_rows=int(np.sum(np.asarray(group) < g)), impl=impl)[0]
 
-    np.testing.assert_allclose(run(x, w_gu, w_d), reference(x, w_gu, w_d), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(run(x, w_gu, w_d), reference(x, w_gu, w_d), rtol=1e-5, atol=1e-5)
+        grads = jax.grad(lambda *a: jnp.sum(jnp.sin(run(*a))), argnums=(0, 1, 2))(x, w_gu, w_d)
+        ref_grads = jax.grad(lambda *a: jnp.sum(jnp.sin(reference(*a))), argnums=(0, 1, 2))(x, w_gu, w_d)
+        assert rel_err(grads, ref_grads) < 1e-5, impl
     assert np.abs(np.asarray(reference(x, w_gu, w_d))).max() > 0 and np.sum(np.asarray(group) == g) > 0
-    grads = jax.grad(lambda *a: jnp.sum(jnp.sin(run(*a))), argnums=(0, 1, 2))(x, w_gu, w_d)
-    ref_grads = jax.grad(lambda *a: jnp.sum(jnp.sin(reference(*a))), argnums=(0, 1, 2))(x, w_gu, w_d)
-    assert rel_err(grads, ref_grads) < 1e-5
+    n_present = int(np.sum(np.asarray(group) < g))
+    assert int(grouped.grouped_mlp(x, group, w_gu, w_d, max_rows=n_present, impl="ragged")[1]) == n_present
+    with pytest.raises(ValueError, match="impl='dense'; valid: loop, ragged"):
+        grouped.grouped_mlp(x, group, w_gu, w_d, max_rows=n_present, impl="dense")
     # the loops ran over the used blocks only: each group's rows padded to a block multiple
     n_rows, counts = int(np.sum(np.asarray(group) < g)), np.bincount(np.asarray(group), minlength=g + 1)[:g]
     blk = grouped.block_rows(n_rows, g)
