@@ -220,6 +220,18 @@ def write_section(path: Path, name: str, body: str, info: Mapping[str, str]) -> 
     path.write_text("\n".join(text))
 
 
+def report_gpu(name: str, title: str, rows: Callable[[bool], list[Row]], options: Options, command: str,
+               before: Callable[[], list[str]]) -> list[Row]:
+    """A one-GPU benchmark's section: ``rows(quick)`` when a GPU is present, else "no GPU: skipped"."""
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        print("no GPU: skipped")
+        report(name, title, [], options, command, after=["no GPU: skipped"])
+        return []
+    result = rows(options.quick)
+    report(name, title, result, options, command, before=before())
+    return result
+
+
 def report(name: str, title: str, rows: Sequence[Row], options: Options, command: str, *,
            before: Sequence[str] = (), after: Sequence[str] = (), info: Mapping[str, str] | None = None,
            started_load: str | None = None) -> str:

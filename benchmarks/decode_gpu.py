@@ -76,15 +76,9 @@ def rows(quick: bool) -> list[Row]:
 
 
 def run(options: common.Options, command: str = "python -m benchmarks.decode_gpu") -> list[Row]:
-    if not any(d.platform == "gpu" for d in jax.devices()):
-        print("no GPU: skipped")
-        common.report("decode_gpu", "Decode on one GPU", [], options, command, after=["no GPU: skipped"])
-        return []
-    result = rows(options.quick)
-    common.report("decode_gpu", "Decode on one GPU", result, options, command,
-                  before=[f"- {jax.devices()[0].device_kind}; GPT d_model 2048, GQA 16/8 heads, d_ff 5632, vocab 32000, "
-                         "bf16 weights and cache, greedy; minimum of 3 interleaved rounds"])
-    return result
+    return common.report_gpu("decode_gpu", "Decode on one GPU", rows, options, command, lambda: [
+        f"- {jax.devices()[0].device_kind}; GPT d_model 2048, GQA 16/8 heads, d_ff 5632, vocab 32000, "
+        "bf16 weights and cache, greedy; minimum of 3 interleaved rounds"])
 
 
 def main(argv: Sequence[str] | None = None, command: str = "python -m benchmarks.decode_gpu") -> int:

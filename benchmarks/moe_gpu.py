@@ -67,15 +67,9 @@ def rows(quick: bool) -> list[Row]:
 
 
 def run(options: common.Options, command: str = "python -m benchmarks.moe_gpu") -> list[Row]:
-    if not any(d.platform == "gpu" for d in jax.devices()):
-        print("no GPU: skipped")
-        common.report("moe_gpu", "MoE on one GPU", [], options, command, after=["no GPU: skipped"])
-        return []
-    result = rows(options.quick)
-    common.report("moe_gpu", "MoE on one GPU", result, options, command,
-                  before=[f"- {jax.devices()[0].device_kind}; MoE layer D {D}, F {F}, E {E}, top-{K}, bf16 compute, "
-                          "value_and_grad of the layer's loss; one device's tokens"])
-    return result
+    return common.report_gpu("moe_gpu", "MoE on one GPU", rows, options, command, lambda: [
+        f"- {jax.devices()[0].device_kind}; MoE layer D {D}, F {F}, E {E}, top-{K}, bf16 compute, "
+        "value_and_grad of the layer's loss; one device's tokens"])
 
 
 def main(argv: Sequence[str] | None = None, command: str = "python -m benchmarks.moe_gpu") -> int:
