@@ -71,6 +71,12 @@ def dispatch_combine(x_TD: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array
     return y_TD.astype(x_TD.dtype), kept_TK
 
 
+def _most_rows(tokens: int, n_experts: int, k: int, ep: int) -> int:
+    """The most expert rows one device may hold dropless: its ``T * k`` assignments on one device; under
+    ``ep > 1`` every source's tokens may pick its E/ep experts, at most ``ep * T * min(k, E/ep)`` (<= E * T)."""
+    return tokens * k if ep == 1 else min(ep * tokens * min(k, n_experts // ep), n_experts * tokens)
+
+
 def expert_rows(tokens: int, n_experts: int, k: int, capacity_factor: float, ep: int = 1) -> tuple[int, int]:
     """``(buffer rows, expert rows)`` of one device's ``tokens``, as static shapes hold them (memory): the
     rows packed for dispatch (``E * C`` with a capacity; under ``ep > 1`` dropless ``E * T``; one device
@@ -81,9 +87,8 @@ def expert_rows(tokens: int, n_experts: int, k: int, capacity_factor: float, ep:
         slots = n_experts * router_lib.capacity(tokens, n_experts, k, capacity_factor)
         return slots, slots
     groups = n_experts // ep
-    most = tokens * k if ep == 1 else min(ep * tokens * min(k, groups), n_experts * tokens)
     b = grouped.block_rows(tokens * k, groups)
-    rows = grouped.n_blocks(most, groups, b) * b
+    rows = grouped.n_blocks(_most_rows(tokens, n_experts, k, ep), groups, b) * b
     return (tokens * k, rows) if ep == 1 else (n_experts * tokens, rows)
 
 
@@ -119,7 +124,7 @@ def dropless(x_TD: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array, w_gate
         group_R = jnp.broadcast_to(jnp.arange(local)[None, :, None], (ep, local, t)).reshape(-1)
         group_R = jnp.where(jnp.any(x_RD != 0, axis=-1), group_R, local)
         y_RD, rows = grouped.grouped_mlp(x_RD, group_R, w_gate_up_EDTF, w_down_EFD,
-                                         max_rows=min(ep * t * min(k, local), n_experts * t), expected_rows=t * k,
+                                         max_rows=_most_rows(t, n_experts, k, ep), expected_rows=t * k,
                                          impl=impl)
         y_ECD = collectives.all_to_all(y_RD.reshape(n_experts, t, d), axis, split_dim=0, concat_dim=0)  # combine
         y_TKD = y_ECD.at[experts_TK, slot_TK].get(mode="fill", fill_value=0)

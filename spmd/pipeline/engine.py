@@ -62,8 +62,9 @@ def _gpipe_local(stage_fn: StageFn, head_fn: HeadFn, S: int, M: int, axis: str, 
     """Per-device GPipe forward: scans over M + S - 1 ticks, each run of ticks sending over the stage pairs
     that carry a microbatch (``sends.gpipe_sends``); autodiff gives the backward. Takes the flattened stage
     and head leaves (``trees``: their treedefs) and gathers them once before the loop; autodiff turns that
-    all-gather into the one reduce-scatter of the gradients. Loss and aux are averaged over the manual batch
-    axes; the ``shard_map``'s transpose sums the other parameter cotangents over them once, at its boundary."""
+    all-gather into the one reduce-scatter of the gradients. Loss and aux come out per device (the caller
+    averages them over the manual batch axes); the ``shard_map``'s transpose sums the other parameter
+    cotangents over those axes once, at its boundary."""
     stage = jax.checkpoint(stage_fn, prevent_cse=False) if remat else stage_fn
 
     def run(p_leaves, h_leaves, x_MbLD, tg_MbL):
@@ -282,8 +283,9 @@ def run_schedule(
 
     if schedule.name == "gpipe":
         local = _gpipe_local(stage_fn, head_fn, S, M, axis, remat, layout, trees, x_MbLD.dtype)
-        if mesh.devices.flat[0].platform == "cpu":  # x in f32 (cast inside): autodiff sums its cotangent over pipe,
-            x_MbLD = x_MbLD.astype(jnp.float32)  # which XLA:CPU aborts on in bf16
+        # a narrow x enters in f32 (cast inside): autodiff sums its cotangent over pipe, which XLA:CPU aborts on in bf16
+        if mesh.devices.flat[0].platform == "cpu" and x_MbLD.dtype.itemsize < 4:
+            x_MbLD = x_MbLD.astype(jnp.float32)
         per_device = P((axis, *bax))  # [S * n_batch]: stage-major
         gpipe_run = jax.shard_map(inner(local), in_specs=in_specs, out_specs=(per_device, per_device), **sm)
         loss, aux = gpipe_run(order.convert(p_leaves, NATURAL), h_leaves, x_MbLD, targets_MbL)

@@ -168,8 +168,8 @@ class Schedule:
         return max(1, int(x_held.max())), max(1, int(g_held.max()))
 
     def weight_stash_size(self) -> int:
-        """Split schedules: the most microbatches between their B and W on any stage (each holds the
-        chunk's per-layer output gradients for its W); 0 without W ops."""
+        """Split schedules: the most microbatches between their B and W on any stage (each holds
+        what its W reads of B's backward, :class:`spmd.pipeline.split.SplitBackward`); 0 without W ops."""
         if not self.split_backward:
             return 0
         ticks = self.ticks()

@@ -47,8 +47,8 @@ def _build_tables(schedule: Schedule) -> tuple[np.ndarray, int, int, int]:
 
     Per (tick, stage): kind (idle/fwd/fwd_last/bwd/wgt), m, v, first-chunk flag, the stash slot of the
     chunk input (held to the chunk's W when the schedule has W ops, else to its backward), the
-    grad-buffer slot of the output gradient (held to the backward / B), the W-stash slot holding the
-    per-layer output gradients from B to W (-1: none), and per channel the stash / grad-buffer slot
+    grad-buffer slot of the output gradient (held to the backward / B), the W-stash slot holding what
+    W reads of B's backward, from B to W (-1: none), and per channel the stash / grad-buffer slot
     where the activation / gradient that arrives this tick (sent on the previous tick) is written.
     """
     S, C, T = schedule.n_stages, schedule.n_chunks, schedule.n_ticks
