@@ -22,6 +22,7 @@ from spmd.models import lm_loss
 from spmd.models.packed import PACKED_KEYS
 from spmd.pipeline import PipelineConfig
 from trainers import accumulate
+from trainers.blame import ContractError
 from trainers.faults import guard
 from trainers.optim import global_norm
 from trainers.state import ShardedState, TrainState
@@ -62,17 +63,17 @@ def loss_and_metrics(out: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     """A loss function's result as ``(scalar loss, {name: scalar})``, or a clear error."""
     if isinstance(out, tuple):
         if len(out) != 2 or not isinstance(out[1], Mapping):
-            raise TypeError(f"the loss function returned a tuple of {len(out)} items "
-                            f"({', '.join(type(x).__name__ for x in out)}); return a scalar loss or (loss, dict of metrics)")
+            raise ContractError(f"the loss function returned a tuple of {len(out)} items "
+                                f"({', '.join(type(x).__name__ for x in out)}); return a scalar loss or (loss, dict of metrics)")
         loss, metrics = out
     else:
         loss, metrics = out, {}
     if not hasattr(loss, "shape") or loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
-        raise TypeError(f"the loss function must return a float scalar loss, got {type(loss).__name__} of shape "
-                        f"{getattr(loss, 'shape', None)} and dtype {getattr(loss, 'dtype', None)} (take a mean over the batch)")
+        raise ContractError(f"the loss function must return a float scalar loss, got {type(loss).__name__} of shape "
+                            f"{getattr(loss, 'shape', None)} and dtype {getattr(loss, 'dtype', None)} (take a mean over the batch)")
     for name, value in metrics.items():
         if not isinstance(name, str) or jnp.shape(value) != ():
-            raise TypeError(f"loss metric {name!r} has shape {jnp.shape(value)}; metrics must be scalars keyed by str")
+            raise ContractError(f"loss metric {name!r} has shape {jnp.shape(value)}; metrics must be scalars keyed by str")
     return loss, dict(metrics)
 
 
@@ -257,8 +258,8 @@ def make_eval_step(
             for name, fn in metrics.items():
                 values = jnp.asarray(fn(model, batch))
                 if values.shape != mask_B.shape:
-                    raise TypeError(f"eval metric {name!r} returned shape {values.shape}; it must return one value "
-                                    f"per example, shape {mask_B.shape} (e.g. (logits.argmax(-1) == labels))")
+                    raise ContractError(f"eval metric {name!r} returned shape {values.shape}; it must return one value "
+                                        f"per example, shape {mask_B.shape} (e.g. (logits.argmax(-1) == labels))")
                 out[name] = jnp.sum(values.astype(jnp.float32) * mask_B)
         return out
 

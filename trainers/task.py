@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import os
-import sysconfig
 import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from flax import nnx
 
+from trainers.blame import frame_owner
 from trainers.config import Config
 from trainers.data import TokenWindows, load_corpus
 from trainers.data.checks import check_examples, check_token_ids, check_windows
@@ -108,12 +107,9 @@ def _user_error(exc: BaseException, what: str) -> UserCodeError:
 
 
 def _is_user_file(filename: str) -> bool:
-    """Whether a traceback frame is the user's: not the toolkit's packages, not an installed library, not Python's."""
-    path = os.path.abspath(filename)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ours = any(path.startswith(os.path.join(root, pkg) + os.sep) for pkg in ("meshes", "spmd", "trainers"))
-    installed = "site-packages" in path or path.startswith(os.path.abspath(sysconfig.get_paths()["stdlib"]))
-    return not ours and not installed and not filename.startswith("<frozen")
+    """Whether a traceback frame is the user's: not the toolkit's packages, not the standard library, not one
+    of the toolkit's dependencies (a task installed into site-packages is the user's: :func:`trainers.blame.frame_owner`)."""
+    return frame_owner(filename) == "task"
 
 
 def lm_model(model_cfg: Any) -> Callable[[nnx.Rngs], nnx.Module]:

@@ -169,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         # imported after parsing: --help and --version answer without starting jax
         from meshes import MeshError
         from meshes.distributed import ConsistencyError, DistributedError
+        from trainers.blame import ContractError, owner, task_frame
         from trainers.checkpoint import NoUsableCheckpointError
         from trainers.faults import DivergenceError
         from trainers.launch import command
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             return _report(e, EXIT_USAGE, debug, _mesh_hint(str(e), args))
         except OSError as e:
             return _report(e, EXIT_USAGE, debug, _path_hint(e, args))
-        except (ValueError, ConsistencyError, NoUsableCheckpointError) as e:
+        except (ValueError, ConsistencyError, NoUsableCheckpointError, ContractError) as e:
             return _report(e, EXIT_USAGE, debug)
         except Exception as e:  # a bug: say so, briefly, and how to see more
             if _interrupted.is_set():  # e.g. an import that Ctrl-C broke half-way
@@ -191,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
             if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():  # the config's, not a bug
                 return _report(e, EXIT_USAGE, debug, _oom_hint(args), text="out of device memory: "
                                + next((line for line in str(e).splitlines() if line.strip()), type(e).__name__))
+            if owner(e) == "task":  # raised in the task's code (wherever it is installed): the task's error
+                return _report(e, EXIT_USAGE, debug, text=f"the task's code raised {type(e).__name__}: {e}"
+                               f"{task_frame(e)}; the error is in that code, not in the toolkit"
+                               + ("" if debug else " (--debug shows the traceback)"))
             if debug:
                 traceback.print_exc()
             return _error(f"internal error: {type(e).__name__}: {e}"
