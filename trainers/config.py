@@ -44,6 +44,8 @@ class MeshConfig:
     axis_type: str = "auto"
 
     def __post_init__(self) -> None:
+        if isinstance(self.axes, str) and self.axes.strip().lower() == AUTO and self.axes != AUTO:
+            object.__setattr__(self, "axes", AUTO)  # --mesh AUTO / Auto: the planner's choice, as --mesh auto
         if self.axes != AUTO:
             self.spec  # validates names and sizes now, not on the pod
         elif self.dcn:

@@ -28,7 +28,8 @@ from spmd.interchange.safetensors_io import SafetensorsFolder
 from spmd.models import GPT, GPTConfig
 from spmd.sharding import abstract_module, path_str
 from spmd.variables import init_model
-from trainers.checkpoint import Checkpointer
+from trainers.checkpoint import Checkpointer, resolve_init_from
+from trainers.checkpoint.config import hugging_face_folder
 from trainers.config import Config, override
 from trainers.config_files import config_file_overrides
 from trainers.logger import CONFIG_FILE
@@ -55,6 +56,8 @@ def resolve(cfg: Config, *, check: bool = True) -> Config:
     other fields kept) and, with ``check``, every tensor checked (jax-abstract, no device); unchanged otherwise."""
     path = hf_path(cfg.checkpoint.init_from)
     if path is None:
+        if cfg.checkpoint.init_from and os.path.isdir(cfg.checkpoint.init_from):
+            resolve_init_from(cfg.checkpoint.init_from)  # refuses a Hugging Face folder given without hf:
         return cfg
     if cfg.pipeline.virtual_stages > 1:  # the stacks would be stored in chunk order, the tensors are in natural order
         raise ValueError(f"checkpoint.init_from={cfg.checkpoint.init_from!r} with pipeline.virtual_stages="
@@ -100,6 +103,9 @@ def init_params(cfg: Config, abstract_params: Any) -> Any:
 def run_config(run_dir: str) -> Config:
     """The config a run directory was trained with (its ``config.json``)."""
     file = os.path.join(run_dir, CONFIG_FILE)
+    hf = hugging_face_folder(run_dir)
+    if hf:
+        raise ValueError(f"{run_dir!r} is a Hugging Face folder ({hf}), not a run directory: give hf:{run_dir}")
     if not os.path.isfile(file):
         raise ValueError(f"{run_dir!r} is not a run directory (no {CONFIG_FILE}); give RUN_DIR, RUN_DIR/STEP or hf:PATH")
     return override(Config(), config_file_overrides(file))
@@ -140,14 +146,38 @@ def load_model(source: str, mesh: Mesh | None = None, rules: Any = None) -> GPT:
     return model_vars.merge(params, model_vars.other)  # type: ignore[return-value]  # a GPT: model_vars are one's
 
 
-def export_run(source: str, out: str, *, dtype: str = "float32", max_shard_bytes: int = 2 << 30) -> list[str]:
+def model_changes(model: GPTConfig) -> list[str]:
+    """How the exported Hugging Face model would compute differently from ``model`` (words for a message;
+    empty when it computes the same)."""
+    changes = []
+    if model.n_experts and model.capacity_factor > 0:
+        changes.append(f"model.capacity_factor={model.capacity_factor:g}: each expert took at most "
+                       f"ceil({model.capacity_factor:g} x tokens x {model.experts_per_token} / {model.n_experts}) "
+                       f"tokens per device and the rest were dropped, while {families.family_for(model).architecture} "
+                       "is dropless: the exported model routes every token, so its outputs differ wherever a token "
+                       "was dropped")
+    return changes
+
+
+def export_run(source: str, out: str, *, dtype: str = "float32", max_shard_bytes: int = 2 << 30,
+               allow_model_change: bool = False) -> list[str]:
     """Write a run's step (``RUN_DIR[/STEP]``) as a Hugging Face folder ``out`` (its tokenizer.json too when
-    the run used one); restored on this host's first device, written one parameter at a time."""
+    the run used one); restored on this host's first device, written one parameter at a time. A model the
+    Hugging Face family computes differently (:func:`model_changes`) is refused unless ``allow_model_change``."""
+    if hf_path(source) is not None:
+        raise ValueError(f"{source!r} is already a Hugging Face folder: spmd-export writes a run directory "
+                         f"(RUN_DIR or RUN_DIR/STEP) as one; to use the folder, give it as {source} to spmd-generate "
+                         f"or as checkpoint.init_from={source} to spmd-train")
     if os.path.exists(os.path.join(out, "config.json")):
         raise ValueError(f"{out!r} already holds a config.json; export into a new or empty directory")
     run_dir, _ = split_source(source)
     cfg = run_config(run_dir)
     hf_config.to_hf_config(cfg.model, dtype)  # refuses what has no Hugging Face family before any read
+    changes = model_changes(cfg.model)
+    if changes and not allow_model_change:
+        raise ValueError(f"exporting {source!r} would change the model: {'; '.join(changes)}. Pass "
+                         "--allow-model-change to export it anyway (export_run(..., allow_model_change=True)), "
+                         "or export a run trained with model.capacity_factor=0 (dropless)")
     model = load_model(source, meshes.single_device_mesh(), "none")
     files = save_pretrained(out, cfg.model, nnx.to_pure_dict(nnx.state(model, nnx.Param)), dtype=dtype,
                             max_shard_bytes=max_shard_bytes)
@@ -155,6 +185,28 @@ def export_run(source: str, out: str, *, dtype: str = "float32", max_shard_bytes
         shutil.copy(cfg.data.tokenizer, os.path.join(out, "tokenizer.json"))
         files.append("tokenizer.json")
     return files
+
+
+def max_positions(source: str) -> tuple[int, str]:
+    """``(positions, where that bound comes from)``: the longest sequence (prompt + generated tokens) the
+    model of ``source`` is defined for: its sliding window (``model.max_length``), else its Hugging Face
+    ``max_position_embeddings``, else what an export of the run would write (4096)."""
+    path = hf_path(source)
+    if path is not None:
+        hf = hf_config.read_config(path)
+        model = hf_config.gpt_config(hf, strict=False)
+        if model.max_length:
+            return model.max_length, f"the sliding window of {path}/config.json"
+        if hf.get("max_position_embeddings"):
+            return int(hf["max_position_embeddings"]), f"max_position_embeddings of {path}/config.json"
+        return EXPORTED_POSITIONS, "the default max_position_embeddings"
+    cfg = run_config(split_source(source)[0])
+    if cfg.model.max_length:
+        return cfg.model.max_length, f"the run's model.max_length={cfg.model.max_length}"
+    return EXPORTED_POSITIONS, "the max_position_embeddings an export of the run writes"
+
+
+EXPORTED_POSITIONS = 4096  # max_position_embeddings written for a model without max_length (hf_config.to_hf_config)
 
 
 def tokenizer_for(source: str):

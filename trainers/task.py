@@ -120,11 +120,22 @@ def lm_model(model_cfg: Any) -> Callable[[nnx.Rngs], nnx.Module]:
     return lambda rngs: GPT(model_cfg, rngs=rngs)
 
 
+def check_validation_split(cfg: Config) -> None:
+    """Evals of the built-in task read the corpus's validation split: refuse, before anything runs, a config
+    that leaves that split empty (``data.validation_fraction=0``) with evals on."""
+    if cfg.run.eval_batches != 0 and cfg.data.validation_fraction == 0 and cfg.data.corpus != "synthetic":
+        raise ValueError(f"data.validation_fraction=0 leaves data.corpus={cfg.data.corpus!r} no validation split, but "
+                         f"evals are on (run.eval_batches={cfg.run.eval_batches} every run.eval_every="
+                         f"{cfg.run.eval_every} steps and at the end): give data.validation_fraction > 0 (e.g. 0.05), "
+                         "or turn evals off with run.eval_batches=0")
+
+
 def lm_task(cfg: Config) -> Task:
     """The built-in task: ``spmd.models.GPT(cfg.model)`` on ``cfg.data``'s token corpus, next-token loss."""
     from spmd.models import flops_per_step
     from spmd.models.packed import document_count, document_losses
 
+    check_validation_split(cfg)
     model_cfg = cfg.model
     data: Callable[[Config], Any]
     eval_data: Callable[[Config], Any]

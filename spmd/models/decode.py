@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import io_callback
 from jax.sharding import Mesh
 
 from spmd.constraints import constrain, use_rules
@@ -85,8 +87,14 @@ def sample(logits_BV: jax.Array, key: jax.Array, temperature: float, top_k: int,
     return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6, 8, 9))  # the seed is traced: one program for any seed
-def _generate(graphdef, state, prompt_BP, max_new_tokens, temperature, top_k, top_p, seed, mesh, rules):
+def _emit(on_tokens: Callable[[np.ndarray], None] | None, token_B: jax.Array) -> None:
+    """Hand the step's tokens to ``on_tokens`` on the host as they are made (in order), when given."""
+    if on_tokens is not None:
+        io_callback(lambda t: on_tokens(np.asarray(t)), None, token_B, ordered=True)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6, 8, 9, 10))  # the seed is traced: one program for any seed
+def _generate(graphdef, state, prompt_BP, max_new_tokens, temperature, top_k, top_p, seed, mesh, rules, on_tokens):
     with use_rules(rules, mesh) if mesh is not None else contextlib.nullcontext():
         model = nnx.merge(graphdef, state)
         cfg = model.cfg
@@ -96,11 +104,13 @@ def _generate(graphdef, state, prompt_BP, max_new_tokens, temperature, top_k, to
         key = jax.random.key(seed)
         logits_BV, cache = _step(model, prompt_BP, jnp.int32(0), cache)
         first_B = sample(logits_BV, jax.random.fold_in(key, 0), temperature, top_k, top_p)
+        _emit(on_tokens, first_B)
 
         def decode(carry, i):
             token_B, cache = carry
             logits_BV, cache = _step(model, token_B[:, None], p + i, cache)
             token_B = sample(logits_BV, jax.random.fold_in(key, i + 1), temperature, top_k, top_p)
+            _emit(on_tokens, token_B)
             return (token_B, cache), token_B
 
         _, rest_NB = jax.lax.scan(decode, (first_B, cache), jnp.arange(max_new_tokens - 1, dtype=jnp.int32))
@@ -109,10 +119,11 @@ def _generate(graphdef, state, prompt_BP, max_new_tokens, temperature, top_k, to
 
 def generate(model: GPT, prompt_tokens: np.ndarray | jax.Array, max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, *, mesh: Mesh | None = None,
-             rules: Rules | str | None = None) -> jax.Array:
+             rules: Rules | str | None = None, on_tokens: Callable[[np.ndarray], None] | None = None) -> jax.Array:
     """``max_new_tokens`` tokens ``[B, N]`` (int32) continuing ``prompt_tokens[B, P]``, one jitted program
     (prefill, then a scan of decode steps). ``mesh`` and ``rules`` lay the batch and heads out as in
-    training (the model's parameters already sharded on that mesh, e.g. by ``trainers.load_model``)."""
+    training (the model's parameters already sharded on that mesh, e.g. by ``trainers.load_model``).
+    ``on_tokens``: called on the host with each step's tokens ``[B]`` as they are made, in order (streaming)."""
     cfg = model.cfg
     prompt = jnp.asarray(prompt_tokens, jnp.int32)
     if prompt.ndim != 2 or prompt.shape[1] < 1:
@@ -133,6 +144,6 @@ def generate(model: GPT, prompt_tokens: np.ndarray | jax.Array, max_new_tokens: 
     if mesh is not None:
         with jax.set_mesh(mesh):
             return _generate(graphdef, state, prompt, max_new_tokens, float(temperature), int(top_k), float(top_p),
-                             int(seed), mesh, rules if rules is not None else "none")
+                             int(seed), mesh, rules if rules is not None else "none", on_tokens)
     return _generate(graphdef, state, prompt, max_new_tokens, float(temperature), int(top_k), float(top_p),
-                     int(seed), None, None)
+                     int(seed), None, None, on_tokens)

@@ -165,3 +165,72 @@ def test_plan_errors_are_one_message_and_exit_2(capsys, args, needle):
     code = main(["gpt-small", "--tiny", "--no-compile", *args])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("spmd-plan: error: ") and needle in err and "Traceback" not in err, err
+
+
+# ------------------------------------------------------------------ messages that name the fix
+def test_mesh_auto_in_any_case_is_the_planners_choice():
+    from trainers.config import AUTO, MeshConfig
+
+    assert MeshConfig(axes="AUTO").axes == MeshConfig(axes="Auto").axes == AUTO
+    with pytest.raises(ValueError, match=r"mesh item 'AUTOMATIC' is not of the form axis=size"):
+        MeshConfig(axes="AUTOMATIC")  # negative control: only the word itself
+
+
+def test_no_validation_split_with_evals_on_is_refused_up_front(capsys, tmp_path):
+    code, _, err = run_cli(capsys, *TINY, "--run-dir", str(tmp_path / "run"), "--set", "data.validation_fraction=0")
+    assert code == cli.EXIT_USAGE, err
+    assert "data.validation_fraction=0" in err and "run.eval_every=" in err and "run.eval_batches=0" in err, err
+    assert not os.path.exists(tmp_path / "run")  # before anything was written or compiled
+    from trainers.config import override
+    from trainers.recipes import recipe
+    from trainers.task import check_validation_split
+
+    check_validation_split(override(recipe("gpt-small", tiny=True), ["data.validation_fraction=0",
+                                                                     "run.eval_batches=0"]))  # evals off: fine
+
+
+def test_an_ordinary_update_refused_by_a_tiny_limit_names_the_limit():
+    from trainers.faults.guard import GuardEvent
+
+    tiny_limit = GuardEvent(2, 1, "update_ratio", 0.00451, 1e-9, float("nan")).describe()
+    assert "run.max_update_ratio=1e-09 is too small for this run" in tiny_limit and "learning rate" not in tiny_limit
+    big_update = GuardEvent(2, 1, "update_ratio", 37.0, 1.0, float("nan")).describe()  # the learning rate's fault
+    assert "learning rate is far too large" in big_update and "too small" not in big_update
+
+
+def test_stopping_at_the_last_step_is_a_finished_run(monkeypatch, capsys, tmp_path):
+    """A Ctrl-C or SIGTERM answered at the run's last step: the run finished, exit 0 (it used to be 76)."""
+    from trainers.launch import command
+    from trainers.loop import Result
+
+    steps = {"done": 2, "stopped": 1}
+
+    def fake_train(cfg, task=None):
+        return Result(str(tmp_path), 0, steps["now"], {}, {}, 0, {}, preempted=True)
+
+    monkeypatch.setattr(command, "train", fake_train)
+    for case, code in (("done", cli.EXIT_OK), ("stopped", cli.EXIT_PREEMPTED)):
+        steps["now"] = steps[case]
+        assert run_cli(capsys, *TINY, "--run-dir", str(tmp_path / "run"))[0] == code, case
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_first_step_compiles_exits_130_within_a_second(tmp_path):
+    """Ctrl-C early in a start used to wait for the first compile, save step 1 and exit 76."""
+    proc = subprocess.Popen([sys.executable, "-m", "trainers", "gpt-small", "--simulate-devices", "8", "--run-dir",
+                             str(tmp_path / "run"), "--set", "run.progress=false", "--set", "run.tensorboard=false"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=default_signals)
+    lines = []
+    for line in proc.stdout:  # the last message before the loop's first step (and its compile)
+        lines.append(line)
+        if line.startswith("MFU from") or "step 1/" in line:
+            break
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=60)
+    took = time.monotonic() - sent
+    assert proc.returncode == cli.EXIT_INTERRUPTED, (proc.returncode, "".join(lines) + rest)
+    assert took < 1.5, took
+    assert "interrupted (Ctrl-C)" in rest and "Traceback" not in rest, rest
+    assert not os.path.isdir(tmp_path / "run" / "checkpoints") or not os.listdir(tmp_path / "run" / "checkpoints")

@@ -64,15 +64,28 @@ def test_handlers_are_installed_only_inside_and_restored():
 
 
 def test_second_sigint_interrupts():
-    with PreemptionWatcher() as watcher:
+    with PreemptionWatcher(defer_sigint=False) as watcher:
         signal.raise_signal(signal.SIGINT)
         assert watcher.reason == "SIGINT"
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
 
 
-def test_a_second_sigint_while_the_stop_saves_is_answered_not_obeyed(caplog):
+def test_sigint_before_the_first_step_interrupts_and_after_it_stops_at_a_step():
+    """Before the first step there is nothing to save: Ctrl-C keeps its handler (spmd-train's answers within a
+    second with 130); it used to wait for the first compile to end, then save and exit 76."""
     with PreemptionWatcher() as watcher:
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        assert not watcher.should_stop(1)  # the first step ran: SIGINT is the watcher's now
+        signal.raise_signal(signal.SIGINT)
+        assert watcher.reason == "SIGINT" and watcher.should_stop(2)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_second_sigint_while_the_stop_saves_is_answered_not_obeyed(caplog):
+    with PreemptionWatcher(defer_sigint=False) as watcher:
         signal.raise_signal(signal.SIGINT)
         assert watcher.should_stop(3)  # agreed: the loop now writes the checkpoint of step 3
         signal.raise_signal(signal.SIGINT)  # warned, the save goes on

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import glob
+import json
 import os
 
 
@@ -61,7 +63,28 @@ def resolve_init_from(path: str | os.PathLike[str]) -> tuple[str, int | None]:
     text = os.fspath(path)
     if not os.path.isdir(text):
         raise ValueError(f"checkpoint.init_from={text!r} is not a directory; give a checkpoint directory or one step in it")
+    hf = hugging_face_folder(text)
+    if hf:
+        raise ValueError(f"checkpoint.init_from={text!r} is a Hugging Face folder ({hf}), not a checkpoint directory: "
+                         f"give checkpoint.init_from=hf:{text}")
     base = os.path.basename(os.path.normpath(text))
     if base.isdigit() and os.path.isdir(os.path.join(text, "state")):
         return os.path.dirname(os.path.normpath(text)), int(base)
     return text, None
+
+
+def hugging_face_folder(path: str) -> str:
+    """What makes ``path`` a Hugging Face checkpoint folder (a ``config.json`` naming ``architectures``
+    beside ``*.safetensors`` files), as words for a message; "" when it is not one."""
+    config = os.path.join(path, "config.json")
+    tensors = glob.glob(os.path.join(glob.escape(path), "*.safetensors"))
+    if not tensors or not os.path.isfile(config):
+        return ""
+    try:
+        with open(config) as f:
+            architectures = json.load(f).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    if not architectures:
+        return ""
+    return f"config.json with architectures {architectures} and {len(tensors)} *.safetensors file(s)"

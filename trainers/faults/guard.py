@@ -49,6 +49,10 @@ def validate(policy: str, spike_factor: float, spike_window: int) -> None:
         raise ValueError(f"run.spike_window must be an integer >= 1, got {spike_window!r}")
 
 
+DEFAULT_MAX_UPDATE_RATIO = 1.0  # run.max_update_ratio's default
+ORDINARY_UPDATE_RATIO = 0.1  # updates up to this times the param norm are ordinary (Adam's are ~1e-3..1e-2 of it)
+
+
 def validate_update_limits(max_update_ratio: float, max_param_growth: float) -> None:
     """Raise ValueError naming ``run.max_update_ratio`` / ``run.max_param_growth`` unless each is 0 (off) or valid."""
     for key, value, least in (("run.max_update_ratio", max_update_ratio, 0.0), ("run.max_param_growth", max_param_growth, 1.0)):
@@ -146,9 +150,14 @@ class GuardEvent:
 
     def describe(self) -> str:
         if self.kind == "update_ratio":
-            return (f"step {self.step} (batch {self.data_index}): the update would move the params by {self.value:.3g} "
-                    f"times their norm (limit run.max_update_ratio={self.threshold:.3g}); it was not applied. The "
-                    "learning rate is far too large for this model (lr.peak_lr), or the optimizer state is broken")
+            head = (f"step {self.step} (batch {self.data_index}): the update would move the params by {self.value:.3g} "
+                    f"times their norm (limit run.max_update_ratio={self.threshold:.3g}); it was not applied. ")
+            if math.isfinite(self.value) and self.value <= ORDINARY_UPDATE_RATIO:  # the limit is what is wrong
+                return head + (f"An update of {self.value:.3g} times the norm is an ordinary one: run.max_update_ratio="
+                               f"{self.threshold:.3g} is too small for this run; raise it (default "
+                               f"{DEFAULT_MAX_UPDATE_RATIO:g}) or set it to 0 to turn the check off")
+            return head + ("The learning rate is far too large for this model (lr.peak_lr), or the optimizer state is "
+                           "broken")
         if self.kind == "param_norm":
             return (f"step {self.step} (batch {self.data_index}): the params after this update could have norm "
                     f"{self.value:.6g} (|params| + |update|), above the limit {self.threshold:.6g} (run.max_param_growth x their norm "

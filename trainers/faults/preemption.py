@@ -23,9 +23,14 @@ DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class PreemptionWatcher:
-    """Context manager: records stop requests from signals (or :meth:`request`) and agrees on them."""
+    """Context manager: records stop requests from signals (or :meth:`request`) and agrees on them.
 
-    def __init__(self, signals: Sequence[int] = DEFAULT_SIGNALS, *, check_every: int = 1) -> None:
+    SIGINT is taken over at the first :meth:`should_stop` (after the first step), unless ``defer_sigint=False``:
+    a Ctrl-C before it, while the state is made and the step compiles, has nothing to save and keeps the
+    handler it had (``spmd-train``: exit 130 within a second, even mid-compile)."""
+
+    def __init__(self, signals: Sequence[int] = DEFAULT_SIGNALS, *, check_every: int = 1,
+                 defer_sigint: bool = True) -> None:
         if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
             raise ValueError(f"check_every must be an integer >= 1, got {check_every!r}")
         valid = set(signal.valid_signals())
@@ -38,19 +43,30 @@ class PreemptionWatcher:
         self._previous: dict[signal.Signals, Any] = {}
         self._agreed = False
         self._warned = False  # a second Ctrl-C during the stop's save was answered with a warning
+        # Ctrl-C before the first step (state creation, the first compile: nothing to save yet) keeps the
+        # handler it had (spmd-train: exit 130 within a second); the watcher takes SIGINT at the first should_stop
+        self._deferred = defer_sigint and signal.SIGINT in self.signals
+        self._inside = False
 
     # ------------------------------------------------------------------ handlers
     def __enter__(self) -> PreemptionWatcher:
         if threading.current_thread() is not threading.main_thread():
             log.warning("not in the main thread: signal handlers not installed; only request() can stop the run")
             return self
+        self._inside = True
         for sig in self.signals:
-            if signal.getsignal(sig) is signal.SIG_IGN:  # ignored when we started (a background job, nohup): stays so
+            if sig == signal.SIGINT and self._deferred:
                 continue
-            self._previous[sig] = signal.signal(sig, self._handle)
+            self._install(sig)
         return self
 
+    def _install(self, sig: signal.Signals) -> None:
+        if signal.getsignal(sig) is signal.SIG_IGN:  # ignored when we started (a background job, nohup): stays so
+            return
+        self._previous[sig] = signal.signal(sig, self._handle)
+
     def __exit__(self, *exc: object) -> None:
+        self._inside = False
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
@@ -85,6 +101,10 @@ class PreemptionWatcher:
         One process: the local flag. Many: at steps that are multiples of ``check_every`` an
         allgather of the flags, True for all if any process asked (and stays True).
         """
+        if self._deferred:  # a step has run: from now on Ctrl-C stops at a step and saves it
+            self._deferred = False
+            if self._inside and threading.current_thread() is threading.main_thread():
+                self._install(signal.SIGINT)
         if self._agreed:
             return True
         if jax.process_count() == 1:

@@ -115,6 +115,20 @@ def _error(message: object, code: int = EXIT_USAGE) -> int:
 
 _interrupted = threading.Event()  # Ctrl-C was pressed before the run's PreemptionWatcher took over
 INTERRUPT_GRACE_S = 1.0  # after a first Ctrl-C the process is gone within this, whatever it was doing
+_said = {"prog": "spmd-train", "note": "nothing was left half-written"}  # what the interrupt message says
+
+
+def answer_ctrl_c(prog: str, note: str) -> None:
+    """A command's Ctrl-C: stop within INTERRUPT_GRACE_S, even in C code, saying ``prog: interrupted (Ctrl-C);
+    note`` and exiting 130. Only where SIGINT still has Python's default handler (not in tests or notebooks)."""
+    _said.update(prog=prog, note=note)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupt_once)
+        _watch_native_code()
+
+
+def interrupted_message() -> str:
+    return f"{_said['prog']}: interrupted (Ctrl-C); {_said['note']}"
 
 
 def _interrupt_once(signum, frame) -> None:
@@ -151,7 +165,7 @@ def _exit_now(code: int, say: bool = False) -> None:
     """Leave without interpreter teardown: jax's compile threads and atexit hooks can crash it after an
     interrupt. Checkpoints are written atomically, so nothing on disk is half-done."""
     if say:
-        print("spmd-train: interrupted (Ctrl-C); nothing was left half-written", file=sys.stderr)
+        print(interrupted_message(), file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -162,9 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     lines and an exit status (the traceback too with ``--debug`` or ``SPMD_DEBUG=1``)."""
     args = parse_args(argv)
     debug = args.debug or os.environ.get("SPMD_DEBUG", "") not in ("", "0")
-    if argv is None and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _interrupt_once)  # the run's PreemptionWatcher takes over while it trains
-        _watch_native_code()
+    if argv is None:  # the run's PreemptionWatcher takes over once it has trained a step
+        answer_ctrl_c("spmd-train", "nothing was left half-written")
     try:
         # imported after parsing: --help and --version answer without starting jax
         from meshes import MeshError
@@ -203,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:
         if not isinstance(e, KeyboardInterrupt) and not (_interrupted.is_set() and isinstance(e, Exception)):
             raise
-        print("spmd-train: interrupted (Ctrl-C); nothing was left half-written", file=sys.stderr)
+        print(interrupted_message(), file=sys.stderr)
         if argv is None:
             _exit_now(EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED

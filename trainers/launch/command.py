@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         first, last = min(result.eval_losses), max(result.eval_losses)
         print(f"eval loss {result.eval_losses[first]:.3f} (step {first}) -> {result.eval_losses[last]:.3f} (step {last}); "
               f"run directory {result.run_dir}")
-    if result.preempted:
+    if result.preempted and result.final_step < cfg.run.steps:  # stopped at the last step: the run finished
         print(f"stopped at step {result.final_step} of {cfg.run.steps} after saving a checkpoint; run the same command "
               "to resume")
         return EXIT_PREEMPTED
