@@ -260,12 +260,38 @@ def changes_since_last_run(cfg: Config) -> list[tuple[str, Any, Any]]:
     ckpt_dir = cfg.checkpoint.resolve_directory(directory)
     resumes = cfg.run.resume and os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
     refused = [c for c in changes if fixed_on_resume(c[0])] if resumes else []
+    refused, content = _same_data(directory, previous, cfg, refused) if resumes else (refused, [])
+    if content:
+        raise ValueError(f"cannot resume {directory}: the data its checkpoints point into has changed since "
+                         f"{os.path.join(directory, 'data_manifest.json')} recorded it (data.path={cfg.data.path!r}): "
+                         f"{'; '.join(content)}. Restore those files, or start a new run with another run.run_dir")
     if refused:
         listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in refused)
         raise ValueError(f"cannot resume {directory} with {listed}: its checkpoints were written with the values in "
                          f"{os.path.join(directory, 'config.json')}, which is left as it was. Keep those values, "
                          "or give another run.run_dir")
     return changes
+
+
+def _same_data(directory: str, previous: Mapping[str, Any], cfg: Config,
+               refused: list[tuple[str, Any, Any]]) -> tuple[list[tuple[str, Any, Any]], list[str]]:
+    """``(refused changes, data files that changed)`` judged by what the data is rather than how it is spelled:
+    ``data.packing`` is the same when both resolve to the same packing, ``data.path`` when the manifest the
+    run recorded (:mod:`trainers.data.manifest`) matches the files now (which also catches files changed in place)."""
+    from trainers.data import manifest as manifest_lib
+    from trainers.data.config import DOCUMENT_CORPORA
+
+    old_data = previous.get("data", {}) if isinstance(previous.get("data"), Mapping) else {}
+    old_corpus = old_data.get("corpus", DataConfig().corpus)
+    old_packing = old_data.get("packing") or ("segments" if old_corpus in DOCUMENT_CORPORA else "concat")
+    refused = [c for c in refused if not (c[0] == "data.packing" and old_packing == cfg.data.packing_mode)]
+    recorded = manifest_lib.recorded(directory)
+    if recorded is None or recorded.get("corpus") != cfg.data.corpus:
+        return refused, []  # a run from before manifests (or another corpus, refused by its key): as spelled
+    content = manifest_lib.differences(recorded, cfg.data)
+    if not content:
+        refused = [c for c in refused if c[0] != "data.path"]  # the same bytes by another path
+    return refused, content
 
 
 def valid_keys(cfg: Any, prefix: str = "") -> list[str]:

@@ -21,13 +21,14 @@ from flax import nnx
 
 import meshes
 import spmd
-from trainers import pretrained
+from trainers import pretrained, run_lock
 from trainers.blame import InternalError, TaskError, describe_batch, first_batch
 from trainers.checkpoint import Checkpointer, NoUsableCheckpointError, resolve_init_from
 from trainers.config import Config, changes_since_last_run
 from trainers.data import ExampleLoader, IterLoader, process_rows, to_global
 from trainers.data.checks import check_batch_ids
 from trainers.data.loader import eval_batches
+from trainers.data.manifest import record as record_manifest
 from trainers.data.packing import per_token
 from trainers.faults import guard as guard_lib
 from trainers.faults.guard import DivergenceError, Guard, GuardEvent
@@ -197,6 +198,21 @@ def train(
     batch_hook: BatchHook | None = None,
     step_hook: StepHook | None = None,
 ) -> Result:
+    """Run (or resume) ``task`` (default: the built-in GPT task of ``cfg``) as ``cfg`` describes; returns losses and
+    a summary. One run per run directory: process 0 holds its lock throughout (:mod:`trainers.run_lock`)."""
+    with run_lock.claim(cfg.run.directory, enabled=jax.process_index() == 0):
+        return _train(cfg, task, mesh=mesh, keep_state=keep_state, batch_hook=batch_hook, step_hook=step_hook)
+
+
+def _train(
+    cfg: Config,
+    task: Task | None = None,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    keep_state: bool = False,
+    batch_hook: BatchHook | None = None,
+    step_hook: StepHook | None = None,
+) -> Result:
     """Run (or resume) ``task`` (default: the built-in GPT task of ``cfg``) as ``cfg`` describes; returns losses and a summary."""
     cfg = pretrained.resolve(cfg)  # checkpoint.init_from=hf:PATH: model.* from its config.json, tensors checked
     run, data_cfg = cfg.run, cfg.data
@@ -235,6 +251,7 @@ def train(
         raise
     if is_main:  # every check has passed, the checkpoint's included: record the config
         write_config(run.directory, cfg.to_dict())
+        record_manifest(run.directory, cfg.data)  # the data by content, for the next resume (trainers.data.manifest)
     logger.resume_at(start)  # steps after `start` are logged again: their old records are dropped
     if "train" in data_state:
         train_data.set_state(data_state["train"])
