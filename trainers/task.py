@@ -19,7 +19,7 @@ from flax import nnx
 from trainers.blame import frame_owner
 from trainers.config import Config
 from trainers.data import TokenWindows, load_corpus
-from trainers.data.checks import check_examples, check_token_ids, check_windows
+from trainers.data.checks import check_document_ids, check_examples, check_token_ids, check_windows
 from trainers.data.config import DOCUMENT_CORPORA
 from trainers.data.packing import packed_stream
 from trainers.step import LossFn, MetricFn, lm_loss_fn
@@ -140,8 +140,7 @@ def lm_task(cfg: Config) -> Task:
     data: Callable[[Config], Any]
     eval_data: Callable[[Config], Any]
     if cfg.data.corpus in DOCUMENT_CORPORA:  # documents packed into rows (trainers.data.packing)
-        data, eval_data = (lambda c: packed_stream(c.data, "train")), (lambda c: packed_stream(c.data, "validation",
-                                                                                               train=False))
+        data, eval_data = (lambda c: checked_documents(c)), (lambda c: packed_stream(c.data, "validation", train=False))
         eval_metrics = {"document_loss": document_losses, "documents": document_count} \
             if cfg.data.packing_mode == "segments" else {}
     else:
@@ -162,6 +161,14 @@ def lm_task(cfg: Config) -> Task:
         explain=name_config_key,
         generates=True,
     )
+
+
+def checked_documents(cfg: Config) -> Any:
+    """The packed train stream of ``cfg.data``'s document corpus, once every token id of its
+    pre-tokenized fields (both splits) is checked inside ``[0, data.vocab_size)``."""
+    stream = packed_stream(cfg.data, "train")
+    check_document_ids(stream.docs, cfg.data.vocab_size)
+    return stream
 
 
 def lm_windows(cfg: Config, split: str) -> TokenWindows:

@@ -5,7 +5,9 @@ shard is read from the files as the slices of the Hugging Face tensors it covers
 ``q_proj`` rows for this device's heads, ...), so a process reads only what its devices hold
 and never the whole model. Everything is checked first (:func:`plan`): a missing, extra or
 misshapen tensor, or a non-float dtype, is one message naming the tensor and both shapes, before
-anything is allocated on a device. :func:`hf_tensors` is the inverse, one parameter at a time.
+anything is allocated on a device; a NaN or Inf is refused as its slice is read (:func:`check_finite`:
+the tensor, its file and the first bad value), before it reaches a device. :func:`hf_tensors` is the
+inverse, one parameter at a time.
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ def fill_blocks(folder: SafetensorsFolder, t: Tensor, sizes: Mapping[str, int],
         using = [b for b, r in bounds_of.items() if all(r[d][0] <= picks[d] < r[d][1] for d in src)]
         lo, hi = min(bounds_of[b][first][0] for b in using), max(bounds_of[b][first][1] for b in using)
         data = folder.read(t.names(picks), (slice(lo * step, hi * step),))
+        check_finite(data, t.names(picks), folder.file_of(t.names(picks)), first_row=lo * step)
         data = data.reshape([hi - lo] + [sizes[a] for a in atoms[1:]])
         for b in using:
             r = bounds_of[b]
@@ -107,6 +110,25 @@ def fill_blocks(folder: SafetensorsFolder, t: Tensor, sizes: Mapping[str, int],
             _assign(blocks[b][tuple(picks[d] - r[d][0] if d in src else slice(None) for d in ours)],
                     cut.transpose([atoms.index(d) for d in keep]))
         del data
+
+
+def check_finite(data: np.ndarray, name: str, file: str, *, first_row: int = 0, chunk: int = 1 << 22) -> None:
+    """ValueError when ``data`` (rows ``first_row...`` of tensor ``name`` of ``file``) holds a NaN or an Inf:
+    names the tensor, the file, how many values and the first one (its index in the whole tensor).
+    Scanned in pieces of ``chunk`` values, so it needs no second copy of the tensor."""
+    flat = data.reshape(-1)
+    for start in range(0, flat.size, chunk):
+        finite = np.isfinite(flat[start:start + chunk])
+        if finite.all():
+            continue
+        first = start + int(np.argmin(finite))
+        bad = int(np.count_nonzero(~np.isfinite(flat)))
+        index = np.unravel_index(first, data.shape) if data.ndim else ()
+        where = (first_row + int(index[0]), *(int(i) for i in index[1:])) if data.ndim else ()
+        raise ValueError(f"tensor {name} in {file} holds {bad:,} non-finite value(s) of the {flat.size:,} read "
+                         f"(first at index {list(where)}: {flat[first]}); weights must be finite numbers: a NaN or "
+                         f"Inf weight makes every loss NaN. The checkpoint is damaged or was saved from a diverged "
+                         f"run: load another one")
 
 
 def _assign(dst: np.ndarray, src: np.ndarray, chunk: int = 1 << 18) -> None:

@@ -83,6 +83,10 @@ class SafetensorsFolder:
         self._open: dict[str, Any] = {}
         self.bytes_read = 0  # by read(), since construction
 
+    def file_of(self, name: str) -> str:
+        """The file that holds tensor ``name``."""
+        return self._file_of[name]
+
     @property
     def names(self) -> list[str]:
         return sorted(self.shapes)

@@ -23,7 +23,7 @@ from flax import nnx
 from spmd import remat as remat_lib
 from spmd.constraints import constrain
 from spmd.models import attention as attention_lib
-from spmd.models import context
+from spmd.models import context, embedding
 from spmd.models.layers import Attention, GatedMLP, RMSNorm, param, weight
 from spmd.models.loss import chunked_lm_loss, lm_loss
 from spmd.models.loss import head_logits as _head_logits
@@ -240,8 +240,9 @@ class GPT(nnx.Module):
 
         The lookup is constrained whole along L before the residual layout: under sequence parallelism
         its vocab-parallel partial sums are then one reduce-scatter (a lookup constrained straight to
-        ``L_tensor`` makes GSPMD gather the tokens over the batch axes and permute the result)."""
-        x_BLD = jnp.take(weight(self.embed, self.cfg.compute_dtype), tokens_BL, axis=0)
+        ``L_tensor`` makes GSPMD gather the tokens over the batch axes and permute the result). Inside a
+        manual region the lookup is spelled out per vocab shard (:mod:`spmd.models.embedding`)."""
+        x_BLD = embedding.lookup(weight(self.embed, self.cfg.compute_dtype), tokens_BL)
         return residual(constrain(x_BLD, ("batch", "length", "embed")))
 
     def hidden(self, tokens_BL: jax.Array) -> jax.Array:

@@ -1,7 +1,8 @@
 """Data checked against the model before anything compiles: token ids inside the vocab, text that is
 text, a corpus with at least one global batch of windows.
 
-Every corpus kind goes through :func:`check_token_ids` (the built-in task calls it on each split);
+Every corpus kind goes through :func:`check_token_ids` (the built-in task calls it on each split),
+the pre-tokenized fields of a document corpus through :func:`check_document_ids`;
 a user task that declares ``Task.vocab_size`` has each batch's integer token leaves checked by
 :func:`check_batch_ids`. Each check raises ValueError naming the value, the config key and the fix.
 """
@@ -104,3 +105,88 @@ def check_examples(n_examples: int, global_batch: int, *, what: str = "the task'
         raise ValueError(f"{what} has {n_examples} examples, fewer than data.global_batch={global_batch}: every batch "
                          f"would repeat some of them. Lower data.global_batch to at most {max(n_examples, 1)} (a "
                          "multiple of the batch-sharding devices) or give more examples")
+
+
+def check_document_ids(docs: Any, vocab_size: int, *, key: str = "data.vocab_size") -> None:
+    """ValueError unless every pre-tokenized field (a list of token ids) of every record of ``docs`` (a
+    :class:`trainers.data.documents.Documents`, both splits) holds ids in ``[0, vocab_size)``; the message
+    names the file, the record, the field, the value and the valid range. Text fields are checked by
+    the tokenizer's vocab (``DataConfig``). A Parquet or saved dataset's id columns are scanned whole
+    (one column at a time); a JSONL file is read in blocks, and only lines holding a ``[`` are parsed."""
+    if docs.fmt == "jsonl":
+        for file in docs.files:
+            _check_jsonl_ids(file, docs.fields, vocab_size, key)
+        return
+    import pyarrow as pa
+
+    def scan(column, where: str, field: str, first_row: int) -> None:
+        if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
+            return  # text
+        row = first_row
+        for chunk in column.chunks:
+            offsets = chunk.offsets.to_numpy()
+            values = chunk.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]]
+            bad = (values < 0) | (values >= vocab_size)
+            if values.size and bad.any():
+                first = int(np.argmax(bad))
+                r = row + int(np.searchsorted(offsets, offsets[0] + first, side="right")) - 1
+                _refuse_ids(f"{where} row {r} field {field!r}", int(values[first]),
+                            f"{int(np.count_nonzero(bad)):,} of the {values.size:,} ids of that field there", vocab_size, key)
+            row += len(chunk)
+
+    if docs.fmt == "parquet":
+        for file in docs.files:
+            pf = docs._parquet(file)
+            row = 0
+            for g in range(pf.metadata.num_row_groups):
+                table = pf.read_row_group(g, columns=list(docs.fields))
+                for field in docs.fields:
+                    scan(table.column(field), repr(file), field, row)
+                row += table.num_rows
+        return
+    for split in ("train", "validation"):
+        ds = docs.hf_split(split)
+        if ds is not None:
+            for field in docs.fields:
+                scan(ds.data.column(field), f"{docs.path!r} ({split} split)", field, 0)
+
+
+def _check_jsonl_ids(file: str, fields: Sequence[str], vocab_size: int, key: str, block: int = 1 << 24) -> None:
+    import json
+
+    with open(file, "rb") as f:
+        pos, rest = 0, b""
+        while True:
+            data = f.read(block)
+            buf = rest + data
+            cut = len(buf) if not data else buf.rfind(b"\n") + 1
+            lines, rest = buf[:cut], buf[cut:]
+            if b"[" in lines:
+                at = pos
+                for line in lines.split(b"\n"):
+                    if b"[" in line:
+                        try:
+                            record = json.loads(line)
+                        except ValueError:
+                            record = None  # the reader names a line that is not JSON
+                        for field in fields if isinstance(record, dict) else ():
+                            ids = record.get(field)
+                            if isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool)
+                                                                     for t in ids):
+                                arr = np.asarray(ids, np.int64)
+                                bad = (arr < 0) | (arr >= vocab_size)
+                                if bad.any():
+                                    _refuse_ids(f"{file!r} at byte {at} field {field!r}", int(arr[np.argmax(bad)]),
+                                                f"{int(np.count_nonzero(bad)):,} of its {arr.size:,} ids", vocab_size, key)
+                    at += len(line) + 1
+            pos += len(lines)
+            if not data:
+                return
+
+
+def _refuse_ids(where: str, value: int, count: str, vocab_size: int, key: str) -> None:
+    fix = ("negative ids are never valid; fix the data" if value < 0 else
+           f"fix the data, or set {key} (and model.vocab_size) to at least {value + 1}")
+    raise ValueError(f"data.path: {where} holds token id {value}, outside the valid range [0, {vocab_size}) of "
+                     f"{key}={vocab_size} ({count} are outside). An id outside the vocab indexes "
+                     f"past the embedding table (NaN or garbage loss): {fix}")
