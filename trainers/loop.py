@@ -27,7 +27,7 @@ from trainers.checkpoint import Checkpointer, NoUsableCheckpointError, resolve_i
 from trainers.config import Config, changes_since_last_run
 from trainers.data import ExampleLoader, IterLoader, process_rows, to_global
 from trainers.data.checks import check_batch_ids
-from trainers.data.loader import eval_batches
+from trainers.data.loader import agreed_eval_batches
 from trainers.data.manifest import record as record_manifest
 from trainers.data.packing import per_token
 from trainers.faults import guard as guard_lib
@@ -73,14 +73,13 @@ class Result:
 
 def evaluate(eval_step, view, source, batch_sharding, global_batch: int, n_batches: int) -> dict[str, float]:
     """Means over every real row of ``n_batches`` eval batches (-1: one pass over a finite source):
-    the loss, its metrics and the task's eval metrics, aggregated over batches and processes."""
+    the loss, its metrics and the task's eval metrics, aggregated over batches and processes. Every
+    process runs the same number of eval steps, agreed before the loop (:func:`agreed_eval_batches`)."""
     block, n_blocks = process_rows(batch_sharding, global_batch)
     source = source.for_process(block, n_blocks) if hasattr(source, "for_process") else source  # packed documents
     sums = []
-    rows = len(source) if n_batches == -1 and hasattr(source, "__len__") else None
-    for k, (local, mask) in enumerate(eval_batches(source, global_batch, n_batches, process_index=block,
-                                                   process_count=n_blocks)):
-        padded = rows is not None and (k + 1) * global_batch > rows  # the same answer on every process
+    for local, mask, padded in agreed_eval_batches(source, global_batch, n_batches, process_index=block,
+                                                   process_count=n_blocks):
         sums.append(eval_step(view, to_global(local, batch_sharding, global_batch),
                               to_global(mask, batch_sharding, global_batch), padded))
     if not sums:
@@ -282,6 +281,7 @@ def _train(
     preempted = False
     profiler = StepProfiler(run.directory, run.profile_steps, run.profile_processes, run.memory_profile_step)
     step = start
+    skipped_before = _skipped(state, local)
     t_last, steps_since = time.perf_counter(), 0
     with PreemptionWatcher(check_every=run.preemption_check_every) as watcher:
         try:
@@ -377,6 +377,8 @@ def _train(
             profiler.close()
             ckpt.close()
             logger.close()
+    if not preempted:
+        guard_lib.check_learned(start, step, _skipped(state, local) - skipped_before, guard.events, run.guard)
     summary: dict[str, Any] = meter.summary() if meter is not None else {}
     if not task.tokens_per_example and "tokens_per_s" in summary:
         summary["examples_per_s"] = summary.pop("tokens_per_s")

@@ -43,9 +43,13 @@ def lm_loss_fn(z_loss: float = 0.0, pipeline: PipelineConfig | None = None) -> L
         packed = {k: batch[k] for k in PACKED_KEYS if k in batch}  # packed documents, loss weights
         if hasattr(model, "loss"):
             return model.loss(batch["inputs"], batch["targets"], z_loss=z_loss, pipeline=pipeline, **packed)
-        return lm_loss(model(batch["inputs"]), batch["targets"], z_loss=z_loss, weights=packed.get("weights"))
+        loss, aux = lm_loss(model(batch["inputs"]), batch["targets"], z_loss=z_loss, weights=packed.get("weights"))
+        if "weights" in packed:  # as GPT.loss: eval divides by the mean weight
+            aux = {**aux, "loss_weight": jnp.mean(packed["weights"].astype(jnp.float32))}
+        return loss, aux
 
     loss_fn.pipelined = pipeline is not None and pipeline.enabled  # type: ignore[attr-defined]  # runs its own shard_map
+    loss_fn.weighted = True  # type: ignore[attr-defined]  # mean(weights * ce), aux loss_weight: eval folds its mask in
     return loss_fn
 
 
@@ -56,7 +60,9 @@ def normalize_weights(batch: Batch) -> Batch:
     if not isinstance(batch, Mapping) or "weights" not in batch:
         return batch
     w = batch["weights"].astype(jnp.float32)
-    return {**batch, "weights": w * (w.size / jnp.maximum(jnp.sum(w), jnp.finfo(jnp.float32).tiny))}
+    total = jnp.sum(w)
+    # no weight at all: every weight stays 0, so the loss is 0 with loss_weight 0 (w.size / tiny would be inf, 0 x inf NaN)
+    return {**batch, "weights": w * jnp.where(total > 0, w.size / jnp.where(total > 0, total, 1.0), 0.0)}
 
 
 def loss_and_metrics(out: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -232,8 +238,12 @@ def make_eval_step(
 ) -> Callable[[TrainState, Batch, jax.Array], dict[str, jax.Array]]:
     """``eval_step(eval_view(state), batch, mask, padded=False) -> sums`` (see the module docstring).
 
-    With ``padded=True`` (a batch whose mask has zeros) the loss and its metrics are summed over the
-    real rows only, each row's loss computed alone; a second program, compiled for the padded batch.
+    The loss and its metrics come out as sums over rows of per-row means, padding rows (mask 0)
+    weighing nothing. A loss that honours ``batch["weights"]`` (``loss_fn.weighted``, e.g.
+    :func:`lm_loss_fn`, pipelined or not) runs once on the whole batch with the mask folded into the
+    weights; its ``loss_weight`` metric is what the loop divides by (:func:`trainers.data.packing.per_token`).
+    Any other loss, with ``padded=True`` (a batch whose mask has zeros), runs on one real row at a time;
+    a second program, compiled for the padded batch.
 
     ``metrics`` maps a name to ``fn(model, batch) -> per-example values [B]`` (e.g. accuracy as
     ``argmax == label``); they are summed over real rows here and averaged over all eval rows of
@@ -243,13 +253,16 @@ def make_eval_step(
     loss_fn = loss_fn or lm_loss_fn()
     metrics = dict(metrics or {})
     rules = spmd.get_rules(rules)
+    weighted = getattr(loss_fn, "weighted", False)
 
     def step(view, batch, mask_B, padded=False):
         with spmd.use_rules(rules, mesh):
             model = model_vars.merge(view.params, view.model_state if view.model_state is not None else {})
             model.eval()
             count = jnp.sum(mask_B)
-            if padded and not getattr(loss_fn, "pipelined", False):  # each row's loss alone: padding weighs nothing
+            if weighted and isinstance(batch, Mapping) and ("weights" in batch or padded):
+                out = _weighted_sums(loss_fn, model, batch, mask_B)
+            elif padded and not getattr(loss_fn, "pipelined", False):  # each row's loss alone: padding weighs nothing
                 out = _per_row_sums(loss_fn, model, batch, mask_B)
             else:
                 loss, aux = loss_and_metrics(loss_fn(model, batch, nnx.Rngs(0)))
@@ -269,10 +282,27 @@ def make_eval_step(
     def eval_step(view: TrainState | Mapping[str, Any], batch: Batch, mask_B: jax.Array, padded: bool = False):
         if not isinstance(view, TrainState):  # a mapping {"params": ..., "model_state": ...}
             view = TrainState(view["params"], model_state=view.get("model_state"))
+        if weighted and isinstance(batch, Mapping) and "weights" in batch:
+            padded = False  # the mask is folded into the weights either way: one program
         return jitted(view, batch, mask_B, padded)
 
     eval_step.lower = jitted.lower  # type: ignore[attr-defined]
     return eval_step
+
+
+def _weighted_sums(loss_fn: LossFn, model: nnx.Module, batch: Batch, mask_B: jax.Array) -> dict[str, jax.Array]:
+    """The sums of :func:`_per_row_sums` in one call of a loss that honours ``batch["weights"]`` (its
+    loss ``mean(weights * ce)``): the mask is folded into the weights (all 1 when the batch has none),
+    so padding rows weigh nothing, and every mean over the ``B`` rows times ``B`` is the sum over rows
+    of per-row means. A batch without weights keeps its keys: its ``loss_weight`` (``count / B``) is dropped."""
+    rows = mask_B.shape[0]
+    given = "weights" in batch
+    w_BL = batch["weights"].astype(jnp.float32) if given else jnp.ones(batch["targets"].shape, jnp.float32)
+    w_BL = w_BL * mask_B.astype(jnp.float32).reshape((rows,) + (1,) * (w_BL.ndim - 1))
+    loss, aux = loss_and_metrics(loss_fn(model, {**batch, "weights": w_BL}, nnx.Rngs(0)))
+    if not given:
+        aux.pop("loss_weight", None)
+    return {"loss": loss * rows, **{k: v * rows for k, v in aux.items()}}
 
 
 def _per_row_sums(loss_fn: LossFn, model: nnx.Module, batch: Batch, mask_B: jax.Array) -> dict[str, jax.Array]:

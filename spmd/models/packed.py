@@ -43,10 +43,9 @@ def packed_loss(model, tokens_BL: jax.Array, targets_BL: jax.Array, *, z_loss: f
                               weights=weights)
     else:
         out = lm_loss(model.logits(x_BLD), targets_BL, z_loss=z_loss, weights=weights)
-    if weights is not None:  # eval: ce / weight over all batches is the loss per weighted token
-        out = out[0], {**out[1], "loss_weight": jnp.mean(weights.astype(jnp.float32))}
-    if segment_ids is not None:  # the packer's padding, and the block pairs blockwise attention skips
-        out = out[0], {**out[1], **_packing_metrics(model.cfg, segment_ids)}
+    # eval: ce / loss_weight over all batches is the loss per weighted token; the packer's padding, and
+    # the block pairs blockwise attention skips
+    out = out[0], {**out[1], **_batch_metrics(model.cfg, segment_ids, weights)}
     if stats is None:
         return out
 
@@ -95,7 +94,15 @@ def _pipelined(model, tokens_BL, targets_BL, z_loss, pipeline, segment_ids, posi
 
     w_BL = jnp.ones(targets_BL.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
     tw_BL2 = jnp.stack([targets_BL.astype(jnp.int32), jax.lax.bitcast_convert_type(w_BL, jnp.int32)], -1)
-    return pipelined_loss(pipeline, stage_fn, head_fn, block_state, (norm_state, model.out_weight), x_BLD, tw_BL2)
+    loss, aux = pipelined_loss(pipeline, stage_fn, head_fn, block_state, (norm_state, model.out_weight), x_BLD, tw_BL2)
+    return loss, {**aux, **_batch_metrics(cfg, segment_ids, weights)}  # as unpipelined: functions of the batch
+
+
+def _batch_metrics(cfg, segment_ids: jax.Array | None, weights: jax.Array | None) -> dict[str, jax.Array]:
+    """The metrics of the batch itself, the same with or without a pipeline: ``loss_weight`` (the mean
+    weight of a position; eval divides ``ce`` and ``loss`` by it) and the packing metrics."""
+    out = {} if weights is None else {"loss_weight": jnp.mean(weights.astype(jnp.float32))}
+    return out if segment_ids is None else {**out, **_packing_metrics(cfg, segment_ids)}
 
 
 def _packing_metrics(cfg, seg_BL: jax.Array) -> dict[str, jax.Array]:

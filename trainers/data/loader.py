@@ -244,8 +244,57 @@ def eval_batches(source: Any, global_batch: int, n_batches: int, *, process_inde
             mask = np.asarray([1.0 if (n_batches != -1 or r < n) else 0.0 for r in rows], np.float32)
             yield jax.tree.map(lambda *xs: np.stack(xs), *items), mask
         return
-    for k, batch in enumerate(iter(source)):
+    it = iter(source)
+    for k, batch in enumerate(it):
         if n_batches != -1 and k >= n_batches:
             return
         rows = jax.tree.leaves(batch)[0].shape[0]
-        yield batch, np.ones((rows,), np.float32)
+        real = getattr(it, "real_rows", None)  # packed rows: those whose data has ended are padding
+        yield batch, (np.ones((rows,), np.float32) if real is None else np.asarray(real, np.float32))
+
+
+def agreed_eval_batches(source: Any, global_batch: int, n_batches: int, *, process_index: int, process_count: int
+                        ) -> Iterator[tuple[Batch, np.ndarray, bool]]:
+    """``(local batch, local mask, padded)`` for one evaluation: :func:`eval_batches`, the same number on
+    every process, and ``padded`` (some row of the global batch is padding) the same on every process.
+
+    A random-access source has that number by its length. An iterable of per-process batches may end
+    sooner on one process than on another (packed rows: each process packs its own); on several
+    processes they agree before the loop on the largest count (one host-level all-gather), and a
+    process whose batches have ended contributes empty ones (mask 0): its source's ``empty_batch()``,
+    else zeros shaped like its last batch. A source with ``count_batches(limit)`` is counted without
+    being kept; any other iterable is read whole (up to ``n_batches``) before the loop.
+    """
+    def local():
+        return eval_batches(source, global_batch, n_batches, process_index=process_index, process_count=process_count)
+
+    if hasattr(source, "__len__") and hasattr(source, "__getitem__"):
+        n = len(source)
+        for k, (batch, mask) in enumerate(local()):
+            yield batch, mask, n_batches == -1 and (k + 1) * global_batch > n
+        return
+    if jax.process_count() == 1:
+        for batch, mask in local():
+            yield batch, mask, False
+        return
+    from jax.experimental import multihost_utils
+
+    if hasattr(source, "count_batches"):
+        mine, batches = source.count_batches(n_batches), local()
+    else:
+        batches = list(local())
+        mine, batches = len(batches), iter(batches)
+    counts = [int(c) for c in np.asarray(multihost_utils.process_allgather(np.asarray([mine], np.int64))).reshape(-1)]
+    total, fewest = max(counts), min(counts)
+    if fewest == 0 and total and not hasattr(source, "empty_batch"):  # the same answer on every process
+        raise ValueError(f"the eval data of process(es) {[p for p, c in enumerate(counts) if c == 0]} yielded no batch "
+                         f"while others yielded up to {total} (batches per process: {counts}); give every process "
+                         f"eval data, or a source with empty_batch()")
+    last = None
+    for k in range(total):
+        if k < mine:
+            last, mask = next(batches)
+            yield last, mask, k >= fewest
+        else:
+            empty = source.empty_batch() if hasattr(source, "empty_batch") else jax.tree.map(np.zeros_like, last)
+            yield empty, np.zeros((jax.tree.leaves(empty)[0].shape[0],), np.float32), True

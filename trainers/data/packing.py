@@ -15,6 +15,7 @@ only its rows, the global batch is the same on any process count, and the state 
 from __future__ import annotations
 
 import copy
+import logging
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -26,6 +27,8 @@ from trainers.data.documents import Documents, Encoder
 from trainers.data.loader import _grain_seed
 
 PACKINGS = ("segments", "concat")
+log = logging.getLogger(__name__)
+_warned: set[tuple] = set()  # (path, fields, seq_len, tokenizer) whose lost targets were reported
 
 
 class PackedStream:
@@ -48,6 +51,9 @@ class PackedStream:
             raise ValueError(f"data.path={docs.path!r} has no {split} split")
         self._cache: OrderedDict = OrderedDict()  # (epoch, block) -> its documents, shared by the rows
         self._orders: dict[int, np.ndarray] = {}  # epoch -> block order (recent epochs)
+        self._counts: dict[tuple, int] = {}  # (rows, limit) -> batches in one pass; shared with for_process copies
+        self.cut_away: dict[int, tuple[int, int, int]] = {}  # block -> (documents encoded, of them with every
+        # weighted target cut away by truncation, the data.seq_len that keeps one target of each of those)
 
     def for_process(self, block: int, n_blocks: int) -> PackedStream:
         """The stream of rows ``[block * b, (block + 1) * b)``, ``b = global_batch / n_blocks``: what one
@@ -61,6 +67,27 @@ class PackedStream:
 
     def __iter__(self) -> PackedIterator:
         return PackedIterator(self)
+
+    def count_batches(self, limit: int = -1) -> int:
+        """How many batches one pass over a finite stream (``repeat=False``) yields, at most ``limit``
+        (-1: no limit); counted once (packing every row), then remembered by this stream and its
+        ``for_process`` copies. Processes compare counts before an evaluation (:func:`trainers.data.loader.agreed_eval_batches`)."""
+        if self.repeat:
+            raise ValueError("a repeated stream has no end: count_batches needs repeat=False")
+        key = (self.rows, limit)
+        if key not in self._counts:
+            n = 0
+            for _ in PackedIterator(self):
+                n += 1
+                if n == limit:
+                    break
+            self._counts[key] = n
+        return self._counts[key]
+
+    def empty_batch(self) -> dict[str, np.ndarray]:
+        """A batch of this stream's rows that holds no document (no loss weight): what a process whose
+        rows have ended contributes while others still evaluate."""
+        return PackedIterator(self).batch_of([None] * len(self.rows))
 
     def block_order(self, epoch: int, row: int = 0) -> list[int]:
         """The blocks row ``row`` reads in ``epoch``, in order."""
@@ -90,7 +117,7 @@ class PackedStream:
         if self.shuffle:
             records = [records[i] for i in np.random.default_rng([_grain_seed(self.seed), epoch, block]).permutation(
                 len(records))]
-        out = []
+        out, lost, need = [], 0, 0
         for rid, values in records:
             tokens, weights = self.encoder(values)
             if tokens.size - 1 > self.seq_len and self.packing == "segments":
@@ -98,9 +125,13 @@ class PackedStream:
                     raise ValueError(f"data.path: document {rid} has {tokens.size - 1} tokens to predict, more than "
                                      f"data.seq_len={self.seq_len} (field(s) {list(self.docs.fields)}); set "
                                      "data.truncate=true to cut it, or a larger data.seq_len")
+                weighted = np.flatnonzero(weights[1:] > 0)  # the targets the loss reads
+                if weighted.size and weighted[0] >= self.seq_len:  # all of them past the cut
+                    lost, need = lost + 1, max(need, int(weighted[0]) + 1)
                 tokens, weights = tokens[: self.seq_len + 1], weights[: self.seq_len + 1]
             if tokens.size > 1:
                 out.append((tokens[:-1], tokens[1:], weights[1:]))
+        self.cut_away[block] = (len(out), lost, need)
         return out
 
 
@@ -208,6 +239,12 @@ class PackedIterator(Iterator[dict[str, np.ndarray]]):
         rows = [make(r) for r in self.rows]
         if all(r is None for r in rows):
             raise StopIteration
+        return self.batch_of(rows)
+
+    def batch_of(self, rows: list[dict[str, np.ndarray] | None]) -> dict[str, np.ndarray]:
+        """The batch of these rows, a row whose data ended (None) made empty (weight 0); ``real_rows``
+        says which rows hold data (1) and which are empty (0): the eval mask."""
+        self.real_rows = np.asarray([r is not None for r in rows], np.float32)
         rows = [_empty_row(self.s.seq_len) if r is None else r for r in rows]
         batch = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
         if self.s.packing == "concat" and not self.s.weights:
@@ -249,11 +286,13 @@ class PackedIterator(Iterator[dict[str, np.ndarray]]):
 
 def packed_stream(cfg, split: str, *, train: bool = True) -> PackedStream:
     """The packed stream of one split of a document corpus ``cfg`` (a ``DataConfig``): shuffled and
-    repeated for training, in file order and one pass for evaluation (``train=False``)."""
+    repeated for training, in file order and one pass for evaluation (``train=False``; its batches
+    always carry loss weights, so the rows of a last, part-empty batch weigh nothing)."""
     docs = Documents(cfg.corpus, cfg.path, cfg.field_names)
     return PackedStream(docs, Encoder(cfg.tokenizer, cfg.separator), split, seq_len=cfg.seq_len,
                         global_batch=cfg.global_batch, seed=cfg.seed, packing=cfg.packing_mode, truncate=cfg.truncate,
-                        validation_fraction=cfg.validation_fraction, shuffle=train, repeat=train)
+                        validation_fraction=cfg.validation_fraction, shuffle=train, repeat=train,
+                        weights=None if train else True)
 
 
 def check(cfg) -> None:
@@ -274,6 +313,28 @@ def check(cfg) -> None:
         raise ValueError(f"data.path={cfg.path!r} has no document in split 'train' (data.validation_fraction="
                          f"{cfg.validation_fraction} of the documents are held out, by a hash of where each one is); "
                          "give more documents or a smaller data.validation_fraction")
+    _check_targets_kept(cfg, stream)
+
+
+def _check_targets_kept(cfg, stream: PackedStream) -> None:
+    """Truncation to ``data.seq_len`` that cuts away every weighted target of a document (a prompt
+    longer than the row) leaves it nothing to learn: refused when it is so for every document read
+    (the blocks :func:`check` encoded), one warning with the count when for some."""
+    counts = list(stream.cut_away.values())
+    docs, lost, need = sum(c[0] for c in counts), sum(c[1] for c in counts), max((c[2] for c in counts), default=0)
+    if not lost:
+        return
+    read = (f"documents read (the first {len(counts)} block(s) of split 'train' of data.path={cfg.path!r}): their "
+            f"weighted tokens (field {cfg.field_names[-1]!r}) begin past position {cfg.seq_len}")
+    fix = f"a data.seq_len of at least {need} keeps a target of each (or shorten the other fields)"
+    if lost == docs:
+        raise ValueError(f"data.seq_len={cfg.seq_len} cuts away every target of all {docs} {read}, so training would "
+                         f"learn nothing; {fix}")
+    key = (cfg.path, cfg.fields, cfg.seq_len, cfg.tokenizer)
+    if key not in _warned:  # one warning, however many times the config is checked
+        _warned.add(key)
+        log.warning("data.seq_len=%d cuts away every target of %d of the %d %s, so they carry no loss weight; %s",
+                    cfg.seq_len, lost, docs, read, fix)
 
 
 def per_token(results: dict[str, float]) -> dict[str, float]:

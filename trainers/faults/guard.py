@@ -202,6 +202,18 @@ def peek_bad(pending: Sequence[tuple[int, int, dict[str, Any]]], lag: int = 2) -
     return not bool(np.all(jax.device_get(ok)))
 
 
+def check_learned(start: int, stop: int, skipped: int, events: Sequence[GuardEvent], policy: str) -> None:
+    """A run that took steps ``start + 1 .. stop`` and skipped ``skipped`` of them learned nothing when
+    it skipped them all: a DivergenceError (exit 3) naming the last cause, whatever ``run.max_bad_steps``."""
+    if stop <= start or skipped < stop - start:
+        return
+    last = f"; last: {events[-1].describe()}" if events else ""
+    raise DivergenceError(f"no update was applied: run.guard={policy!r} skipped every one of the {stop - start} steps "
+                          f"{start + 1}..{stop} (a non-finite loss or gradient norm, or a spike){last}; the params "
+                          f"are those of step {start}. Look for NaN or infinite inputs or loss weights, or a "
+                          "learning rate that is too large")
+
+
 class Guard:
     """Applies ``run.guard`` to the events of fetched steps; see the module docstring."""
 
