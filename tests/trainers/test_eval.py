@@ -105,6 +105,24 @@ def test_a_batch_without_loss_weight_is_loss_zero_weight_zero():
         assert (m["loss"] == 0.0 and m["grad_norm"] == 0.0) if weight == 0 else m["loss"] > 1.0, m
 
 
+
+@pytest.mark.slow
+def test_pipelined_eval_of_a_padded_last_batch_without_weights_equals_unpipelined():
+    """Token windows (no loss weights), ``run.eval_batches=-1`` over 1249 windows in batches of 16: the
+    padded last batch's 15 padding rows weigh nothing under the pipeline too (they used to count)."""
+    from trainers.recipes import recipe
+
+    def run(sets):
+        cfg = override(recipe("gpt-small-pp", tiny=True), ["data.max_tokens=20000", *sets])
+        setup = build(cfg)
+        source = setup.task.eval_source(cfg)
+        assert len(source) % cfg.data.global_batch, len(source)  # the last batch is padded
+        return evaluate(setup.eval_step, eval_view(setup.sharded.state), source, setup.batch_sharding,
+                        cfg.data.global_batch, -1)
+
+    check_equal(run([]), run(["pipeline.schedule=none", "mesh.axes=data=8"]))
+
+
 # ----------------------------------------------------------------------------- many processes
 def _chat_folder(path) -> str:
     """train.jsonl, and validation.jsonl whose documents go to rows 0..7 in turn (one block, read in
