@@ -6,10 +6,17 @@ picks what happens to weights sharded over ``fsdp``: ``"per_microbatch"`` (ZeRO-
 stays automatic, ``W[D_fsdp]`` gathered and ``G`` reduce-scattered every microbatch) or
 ``"per_step"`` (``W[D_fsdp] -> W[D]`` gathered once before the loop, ``G[D]{U_fsdp} -> G[D_fsdp]``
 reduce-scattered once after it: full-size weights and accumulator per device). See docs/training.md.
+
+A gather or scatter in the loop's manual region (``jnp.take`` of an embedding table sharded over
+``tensor``, its gradient) makes the XLA of jax 0.12 abort the process while partitioning it (a failed
+check in ``spmd_partitioner_util.cc``); 0.10.2 compiles it. The built-in models spell their lookup
+out per shard there (:mod:`spmd.models.embedding`); on jax >= 0.11 a loss that still gathers in the
+region is found in its jaxpr before compiling and runs the loop under GSPMD instead, with a warning.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +31,13 @@ from spmd import collectives
 from spmd.manual import manual_batch_axes, param_axes, with_inner_rules
 from spmd.pipeline.config import split_microbatches
 from spmd.rules import Rules, axes_of
+
+log = logging.getLogger(__name__)
+
+# jax versions whose XLA aborts partitioning a gather or scatter inside a partly manual region
+GATHER_ABORTS = tuple(jax.__version_info__[:2]) >= (0, 11)
+GATHERS = ("gather", "scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",
+           "scatter_min", "scatter-max", "scatter_max")
 
 
 def reduction_axes(mesh: Mesh, rules: Rules, batch: Any, grad_accum: int, fsdp_gather: str) -> tuple[str, ...]:
@@ -86,8 +100,6 @@ def accumulate(grad_fn: Callable, params: Any, batch: Any, key: jax.Array, *, gr
     (rows split evenly: the global mean). Random draws of the loss use ``key_j`` folded with the
     device's index over ``axes``: independent per device, not the single-device draws.
     """
-    gathered = jax.tree.map(lambda s: without_axes(s, axes), param_shardings)
-    params = jax.lax.with_sharding_constraint(params, gathered)  # W[D_fsdp] -> W[D]: once per step
     n = math.prod(axis_sizes(mesh)[a] for a in axes)
     micro = jax.tree.map(lambda x: split_microbatches(x, grad_accum), batch)  # [k, B/k, ...], rows stay put
     batch_spec = jax.tree.map(lambda x: P(None, axes), micro)
@@ -108,10 +120,50 @@ def accumulate(grad_fn: Callable, params: Any, batch: Any, key: jax.Array, *, gr
         return jax.tree.map(lambda g: g[None], acc), loss, aux  # G[1, ...]{U_axes}: one row per device
 
     inner = with_inner_rules(local, mesh, rules, axes[0], axes)  # constraints name automatic axes only
-    partial, loss, aux = jax.shard_map(inner, mesh=mesh, in_specs=(P(), batch_spec, P()), out_specs=(P(axes), P(), P()),
-                                       axis_names=frozenset(axes))(params, micro, key)
+    loop = jax.shard_map(inner, mesh=mesh, in_specs=(P(), batch_spec, P()), out_specs=(P(axes), P(), P()),
+                         axis_names=frozenset(axes))
+    found = manual_gathers(loop, params, micro, key) if GATHER_ABORTS else {}
+    if found:  # at trace time: once per compiled step
+        log.warning("gradient accumulation reduces the gradients every microbatch, not once per step: the loss "
+                    "runs %s inside the loop's region manual over %s, and the XLA of jax %s aborts the process while "
+                    "partitioning those (jax 0.10 compiles them); the loop runs under GSPMD instead", _counted(found),
+                    " x ".join(axes), jax.__version__)
+        grads, _, loss, aux = accumulate_gspmd(grad_fn, params, {}, batch, key, grad_accum=grad_accum,
+                                               param_shardings=param_shardings)
+        return grads, loss, aux
+    gathered = jax.tree.map(lambda s: without_axes(s, axes), param_shardings)
+    params = jax.lax.with_sharding_constraint(params, gathered)  # W[D_fsdp] -> W[D]: once per step
+    partial, loss, aux = loop(params, micro, key)
     grads = jax.tree.map(lambda g: g.sum(0) / (grad_accum * n), partial)  # the one reduction
     return jax.lax.with_sharding_constraint(grads, param_shardings), loss, aux
+
+
+def manual_gathers(loop: Callable, *args: Any) -> dict[str, int]:
+    """``{primitive: count}`` of the gathers and scatters that ``loop`` (a function of ``args`` calling a
+    ``shard_map``) runs in its manual region, outside any ``shard_map`` nested in it (a region of its
+    own, as :func:`spmd.models.embedding.lookup` opens): traced, never compiled."""
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+    found: dict[str, int] = {}
+
+    def walk(jaxpr: Any, inside: bool) -> None:
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            if name == "shard_map" and inside:
+                continue
+            if inside and name in GATHERS:
+                found[name] = found.get(name, 0) + 1
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        walk(sub, inside or name == "shard_map")
+
+    walk(jax.make_jaxpr(loop)(*shapes).jaxpr, False)
+    return found
+
+
+def _counted(found: dict[str, int]) -> str:
+    return ", ".join(f"{n} {name}{'s' if n > 1 else ''}" for name, n in sorted(found.items()))
 
 
 def accumulate_gspmd(grad_fn: Callable, params: Any, other: Any, batch: Any, key: jax.Array, *, grad_accum: int,
