@@ -7,11 +7,8 @@ stays automatic, ``W[D_fsdp]`` gathered and ``G`` reduce-scattered every microba
 ``"per_step"`` (``W[D_fsdp] -> W[D]`` gathered once before the loop, ``G[D]{U_fsdp} -> G[D_fsdp]``
 reduce-scattered once after it: full-size weights and accumulator per device). See docs/training.md.
 
-A gather or scatter in the loop's manual region (``jnp.take`` of an embedding table sharded over
-``tensor``, its gradient) makes the XLA of jax 0.12 abort the process while partitioning it (a failed
-check in ``spmd_partitioner_util.cc``); 0.10.2 compiles it. The built-in models spell their lookup
-out per shard there (:mod:`spmd.models.embedding`); on jax >= 0.11 a loss that still gathers in the
-region is found in its jaxpr before compiling and runs the loop under GSPMD instead, with a warning.
+A loss that gathers in the loop's manual region (which the XLA of jax 0.12 aborts partitioning) is
+found before compiling and runs the loop under GSPMD instead (:func:`manual_gathers`).
 """
 
 from __future__ import annotations
