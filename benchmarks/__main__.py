@@ -22,6 +22,7 @@ from benchmarks import (
     context,
     decode_gpu,
     gpu,
+    gpu_train,
     guard,
     interchange,
     local_sgd,
@@ -62,6 +63,7 @@ BENCHMARKS: dict[str, Callable[..., int]] = {
     "calibration": calibration.main,
     "packing": packing.main,
     "interchange": interchange.main,
+    "gpu_train": gpu_train.main,
     "decode_gpu": decode_gpu.main,
     "moe_gpu": moe_gpu.main,
 }

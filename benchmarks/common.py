@@ -46,7 +46,7 @@ SIMULATED_DEVICES = 8
 RESULTS = Path(__file__).resolve().with_name("RESULTS.md")
 ORDER = ("overhead", "comms", "steptime", "stack", "peer", "memory", "attention", "context", "loss", "remat", "pipeline",
          "moe", "mfu", "checkpoint", "guard", "scaling",
-         "local_sgd", "gpu", "calibration", "packing", "interchange", "decode_gpu", "moe_gpu")
+         "local_sgd", "gpu", "gpu_train", "calibration", "packing", "interchange", "decode_gpu", "moe_gpu")
 _COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 
 # name -> (mesh axis sizes, rule preset): the parallel layouts the layout benchmarks compare.

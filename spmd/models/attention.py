@@ -19,6 +19,10 @@ from spmd.collectives import varying_like
 from spmd.models import segments
 
 IMPLS = ("auto", "naive", "xla", "cudnn", "blockwise")
+# auto with segment ids (packed rows): cuDNN takes them as a [B, 1, L, L] mask. Up to this length that is
+# faster than the blockwise flash (an H100 at L 4096, 32/8 heads of 64, fwd + bwd: 0.26x the time,
+# benchmarks/RESULTS.md gpu_train); past it the mask's L^2 memory grows and blockwise is taken.
+CUDNN_SEGMENTS_UP_TO = 4096
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 CUDNN_MAX_HEAD_DIM = 128
 
@@ -261,13 +265,13 @@ def attend(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, *, impl: str
            segment_ids: jax.Array | None = None) -> jax.Array:
     """Causal attention of ``q`` over ``k, v`` with the implementation ``impl`` (see the module docstring);
     with ``segment_ids[B, L]`` a query attends only to keys of its own segment (packed documents), and
-    ``auto`` never picks cuDNN (which would take them as a materialised mask)."""
+    ``auto`` picks cuDNN (segments as a mask) only up to :data:`CUDNN_SEGMENTS_UP_TO` positions."""
     chosen = resolve(impl, q_BLHK, k_BLGK, block)
     if segment_ids is None:
         if chosen == "blockwise":
             return blockwise(q_BLHK, k_BLGK, v_BLGK, block)
         return {"naive": naive, "xla": xla, "cudnn": cudnn}[chosen](q_BLHK, k_BLGK, v_BLGK)
-    if impl == "auto" and chosen == "cudnn":  # cuDNN takes segments only as a [B, 1, L, L] mask: flash instead
+    if impl == "auto" and chosen == "cudnn" and q_BLHK.shape[1] > CUDNN_SEGMENTS_UP_TO:  # the L^2 mask: flash
         chosen = "blockwise" if q_BLHK.shape[1] > block else "naive"
     if chosen == "blockwise":
         return blockwise(q_BLHK, k_BLGK, v_BLGK, block, segment_ids)

@@ -94,11 +94,13 @@ def test_import_then_export_is_bit_equal(family, tmp_path):
     assert pretrained_config(str(tmp_path)) == pretrained_config(os.path.join(FIXTURES, family))
 
 
+@pytest.mark.parametrize("loop", ["scan", "unrolled"])
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
-def test_greedy_generation_equals_transformers(family):
+def test_greedy_generation_equals_transformers(family, loop):
+    """Both layer loops of decode (scanned stacked weights; per-layer buffers) give transformers' tokens."""
     ref = reference(family)
     model = load_pretrained(os.path.join(FIXTURES, family))
-    np.testing.assert_array_equal(np.asarray(generate(model, ref["prompt"], 32)), ref["generated"])
+    np.testing.assert_array_equal(np.asarray(generate(model, ref["prompt"], 32, loop=loop)), ref["generated"])
 
 
 @pytest.mark.slow
@@ -110,8 +112,9 @@ def test_generation_sharded_equals_transformers_and_sampling_is_layout_free(fami
     for layout in ("single", "dp2_fsdp2_tp2"):
         mesh, rules = mesh_of(layout)
         model = load_pretrained(os.path.join(FIXTURES, family), mesh, rules)
-        greedy = np.asarray(generate(model, prompt, 32, mesh=mesh, rules=rules))
-        np.testing.assert_array_equal(greedy, np.tile(ref["generated"], (2, 1)))
+        for loop in ("scan", "unrolled"):
+            greedy = np.asarray(generate(model, prompt, 32, mesh=mesh, rules=rules, loop=loop))
+            np.testing.assert_array_equal(greedy, np.tile(ref["generated"], (2, 1)))
         samples.append(np.asarray(generate(model, prompt, 16, 1.0, 8, 0.9, seed=7, mesh=mesh, rules=rules)))
     np.testing.assert_array_equal(samples[0], samples[1])
     assert not np.array_equal(samples[0][:, :16], greedy[:, :16])  # sampling is not greedy

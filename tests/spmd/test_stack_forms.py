@@ -110,18 +110,19 @@ def test_auto_form_by_depth_and_backend():
         stack_form("loop", 4)
     with pytest.raises(ValueError, match="GPTConfig.scan_layers 'loop'"):
         GPTConfig(scan_layers="loop")
-    # MoE groups count as one block each: 12 layers in groups of 2 are 6 blocks
-    moe = GPTConfig(n_layers=12, n_experts=4, moe_every=2)
+    # MoE groups count as one block each: 24 layers in groups of 2 are 12 blocks
+    moe = GPTConfig(n_layers=24, n_experts=4, moe_every=2)
     assert moe.stack_form("gpu") == "unrolled" and dataclasses.replace(moe, moe_every=1).stack_form("gpu") == "scanned"
 
 
 def test_dry_run_and_planner_say_which_form_runs():
     deep = dataclasses.replace(CFG, n_layers=12)
-    assert layer_stack(deep, get_hardware("h100")) == "layer stack scanned (model.scan_layers=auto; auto: 12 layers on gpu)"
+    assert layer_stack(deep, get_hardware("tpu-v5p")) == "layer stack scanned (model.scan_layers=auto; auto: 12 layers on tpu)"
+    assert layer_stack(deep, get_hardware("h100")).startswith("layer stack unrolled")
     assert layer_stack(deep, get_hardware("cpu")).startswith("layer stack unrolled")
     assert layer_stack(dataclasses.replace(deep, scan_layers="scanned"), get_hardware("cpu")) == \
         "layer stack scanned (model.scan_layers=scanned; set)"
-    cfg = override(recipe("gpt-small"), ["model.n_layers=12"])
+    cfg = override(recipe("gpt-small"), ["model.n_layers=24"])
     found = plan(cfg, 8, "h100", confirm=0)
     assert found.layer_stack == layer_stack(cfg.model, get_hardware("h100")) and found.layer_stack.startswith(
         "layer stack scanned")
