@@ -25,6 +25,7 @@ from spmd.constraints import constrain
 from spmd.models import attention as attention_lib
 from spmd.models import context, embedding
 from spmd.models.layers import Attention, GatedMLP, RMSNorm, param, weight
+from spmd.models.lora import LoRASpec
 from spmd.models.loss import chunked_lm_loss, lm_loss
 from spmd.models.loss import head_logits as _head_logits
 from spmd.models.loss import with_moe_losses as _with_moe_losses
@@ -161,12 +162,12 @@ class Block(nnx.Module):
     With ``moe=True`` the MLP is a :class:`MoE` and the block returns ``(x, stats)`` (the MoE's
     losses and load statistics, which :class:`Stack` sums over layers)."""
 
-    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, moe: bool = False):
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, moe: bool = False, lora: LoRASpec | None = None):
         self.attn_norm = RMSNorm(cfg.d_model, rngs=rngs, eps=cfg.norm_eps)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.k, rngs=rngs,
                               rope_theta=cfg.rope_theta, dtype=cfg.compute_dtype, impl=cfg.attention,
                               block=cfg.attention_block, exchange=cfg.context_exchange, bias=cfg.qkv_bias,
-                              rope_scaling=cfg.llama3_scaling)
+                              rope_scaling=cfg.llama3_scaling, lora=lora)
         self.mlp_norm = RMSNorm(cfg.d_model, rngs=rngs, eps=cfg.norm_eps)
         self.mlp: MoE | GatedMLP
         if moe:
@@ -174,7 +175,7 @@ class Block(nnx.Module):
                            capacity_factor=cfg.capacity_factor, router=cfg.router, n_shared=cfg.n_shared_experts,
                            dtype=cfg.compute_dtype)
         else:
-            self.mlp = GatedMLP(cfg.d_model, cfg.ff, rngs=rngs, dtype=cfg.compute_dtype)
+            self.mlp = GatedMLP(cfg.d_model, cfg.ff, rngs=rngs, dtype=cfg.compute_dtype, lora=lora)
 
     def __call__(self, x_BLD: jax.Array, positions_L: jax.Array, *segment_ids: jax.Array) -> jax.Array | tuple[jax.Array, dict]:
         x_BLD = x_BLD + residual(self.attn(sub_block_input(self.attn_norm(x_BLD)), positions_L, *segment_ids))
@@ -203,9 +204,9 @@ class MoEGroup(nnx.Module):
     """``moe_every - 1`` dense blocks, then one MoE block: the unit a Stack repeats when only every
     n-th block is MoE. Returns ``(x, stats)``."""
 
-    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
-        self.dense = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.moe_every - 1)])
-        self.moe = Block(cfg, rngs=rngs, moe=True)
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, lora: LoRASpec | None = None):
+        self.dense = nnx.List([Block(cfg, rngs=rngs, lora=lora) for _ in range(cfg.moe_every - 1)])
+        self.moe = Block(cfg, rngs=rngs, moe=True, lora=lora)
 
     def __call__(self, x_BLD: jax.Array, positions_L: jax.Array, *segment_ids: jax.Array) -> tuple[jax.Array, dict]:
         for block in self.dense:
@@ -213,22 +214,25 @@ class MoEGroup(nnx.Module):
         return cast(tuple[jax.Array, dict], self.moe(x_BLD, positions_L, *segment_ids))  # a MoE Block returns (x, stats)
 
 
-def _make_block(cfg: GPTConfig) -> tuple[Callable[[nnx.Rngs], nnx.Module], int]:
+def _make_block(cfg: GPTConfig, lora: LoRASpec | None = None) -> tuple[Callable[[nnx.Rngs], nnx.Module], int]:
     """The Stack's repeated unit and its count: a Block (dense, or MoE when every block is), or a MoEGroup."""
     if not cfg.n_experts:
-        return (lambda r: Block(cfg, rngs=r)), cfg.n_layers
+        return (lambda r: Block(cfg, rngs=r, lora=lora)), cfg.n_layers
     if cfg.moe_every == 1:
-        return (lambda r: Block(cfg, rngs=r, moe=True)), cfg.n_layers
-    return (lambda r: MoEGroup(cfg, rngs=r)), cfg.n_layers // cfg.moe_every
+        return (lambda r: Block(cfg, rngs=r, moe=True, lora=lora)), cfg.n_layers
+    return (lambda r: MoEGroup(cfg, rngs=r, lora=lora)), cfg.n_layers // cfg.moe_every
 
 
 class GPT(nnx.Module):
-    """``GPT(cfg, rngs=nnx.Rngs(0))(tokens_BL) -> logits_BLV`` (f32)."""
+    """``GPT(cfg, rngs=nnx.Rngs(0))(tokens_BL) -> logits_BLV`` (f32).
 
-    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
-        self.cfg = cfg
+    ``lora``: LoRA adapters on the projections it targets (:mod:`spmd.models.lora`; on the attention of MoE
+    blocks, not on their experts); None (the default) adds none."""
+
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, lora: LoRASpec | None = None):
+        self.cfg, self.lora = cfg, lora
         self.embed = param(rngs, nnx.initializers.normal(stddev=1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
-        make_block, n_blocks = _make_block(cfg)
+        make_block, n_blocks = _make_block(cfg, lora)
         self.blocks = Stack(make_block, n_blocks, rngs=rngs, remat=cfg.policy, scan=cfg.scan_layers)
         self.final_norm = RMSNorm(cfg.d_model, rngs=rngs, eps=cfg.norm_eps)
         if not cfg.tie_embeddings:

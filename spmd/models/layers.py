@@ -19,6 +19,7 @@ from flax import nnx
 
 from spmd.constraints import constrain, dim_shards
 from spmd.models import context
+from spmd.models import lora as lora_lib
 
 Init = Callable[..., jax.Array]
 
@@ -154,7 +155,7 @@ class Attention(nnx.Module):
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *, rngs: nnx.Rngs,
                  rope_theta: float = 10_000.0, dtype: jnp.dtype = jnp.float32, impl: str = "auto", block: int = 512,
                  exchange: str = "ring", bias: bool = False,
-                 rope_scaling: tuple[float, float, float, int] | None = None):
+                 rope_scaling: tuple[float, float, float, int] | None = None, lora: lora_lib.LoRASpec | None = None):
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads {n_heads} must be a multiple of n_kv_heads {n_kv_heads}")
         init = fan_in_init(d_model)
@@ -165,8 +166,9 @@ class Attention(nnx.Module):
         if bias:
             self.b_q = param(rngs, nnx.initializers.zeros, (n_heads, head_dim), ("heads", "head_dim"))
             self.b_kv = param(rngs, nnx.initializers.zeros, (n_kv_heads, 2, head_dim), ("kv_heads", None, "head_dim"))
+        lora_lib.attention_adapters(self, lora, d_model, n_heads, n_kv_heads, head_dim, rngs)  # none unless given
         self.n_heads, self.n_kv_heads, self.rope_theta, self.dtype = n_heads, n_kv_heads, rope_theta, dtype
-        self.bias, self.rope_scaling = bias, rope_scaling
+        self.bias, self.rope_scaling, self.lora = bias, rope_scaling, lora
         self.impl, self.block = impl, block  # spmd.models.attention
         self.exchange = exchange  # K/V exchange under context parallelism (spmd.models.context)
 
@@ -199,6 +201,10 @@ class Attention(nnx.Module):
         q_BLnRK, k_BLn1K, v_BLn1K = jnp.split(qkv_BLnSK, [s - 2, s - 1], axis=3)
         q_BLHK = q_BLnRK.reshape(b, l, n * (s - 2), k)
         k_BLnK, v_BLnK = k_BLn1K.squeeze(3), v_BLn1K.squeeze(3)
+        if self.lora is not None:  # LoRA adapters (spmd.models.lora), before RoPE as on the projections
+            q_BLHK = lora_lib.add(q_BLHK, self, "q_proj", x_BLD, self.dtype)
+            k_BLnK = lora_lib.add_kv(k_BLnK, self, "k_proj", x_BLD, self.dtype)
+            v_BLnK = lora_lib.add_kv(v_BLnK, self, "v_proj", x_BLD, self.dtype)
         q_BLHK = rope(q_BLHK, positions_L, self.rope_theta, self.rope_scaling)
         q_BLHK = constrain(q_BLHK, ("batch", "length", "heads", "head_dim"))
         return q_BLHK, rope(k_BLnK, positions_L, self.rope_theta, self.rope_scaling), v_BLnK
@@ -206,7 +212,8 @@ class Attention(nnx.Module):
     def out(self, out_BLHK: jax.Array) -> jax.Array:
         """The row-parallel output projection ``o[B, L, H, K] -> y[B, L, D]``."""
         out_BLHK = constrain(out_BLHK, ("batch", "length", "heads", "head_dim"))
-        return jnp.einsum("blhk,hkd->bld", out_BLHK, weight(self.w_o, self.dtype))
+        y_BLD = jnp.einsum("blhk,hkd->bld", out_BLHK, weight(self.w_o, self.dtype))
+        return y_BLD if self.lora is None else lora_lib.add(y_BLD, self, "o_proj", out_BLHK, self.dtype)
 
     def __call__(self, x_BLD: jax.Array, positions_L: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         q_BLHK, k_BLnK, v_BLnK = self.qkv(x_BLD, positions_L)
@@ -225,15 +232,21 @@ class GatedMLP(nnx.Module):
     ``w_down[F_tensor, D]`` row-parallel (one all-reduce of its ``[B, L, D]`` output, forward).
     """
 
-    def __init__(self, d_model: int, d_ff: int, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
+    def __init__(self, d_model: int, d_ff: int, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32,
+                 lora: lora_lib.LoRASpec | None = None):
         self.w_gate_up = fused_param(rngs, fan_in_init(d_model), (d_model, d_ff), 2, 1, ("embed", None, "mlp"))
         self.w_down = param(rngs, fan_in_init(d_ff), (d_ff, d_model), ("mlp", "embed"))
-        self.dtype = dtype
+        self.dtype, self.lora = dtype, lora
+        lora_lib.mlp_adapters(self, lora, d_model, d_ff, rngs)  # none unless given
 
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         dt = self.dtype
         gate_up_BL2F = jnp.einsum("bld,dcf->blcf", x_BLD, weight(self.w_gate_up, dt))
         gate_BL1F, up_BL1F = jnp.split(gate_up_BL2F, 2, axis=2)  # gradient: one concatenate, not two pads
         gate_BLF, up_BLF = gate_BL1F.squeeze(2), up_BL1F.squeeze(2)
+        if self.lora is not None:  # LoRA adapters (spmd.models.lora)
+            gate_BLF = lora_lib.add(gate_BLF, self, "gate_proj", x_BLD, dt)
+            up_BLF = lora_lib.add(up_BLF, self, "up_proj", x_BLD, dt)
         h_BLF = constrain(jax.nn.silu(gate_BLF) * up_BLF, ("batch", "length", "mlp"))
-        return jnp.einsum("blf,fd->bld", h_BLF, weight(self.w_down, dt))
+        y_BLD = jnp.einsum("blf,fd->bld", h_BLF, weight(self.w_down, dt))
+        return y_BLD if self.lora is None else lora_lib.add(y_BLD, self, "down_proj", h_BLF, dt)

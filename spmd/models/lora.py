@@ -1,0 +1,144 @@
+"""LoRA adapters: a low-rank update ``scale * (x @ A) @ B`` beside a frozen projection, with logical dims.
+
+A projection ``W[in..., out...]`` (e.g. ``w_q[D, H, K]``) gains ``A[in..., r]`` and ``B[r, out...]``; the
+rank dim ``r`` is replicated (``None``) and every other dim names the base weight's logical dim, so the
+adapter shards wherever its base shards: ``A[D_fsdp, r]`` and ``B[r, H_tensor, K]`` under ``fsdp_tp``,
+gathered at use as the base weight is (:func:`spmd.models.layers.weight`). Under TP the ``[B, L, r]``
+activation of a row-parallel input (``o_proj``, ``down_proj``) is all-reduced over ``tensor`` (r wide, not D).
+
+Projections are named as PEFT names Llama's (``attn/q_proj`` ... ``mlp/down_proj``); ``LoRASpec.targets`` is
+a regex searched in those names. ``A`` starts as PEFT's (uniform in ``+-1/sqrt(fan_in)``), ``B`` at zero, so
+an adapted model starts equal to its base; ``scale = alpha / rank``. See docs/post-training.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+PROJECTIONS: tuple[str, ...] = ("attn/q_proj", "attn/k_proj", "attn/v_proj", "attn/o_proj",
+                                "mlp/gate_proj", "mlp/up_proj", "mlp/down_proj")
+DEFAULT_TARGETS = r"(q|k|v|o|gate|up|down)_proj$"
+ADAPTER_PATH = re.compile(r"(^|/)(q|k|v|o|gate|up|down)_proj/(a|b)$")  # a parameter path inside an Adapter
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRASpec:
+    """Which projections carry an adapter (``targets``: a regex searched in :data:`PROJECTIONS`), its
+    rank ``r >= 1`` and ``alpha`` (the update is scaled by ``alpha / rank``)."""
+
+    rank: int
+    alpha: float = 16.0
+    targets: str = DEFAULT_TARGETS
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"LoRA rank must be a positive integer, got {self.rank!r}")
+        if not isinstance(self.alpha, (int, float)) or not math.isfinite(self.alpha) or self.alpha <= 0:
+            raise ValueError(f"LoRA alpha must be a finite number > 0, got {self.alpha!r}")
+        try:
+            pattern = re.compile(self.targets)
+        except (re.error, TypeError) as e:
+            raise ValueError(f"LoRA targets {self.targets!r} is not a valid regex: {e}") from None
+        if not any(pattern.search(p) for p in PROJECTIONS):
+            raise ValueError(f"LoRA targets {self.targets!r} matches no projection; the projections are "
+                             f"{', '.join(PROJECTIONS)} (default {DEFAULT_TARGETS!r})")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def targeted(self, projection: str) -> bool:
+        """Whether ``projection`` (one of :data:`PROJECTIONS`) carries an adapter."""
+        return re.search(self.targets, projection) is not None
+
+    @property
+    def projections(self) -> tuple[str, ...]:
+        return tuple(p for p in PROJECTIONS if self.targeted(p))
+
+
+def is_adapter(path: str) -> bool:
+    """Whether the '/'-joined parameter path names an adapter's ``a`` or ``b`` (else: a frozen base weight)."""
+    return ADAPTER_PATH.search(path) is not None
+
+
+def _uniform(bound: float):
+    def init(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
+        return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+    return init
+
+
+class Adapter(nnx.Module):
+    """``delta(x[..., in...]) = scale * (x @ a[in..., r]) @ b[r, out...]`` in the compute dtype."""
+
+    def __init__(self, spec: LoRASpec, in_shape: Sequence[int], in_dims: Sequence[str | None],
+                 out_shape: Sequence[int], out_dims: Sequence[str | None], *, rngs: nnx.Rngs):
+        r = spec.rank
+        fan_in = math.prod(in_shape)
+        # PEFT: kaiming_uniform(a=sqrt(5)) on lora_A, i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in)); lora_B zeros
+        a = _uniform(fan_in**-0.5)(rngs.params(), (*in_shape, r), jnp.float32)
+        self.a = nnx.Param(a, out_sharding=(*in_dims, None), eager_sharding=False)
+        self.b = nnx.Param(jnp.zeros((r, *out_shape), jnp.float32), out_sharding=(None, *out_dims),
+                           eager_sharding=False)
+        self.scale = spec.scale
+
+    def __call__(self, x: jax.Array, dtype: jnp.dtype) -> jax.Array:
+        from spmd.models.layers import weight
+
+        a = weight(self.a, dtype)
+        b = weight(self.b, dtype)
+        h = jnp.tensordot(x.astype(dtype), a, axes=a.ndim - 1)  # [..., r]: replicated over the rank
+        return jnp.tensordot(h, b, axes=1) * jnp.asarray(self.scale, dtype)
+
+
+def attention_adapters(module: nnx.Module, spec: LoRASpec | None, d_model: int, n_heads: int, n_kv_heads: int,
+                       head_dim: int, rngs: nnx.Rngs) -> None:
+    """Set ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` on an attention module, those ``spec`` targets."""
+    if spec is None:
+        return
+    d, q, kv = ((d_model,), ("embed",)), ((n_heads, head_dim), ("heads", "head_dim")), \
+        ((n_kv_heads, head_dim), ("kv_heads", "head_dim"))
+    for name, (i, o) in (("q_proj", (d, q)), ("k_proj", (d, kv)), ("v_proj", (d, kv)), ("o_proj", (q, d))):
+        if spec.targeted(f"attn/{name}"):
+            setattr(module, name, Adapter(spec, *i, *o, rngs=rngs))
+
+
+def mlp_adapters(module: nnx.Module, spec: LoRASpec | None, d_model: int, d_ff: int, rngs: nnx.Rngs) -> None:
+    """Set ``gate_proj``, ``up_proj``, ``down_proj`` on a gated MLP, those ``spec`` targets."""
+    if spec is None:
+        return
+    d, f = ((d_model,), ("embed",)), ((d_ff,), ("mlp",))
+    for name, (i, o) in (("gate_proj", (d, f)), ("up_proj", (d, f)), ("down_proj", (f, d))):
+        if spec.targeted(f"mlp/{name}"):
+            setattr(module, name, Adapter(spec, *i, *o, rngs=rngs))
+
+
+def delta(module: nnx.Module, name: str, x: jax.Array, dtype: jnp.dtype) -> jax.Array | None:
+    """The adapter ``name`` of ``module`` applied to ``x``, or None when it has none."""
+    adapter = getattr(module, name, None)
+    return None if adapter is None else adapter(x, dtype)
+
+
+def add(y: jax.Array, module: nnx.Module, name: str, x: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """``y`` plus the adapter ``name``'s update of ``x`` (``y`` itself when ``module`` has no such adapter)."""
+    d = delta(module, name, x, dtype)
+    return y if d is None else y + d.astype(y.dtype)
+
+
+def add_kv(y_BLnK: jax.Array, module: nnx.Module, name: str, x_BLD: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """k or v ``[B, L, n, K]`` (n KV slots, a copy of each of the G KV heads per slot sharing it) plus the
+    adapter's ``[B, L, G, K]`` update, copied the same way."""
+    d_BLGK = delta(module, name, x_BLD, dtype)
+    if d_BLGK is None:
+        return y_BLnK
+    n, g = y_BLnK.shape[2], d_BLGK.shape[2]
+    if n > g:
+        d_BLGK = jnp.repeat(d_BLGK, n // g, axis=2)
+    return y_BLnK + d_BLGK.astype(y_BLnK.dtype)
