@@ -11,6 +11,7 @@ at use; norms, softmax and the loss run in f32. Tensor names carry their shape l
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -202,9 +203,10 @@ class Attention(nnx.Module):
         q_BLHK = q_BLnRK.reshape(b, l, n * (s - 2), k)
         k_BLnK, v_BLnK = k_BLn1K.squeeze(3), v_BLn1K.squeeze(3)
         if self.lora is not None:  # LoRA adapters (spmd.models.lora), before RoPE as on the projections
-            q_BLHK = lora_lib.add(q_BLHK, self, "q_proj", x_BLD, self.dtype)
-            k_BLnK = lora_lib.add_kv(k_BLnK, self, "k_proj", x_BLD, self.dtype)
-            v_BLnK = lora_lib.add_kv(v_BLnK, self, "v_proj", x_BLD, self.dtype)
+            use = functools.partial(weight, dtype=self.dtype)
+            q_BLHK = lora_lib.add(q_BLHK, self, "q_proj", x_BLD, use)
+            k_BLnK = lora_lib.add_kv(k_BLnK, self, "k_proj", x_BLD, use)
+            v_BLnK = lora_lib.add_kv(v_BLnK, self, "v_proj", x_BLD, use)
         q_BLHK = rope(q_BLHK, positions_L, self.rope_theta, self.rope_scaling)
         q_BLHK = constrain(q_BLHK, ("batch", "length", "heads", "head_dim"))
         return q_BLHK, rope(k_BLnK, positions_L, self.rope_theta, self.rope_scaling), v_BLnK
@@ -213,7 +215,8 @@ class Attention(nnx.Module):
         """The row-parallel output projection ``o[B, L, H, K] -> y[B, L, D]``."""
         out_BLHK = constrain(out_BLHK, ("batch", "length", "heads", "head_dim"))
         y_BLD = jnp.einsum("blhk,hkd->bld", out_BLHK, weight(self.w_o, self.dtype))
-        return y_BLD if self.lora is None else lora_lib.add(y_BLD, self, "o_proj", out_BLHK, self.dtype)
+        return y_BLD if self.lora is None else lora_lib.add(y_BLD, self, "o_proj", out_BLHK,
+                                                                  functools.partial(weight, dtype=self.dtype))
 
     def __call__(self, x_BLD: jax.Array, positions_L: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         q_BLHK, k_BLnK, v_BLnK = self.qkv(x_BLD, positions_L)
@@ -245,8 +248,10 @@ class GatedMLP(nnx.Module):
         gate_BL1F, up_BL1F = jnp.split(gate_up_BL2F, 2, axis=2)  # gradient: one concatenate, not two pads
         gate_BLF, up_BLF = gate_BL1F.squeeze(2), up_BL1F.squeeze(2)
         if self.lora is not None:  # LoRA adapters (spmd.models.lora)
-            gate_BLF = lora_lib.add(gate_BLF, self, "gate_proj", x_BLD, dt)
-            up_BLF = lora_lib.add(up_BLF, self, "up_proj", x_BLD, dt)
+            use = functools.partial(weight, dtype=dt)
+            gate_BLF = lora_lib.add(gate_BLF, self, "gate_proj", x_BLD, use)
+            up_BLF = lora_lib.add(up_BLF, self, "up_proj", x_BLD, use)
         h_BLF = constrain(jax.nn.silu(gate_BLF) * up_BLF, ("batch", "length", "mlp"))
         y_BLD = jnp.einsum("blf,fd->bld", h_BLF, weight(self.w_down, dt))
-        return y_BLD if self.lora is None else lora_lib.add(y_BLD, self, "down_proj", h_BLF, dt)
+        return y_BLD if self.lora is None else lora_lib.add(y_BLD, self, "down_proj", h_BLF,
+                                                                 functools.partial(weight, dtype=dt))

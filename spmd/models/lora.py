@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -75,8 +75,12 @@ def _uniform(bound: float):
     return init
 
 
+Use = Callable[[nnx.Param], jax.Array]  # a parameter as used in compute (spmd.models.layers.weight)
+
+
 class Adapter(nnx.Module):
-    """``delta(x[..., in...]) = scale * (x @ a[in..., r]) @ b[r, out...]`` in the compute dtype."""
+    """``delta(x[..., in...]) = scale * (x @ a[in..., r]) @ b[r, out...]``, the parameters taken as
+    ``use`` gives them (cast to the compute dtype, laid out as activations: ``layers.weight``)."""
 
     def __init__(self, spec: LoRASpec, in_shape: Sequence[int], in_dims: Sequence[str | None],
                  out_shape: Sequence[int], out_dims: Sequence[str | None], *, rngs: nnx.Rngs):
@@ -89,13 +93,10 @@ class Adapter(nnx.Module):
                            eager_sharding=False)
         self.scale = spec.scale
 
-    def __call__(self, x: jax.Array, dtype: jnp.dtype) -> jax.Array:
-        from spmd.models.layers import weight
-
-        a = weight(self.a, dtype)
-        b = weight(self.b, dtype)
-        h = jnp.tensordot(x.astype(dtype), a, axes=a.ndim - 1)  # [..., r]: replicated over the rank
-        return jnp.tensordot(h, b, axes=1) * jnp.asarray(self.scale, dtype)
+    def __call__(self, x: jax.Array, use: Use) -> jax.Array:
+        a, b = use(self.a), use(self.b)
+        h = jnp.tensordot(x.astype(a.dtype), a, axes=a.ndim - 1)  # [..., r]: replicated over the rank
+        return jnp.tensordot(h, b, axes=1) * jnp.asarray(self.scale, a.dtype)
 
 
 def attention_adapters(module: nnx.Module, spec: LoRASpec | None, d_model: int, n_heads: int, n_kv_heads: int,
@@ -120,22 +121,22 @@ def mlp_adapters(module: nnx.Module, spec: LoRASpec | None, d_model: int, d_ff: 
             setattr(module, name, Adapter(spec, *i, *o, rngs=rngs))
 
 
-def delta(module: nnx.Module, name: str, x: jax.Array, dtype: jnp.dtype) -> jax.Array | None:
+def delta(module: nnx.Module, name: str, x: jax.Array, use: Use) -> jax.Array | None:
     """The adapter ``name`` of ``module`` applied to ``x``, or None when it has none."""
     adapter = getattr(module, name, None)
-    return None if adapter is None else adapter(x, dtype)
+    return None if adapter is None else adapter(x, use)
 
 
-def add(y: jax.Array, module: nnx.Module, name: str, x: jax.Array, dtype: jnp.dtype) -> jax.Array:
+def add(y: jax.Array, module: nnx.Module, name: str, x: jax.Array, use: Use) -> jax.Array:
     """``y`` plus the adapter ``name``'s update of ``x`` (``y`` itself when ``module`` has no such adapter)."""
-    d = delta(module, name, x, dtype)
+    d = delta(module, name, x, use)
     return y if d is None else y + d.astype(y.dtype)
 
 
-def add_kv(y_BLnK: jax.Array, module: nnx.Module, name: str, x_BLD: jax.Array, dtype: jnp.dtype) -> jax.Array:
+def add_kv(y_BLnK: jax.Array, module: nnx.Module, name: str, x_BLD: jax.Array, use: Use) -> jax.Array:
     """k or v ``[B, L, n, K]`` (n KV slots, a copy of each of the G KV heads per slot sharing it) plus the
     adapter's ``[B, L, G, K]`` update, copied the same way."""
-    d_BLGK = delta(module, name, x_BLD, dtype)
+    d_BLGK = delta(module, name, x_BLD, use)
     if d_BLGK is None:
         return y_BLnK
     n, g = y_BLnK.shape[2], d_BLGK.shape[2]
