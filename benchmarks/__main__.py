@@ -60,10 +60,10 @@ BENCHMARKS: dict[str, Callable[..., int]] = {
     "scaling": scaling.main,
     "local_sgd": local_sgd.main,
     "gpu": gpu.main,
+    "gpu_train": gpu_train.main,
     "calibration": calibration.main,
     "packing": packing.main,
     "interchange": interchange.main,
-    "gpu_train": gpu_train.main,
     "decode_gpu": decode_gpu.main,
     "moe_gpu": moe_gpu.main,
 }
