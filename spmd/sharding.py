@@ -150,8 +150,20 @@ def optimizer_shardings(
     tx: optax.GradientTransformation, abstract_opt_state: Any, param_sharding: Any, mesh: Mesh
 ) -> Any:
     """Shardings for an optax state: parameter-shaped parts (moments, accumulators) follow the
-    parameters' shardings; everything else (step counts, scalars) is replicated."""
+    parameters' shardings; everything else (step counts, scalars) is replicated. A state with masked
+    parts (``optax.masked``, ``optax.multi_transform``: e.g. a frozen base) is matched by key path: a
+    leaf whose path ends with a parameter's path takes that parameter's sharding."""
     replicated = NamedSharding(mesh, P())
+    if any(isinstance(x, optax.MaskedNode) for x in
+           jax.tree.leaves(abstract_opt_state, is_leaf=lambda x: isinstance(x, optax.MaskedNode))):
+        by_path = {path_str(p, drop=()): s for p, s in jax.tree_util.tree_flatten_with_path(
+            param_sharding, is_leaf=lambda x: isinstance(x, NamedSharding))[0]}
+
+        def match(path: Any, _: Any) -> NamedSharding:
+            name = path_str(path, drop=())
+            return next((s for p, s in by_path.items() if name == p or name.endswith("/" + p)), replicated)
+
+        return jax.tree_util.tree_map_with_path(match, abstract_opt_state)
     return optax.tree_map_params(
         tx,
         lambda _, sharding: sharding,

@@ -27,6 +27,7 @@ from spmd.pipeline import PipelineConfig
 from trainers.checkpoint import CheckpointConfig
 from trainers.data import DataConfig
 from trainers.local_sgd import LocalSGDConfig
+from trainers.lora import LoRAConfig
 from trainers.lr import LRConfig
 from trainers.optim import OptimizerConfig
 from trainers.trace import PROCESSES, parse_steps
@@ -160,6 +161,7 @@ class Config:
     run: RunConfig = RunConfig()
     pipeline: PipelineConfig = PipelineConfig()  # schedule "none": the block stack runs as a plain scan
     local_sgd: LocalSGDConfig = LocalSGDConfig()  # every >= 1: replica groups over data, synchronised every H steps
+    lora: LoRAConfig = LoRAConfig()  # rank >= 1: LoRA adapters on a frozen base (trainers.lora)
 
     def __post_init__(self) -> None:
         from spmd import get_rules
@@ -217,6 +219,7 @@ FIXED_ON_RESUME = ("model.", "data.corpus", "data.path", "data.seq_len", "data.v
                    "data.seed", "data.validation_fraction", "data.max_tokens", "data.synthetic_tokens",
                    "data.tokenizer", "data.separator", "data.text_field", "data.fields", "data.packing", "data.truncate",
                    "optimizer.name")
+FIXED_ON_RESUME += ("lora.rank", "lora.targets")  # the adapters' shapes
 # ...except these model keys, which change how the step runs, not what the checkpoint holds
 FREE_ON_RESUME = ("model.scan_layers",)
 

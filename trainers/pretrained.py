@@ -28,6 +28,7 @@ from spmd.interchange.safetensors_io import SafetensorsFolder
 from spmd.models import GPT, GPTConfig
 from spmd.sharding import abstract_module, path_str
 from spmd.variables import init_model
+from trainers import lora
 from trainers.checkpoint import Checkpointer, resolve_init_from
 from trainers.checkpoint.config import hugging_face_folder
 from trainers.config import Config, override
@@ -54,6 +55,7 @@ def check_checkpoint(path: str, model: GPTConfig) -> None:
 def resolve(cfg: Config, *, check: bool = True) -> Config:
     """``cfg`` with ``model``'s shapes taken from ``checkpoint.init_from=hf:PATH``'s ``config.json`` (its
     other fields kept) and, with ``check``, every tensor checked (jax-abstract, no device); unchanged otherwise."""
+    cfg = lora.resolve(cfg)  # lora.init_from=peft:DIR: lora.rank, alpha and targets from its adapter_config.json
     path = hf_path(cfg.checkpoint.init_from)
     if path is None:
         if cfg.checkpoint.init_from and os.path.isdir(cfg.checkpoint.init_from):
@@ -96,8 +98,12 @@ def check_overrides(cfg: Config, sets: list[str]) -> None:
 
 
 def init_params(cfg: Config, abstract_params: Any) -> Any:
-    """The ``hf:PATH`` checkpoint's parameters, each device's shard read from the files."""
-    return read_params(hf_path(cfg.checkpoint.init_from), cfg.model, abstract_params)
+    """The ``hf:PATH`` checkpoint's parameters, each device's shard read from the files (with LoRA: the
+    base's, and the adapters of ``lora.init_from`` or as drawn: :func:`trainers.lora.init_params`)."""
+    path = hf_path(cfg.checkpoint.init_from)
+    if cfg.lora.enabled:
+        return lora.init_params(cfg, abstract_params, lambda base: read_params(path, cfg.model, base))
+    return read_params(path, cfg.model, abstract_params)
 
 
 def run_config(run_dir: str) -> Config:
@@ -135,7 +141,7 @@ def load_model(source: str, mesh: Mesh | None = None, rules: Any = None) -> GPT:
     cfg = run_config(run_dir)
     mesh = mesh or cfg.mesh.build()
     rules = rules or cfg.rules
-    model_vars = init_model(lambda: GPT(cfg.model, rngs=nnx.Rngs(0)), rules, mesh, abstract=True)
+    model_vars = init_model(lambda: GPT(cfg.model, rngs=nnx.Rngs(0), lora=cfg.lora.spec), rules, mesh, abstract=True)
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             model_vars.params, model_vars.shardings["params"])
     directory = cfg.checkpoint.resolve_directory(run_dir)
@@ -160,10 +166,13 @@ def model_changes(model: GPTConfig) -> list[str]:
 
 
 def export_run(source: str, out: str, *, dtype: str = "float32", max_shard_bytes: int = 2 << 30,
-               allow_model_change: bool = False) -> list[str]:
+               allow_model_change: bool = False, to: str = "hf") -> list[str]:
     """Write a run's step (``RUN_DIR[/STEP]``) as a Hugging Face folder ``out`` (its tokenizer.json too when
     the run used one); restored on this host's first device, written one parameter at a time. A model the
-    Hugging Face family computes differently (:func:`model_changes`) is refused unless ``allow_model_change``."""
+    Hugging Face family computes differently (:func:`model_changes`) is refused unless ``allow_model_change``.
+    A LoRA run's adapters are merged into the weights; ``to="peft"`` writes them alone, as PEFT's adapter."""
+    if to not in ("hf", "peft"):
+        raise ValueError(f"export format {to!r} is not one of hf, peft")
     if hf_path(source) is not None:
         raise ValueError(f"{source!r} is already a Hugging Face folder: spmd-export writes a run directory "
                          f"(RUN_DIR or RUN_DIR/STEP) as one; to use the folder, give it as {source} to spmd-generate "
@@ -178,9 +187,17 @@ def export_run(source: str, out: str, *, dtype: str = "float32", max_shard_bytes
         raise ValueError(f"exporting {source!r} would change the model: {'; '.join(changes)}. Pass "
                          "--allow-model-change to export it anyway (export_run(..., allow_model_change=True)), "
                          "or export a run trained with model.capacity_factor=0 (dropless)")
+    if to == "peft" and not cfg.lora.enabled:
+        raise ValueError(f"{source!r} was trained without LoRA (lora.rank=0): it has no adapters to export as "
+                         "PEFT's; export it with --to hf")
     model = load_model(source, meshes.single_device_mesh(), "none")
-    files = save_pretrained(out, cfg.model, nnx.to_pure_dict(nnx.state(model, nnx.Param)), dtype=dtype,
-                            max_shard_bytes=max_shard_bytes)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    spec = cfg.lora.spec
+    if to == "peft" and spec is not None:
+        return lora.save_peft(out, spec, params, base=hf_path(cfg.checkpoint.init_from) or "")
+    if spec is not None:
+        params = lora.merged(params, spec)
+    files = save_pretrained(out, cfg.model, params, dtype=dtype, max_shard_bytes=max_shard_bytes)
     if cfg.data.tokenizer:
         shutil.copy(cfg.data.tokenizer, os.path.join(out, "tokenizer.json"))
         files.append("tokenizer.json")

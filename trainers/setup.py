@@ -22,6 +22,7 @@ from spmd.rules import Rules, RulesError
 from trainers.config import Config
 from trainers.faults import guard as guard_lib
 from trainers.local_sgd import LocalSGD, groups_of, inner_rules
+from trainers.lora import freeze_base, frozen_base_loss
 from trainers.lr import make_lr_schedule
 from trainers.optim import make_optimizer
 from trainers.state import ShardedState, create_state
@@ -70,6 +71,9 @@ def build(cfg: Config, task: Task | None = None, mesh: Mesh | None = None, *, ab
     rules = spmd.get_rules(cfg.rules)
     schedule = make_lr_schedule(cfg.lr, run.steps)
     tx = make_optimizer(cfg.optimizer, schedule)
+    loss_fn = task.loss
+    if cfg.lora.enabled:  # the base frozen: no gradient, no optimizer state (trainers.lora)
+        tx, loss_fn = freeze_base(tx), frozen_base_loss(task.loss)
     grouped = cfg.local_sgd.enabled and not abstract
     state_rules = inner_rules(rules) if grouped else rules
     if grouped:
@@ -83,7 +87,7 @@ def build(cfg: Config, task: Task | None = None, mesh: Mesh | None = None, *, ab
     stepped = guard_lib.add_window(sharded, run.spike_window, mesh)
     batch_sharding = spmd.batch_sharding(rules, mesh, dims=("batch",))
     train_step = make_train_step(stepped, tx, state_rules, mesh, batch_sharding, schedule=schedule,
-                                 grad_accum=run.grad_accum, loss_fn=task.loss, spike_factor=run.spike_factor,
+                                 grad_accum=run.grad_accum, loss_fn=loss_fn, spike_factor=run.spike_factor,
                                  fsdp_gather=run.fsdp_gather, jit=not grouped, donate=donate,
                                  max_update_ratio=run.max_update_ratio, max_param_growth=run.max_param_growth)
     local = LocalSGD(cfg.local_sgd, stepped, train_step, mesh, batch_sharding, steps=run.steps) if grouped else None

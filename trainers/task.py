@@ -112,12 +112,12 @@ def _is_user_file(filename: str) -> bool:
     return frame_owner(filename) == "task"
 
 
-def lm_model(model_cfg: Any) -> Callable[[nnx.Rngs], nnx.Module]:
+def lm_model(model_cfg: Any, lora: Any = None) -> Callable[[nnx.Rngs], nnx.Module]:
     """The built-in model of a ``spmd.models.GPTConfig``, as a task's ``rngs -> module`` (the one place
-    the trainer layer names the GPT class)."""
+    the trainer layer names the GPT class); ``lora``: a ``spmd.models.lora.LoRASpec`` (adapters) or None."""
     from spmd.models import GPT
 
-    return lambda rngs: GPT(model_cfg, rngs=rngs)
+    return lambda rngs: GPT(model_cfg, rngs=rngs, lora=lora)
 
 
 def check_validation_split(cfg: Config) -> None:
@@ -147,7 +147,7 @@ def lm_task(cfg: Config) -> Task:
         data, eval_data = (lambda c: lm_windows(c, "train")), (lambda c: lm_windows(c, "validation"))
         eval_metrics = {}
     return Task(
-        model=lm_model(model_cfg),
+        model=lm_model(model_cfg, cfg.lora.spec),
         loss=lm_loss_fn(cfg.run.z_loss, cfg.pipeline),
         data=data,
         eval_data=eval_data,

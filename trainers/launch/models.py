@@ -54,7 +54,9 @@ def export_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="spmd-export", description="Write a run's step as a Hugging Face folder "
                                 "(config.json + safetensors + the run's tokenizer.json) that transformers loads.")
     p.add_argument("source", metavar="RUN_DIR[/STEP]")
-    p.add_argument("--to", choices=["hf"], default="hf", help="the format (hf: Hugging Face safetensors)")
+    p.add_argument("--to", choices=["hf", "peft"], default="hf",
+                   help="the format (hf: Hugging Face safetensors, LoRA adapters merged in; peft: a LoRA run's "
+                        "adapters as PEFT's adapter_config.json + adapter_model.safetensors)")
     p.add_argument("out", metavar="OUT", help="a new or empty directory")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
     p.add_argument("--max-shard-gb", type=float, default=2.0, help="largest safetensors shard (default 2 GB)")
@@ -74,7 +76,7 @@ def export_main(argv: list[str] | None = None) -> int:
 
         try:
             files = export_run(args.source, args.out, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30),
-                               allow_model_change=args.allow_model_change)
+                               allow_model_change=args.allow_model_change, to=args.to)
         except (ValueError, OSError, NoUsableCheckpointError) as e:
             return _fail("spmd-export", e, _debug(args))
     except KeyboardInterrupt:

@@ -1,0 +1,116 @@
+"""A LoRA run (lora.rank >= 1) from a Hugging Face folder: the base stays frozen with no optimizer state, every
+layout equals one device, a resume onto another mesh is exact, and the run exports as PEFT's adapter and as
+merged weights that compute what it trained."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import meshes
+import spmd
+from spmd.interchange import load_pretrained, save_pretrained
+from spmd.models import GPT, GPTConfig
+from trainers import load_model, lora, override, recipe, train
+from trainers.launch.models import export_main
+
+CFG = GPTConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, norm_eps=1e-5,
+                tied_head_scale=False)
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf") / "llama"
+    save_pretrained(str(out), CFG, nnx.to_pure_dict(nnx.state(GPT(CFG, rngs=nnx.Rngs(3)), nnx.Param)))
+    return out
+
+
+def lora_run(hf, run_dir, mesh, *extra, steps=3):
+    cfg = override(recipe("gpt-small", tiny=True), [
+        f"checkpoint.init_from=hf:{hf}", f"run.run_dir={run_dir}", f"run.steps={steps}", "lr.total_steps=10",
+        "lr.warmup_steps=0", "lr.peak_lr=0.01", f"mesh.axes={mesh}", "rules=fsdp_tp", "checkpoint.every_steps=1",
+        "checkpoint.async_save=false", "run.eval_batches=0", "run.progress=false", "run.tensorboard=false",
+        "lora.rank=4", "lora.alpha=8", *extra])
+    sizes = dict(kv.split("=") for kv in mesh.split(","))
+    devices = jax.devices()[:1] if mesh == "data=1" else None
+    return train(cfg, mesh=meshes.make_mesh({k: int(v) for k, v in sizes.items()}, devices=devices), keep_state=True)
+
+
+@pytest.fixture(scope="module")
+def one_device(hf_folder, tmp_path_factory):
+    return lora_run(hf_folder, tmp_path_factory.mktemp("one"), "data=1")
+
+
+def flat(tree):
+    return {spmd.sharding.path_str(p, drop=()): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def test_the_base_is_frozen_and_has_no_optimizer_state(hf_folder, one_device):
+    start = flat(nnx.to_pure_dict(nnx.state(load_pretrained(str(hf_folder)), nnx.Param)))
+    params = flat(one_device.state.params)
+    adapters = [k for k in params if "_proj/" in k]
+    assert len(adapters) == 7 * 2
+    for k, v in start.items():
+        np.testing.assert_array_equal(params[k], v, err_msg=k)  # not one bit of the base moved
+    assert all(np.abs(params[k]).max() > 0 for k in adapters if k.endswith("/b"))  # B left zero: the adapters trained
+    n_adapter, n_all = lora.count(one_device.state.params)
+    opt = sum(x.size for x in jax.tree.leaves(one_device.state.opt_state))
+    assert n_adapter * 2 <= opt <= n_adapter * 2 + 16  # AdamW's two moments of the adapters, and counters
+    assert opt < 0.5 * n_all  # negative control on the count: the full model's moments would be 2 x n_all
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["data=2,fsdp=2,tensor=2", "fsdp=4,tensor=2"])
+def test_layouts_equal_one_device(hf_folder, one_device, tmp_path, mesh):
+    result = lora_run(hf_folder, tmp_path, mesh)
+    assert result.losses == pytest.approx(one_device.losses, abs=TOL, rel=0)
+    ours, ref = flat(result.state.params), flat(one_device.state.params)
+    for k in ref:
+        np.testing.assert_allclose(ours[k], ref[k], atol=TOL, rtol=0, err_msg=k)
+    # negative control: another alpha is caught at this tolerance
+    other = lora_run(hf_folder, tmp_path / "alpha", mesh, "lora.alpha=9", steps=2)
+    assert abs(other.losses[2] - one_device.losses[2]) > 100 * TOL
+
+
+@pytest.mark.slow
+def test_resume_onto_another_mesh_is_exact(hf_folder, tmp_path):
+    first = lora_run(hf_folder, tmp_path, "data=2,fsdp=2,tensor=2", steps=2)
+    resumed = lora_run(hf_folder, tmp_path, "fsdp=4,tensor=2", steps=3)
+    assert resumed.start_step == 2
+    straight = lora_run(hf_folder, tmp_path / "straight", "data=2,fsdp=2,tensor=2", steps=3)
+    assert first.losses == {k: straight.losses[k] for k in first.losses}
+    assert resumed.losses[3] == pytest.approx(straight.losses[3], abs=TOL, rel=0)
+    # the restored state is the saved one, bit for bit, on the other mesh
+    mesh = meshes.make_mesh({"fsdp": 4, "tensor": 2})
+    saved, restored = flat(first.state.params), flat(nnx.to_pure_dict(nnx.state(load_model(f"{tmp_path}/2", mesh, "fsdp_tp"), nnx.Param)))
+    for k in saved:
+        np.testing.assert_array_equal(restored[k], saved[k], err_msg=k)
+
+
+def test_exports_as_peft_and_as_merged_weights(hf_folder, one_device, tmp_path):
+    run_dir = one_device.run_dir
+    assert export_main([run_dir, "--to", "peft", str(tmp_path / "peft")]) == 0
+    assert export_main([run_dir, "--to", "hf", str(tmp_path / "hf")]) == 0
+    tokens = np.random.default_rng(0).integers(0, 256, (2, 16)).astype(np.int32)
+    logits = jax.jit(lambda m, x: m(x))
+    trained = np.asarray(logits(load_model(run_dir, meshes.single_device_mesh(), "none"), tokens))
+    merged = np.asarray(logits(load_pretrained(str(tmp_path / "hf")), tokens))
+    adapted = np.asarray(logits(lora.load_adapted(str(hf_folder), peft=str(tmp_path / "peft")), tokens))
+    base = np.asarray(logits(load_pretrained(str(hf_folder)), tokens))
+    np.testing.assert_allclose(merged, trained, atol=TOL, rtol=0)
+    np.testing.assert_allclose(adapted, trained, atol=TOL, rtol=0)
+    assert np.abs(base - trained).max() > 1e-3  # negative control: the adapters changed the model
+
+
+def test_a_run_starts_from_a_peft_adapter(hf_folder, one_device, tmp_path):
+    export_main([one_device.run_dir, "--to", "peft", str(tmp_path / "peft")])
+    result = lora_run(hf_folder, tmp_path / "run", "data=1", f"lora.init_from=peft:{tmp_path / 'peft'}",
+                      "lora.rank=1", steps=1)
+    ours, theirs = flat(result.state.params), flat(one_device.state.params)
+    for k in theirs:
+        if "_proj/" not in k:
+            np.testing.assert_array_equal(ours[k], theirs[k], err_msg=k)  # the same frozen base
+    assert result.losses[1] != pytest.approx(one_device.losses[1], abs=1e-3)  # not the fresh start's first loss
