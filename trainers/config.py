@@ -29,6 +29,7 @@ from trainers.data import DataConfig
 from trainers.local_sgd import LocalSGDConfig
 from trainers.lora import LoRAConfig
 from trainers.lr import LRConfig
+from trainers.objectives.config import DPOConfig
 from trainers.optim import OptimizerConfig
 from trainers.trace import PROCESSES, parse_steps
 from trainers.validate import check_fsdp_gather, check_pipeline
@@ -118,6 +119,7 @@ class RunConfig:
     memory_profile_step: int = 0  # > 0: a device-memory profile after that step (also on SIGUSR1) in run_dir/memory
     sample_every: int = 0  # > 0: every N steps log a few generated continuations of sample_prompt (built-in GPT)
     sample_prompt: str = "Once upon a time"  # text, encoded with data.tokenizer (or as bytes)
+    objective: str = "lm"  # the built-in task's loss: "lm" (next token) | "dpo" (preference pairs: the dpo section)
 
     def __post_init__(self) -> None:
         from trainers.faults.guard import validate, validate_update_limits
@@ -162,6 +164,7 @@ class Config:
     pipeline: PipelineConfig = PipelineConfig()  # schedule "none": the block stack runs as a plain scan
     local_sgd: LocalSGDConfig = LocalSGDConfig()  # every >= 1: replica groups over data, synchronised every H steps
     lora: LoRAConfig = LoRAConfig()  # rank >= 1: LoRA adapters on a frozen base (trainers.lora)
+    dpo: DPOConfig = DPOConfig()  # read with run.objective=dpo (docs/post-training.md)
 
     def __post_init__(self) -> None:
         from spmd import get_rules
@@ -215,10 +218,10 @@ class Config:
 
 # Keys a resumed run may not change: the checkpoint's shapes (model), the data stream the saved position
 # points into, the optimizer state's structure. Everything else (LR, steps, cadences, mesh, rules) may.
-FIXED_ON_RESUME = ("model.", "data.corpus", "data.path", "data.seq_len", "data.vocab_size", "data.global_batch",
+FIXED_ON_RESUME: tuple[str, ...] = ("model.", "data.corpus", "data.path", "data.seq_len", "data.vocab_size", "data.global_batch",
                    "data.seed", "data.validation_fraction", "data.max_tokens", "data.synthetic_tokens",
                    "data.tokenizer", "data.separator", "data.text_field", "data.fields", "data.packing", "data.truncate",
-                   "optimizer.name")
+                   "optimizer.name", "run.objective", "dpo.pairs_per_row")
 FIXED_ON_RESUME += ("lora.rank", "lora.targets")  # the adapters' shapes
 # ...except these model keys, which change how the step runs, not what the checkpoint holds
 FREE_ON_RESUME = ("model.scan_layers",)

@@ -170,6 +170,12 @@ def _initial_state(cfg: Config, ckpt: Checkpointer, sharded: ShardedState, logge
     return 0, fresh(None), {}
 
 
+def _loaded(task: Task, state: TrainState, params: Any) -> TrainState:
+    """A fresh state with loaded params (``checkpoint.init_from``), as ``task.start`` completes it (DPO: its reference)."""
+    state = state.replace(params=params)
+    return state if task.start is None else task.start(state)
+
+
 def _saved(state: TrainState, local: LocalSGD | None) -> TrainState:
     """What checkpoints hold: the state as ``create_state`` makes it, without the guard window
     (local SGD: every group's state with its window, the outer params and outer optimizer state)."""
@@ -232,9 +238,9 @@ def _train(
     sharded, stepped, local = setup.sharded, setup.stepped, setup.local
     train_step, eval_step, batch_sharding = setup.train_step, setup.eval_step, setup.batch_sharding
     if local is not None:
-        fresh = lambda params: local.start(stepped.state if params is None else stepped.state.replace(params=params))
+        fresh = lambda params: local.start(stepped.state if params is None else _loaded(task, stepped.state, params))
     else:
-        fresh = lambda params: sharded.state if params is None else sharded.state.replace(params=params)
+        fresh = lambda params: sharded.state if params is None else _loaded(task, sharded.state, params)
     eval_source = task.eval_source(cfg) if run.eval_batches else None
 
     train_data = _loader(task.train_source(cfg), data_cfg.global_batch, data_cfg.seed, batch_sharding)

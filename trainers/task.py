@@ -22,6 +22,7 @@ from trainers.data import TokenWindows, load_corpus
 from trainers.data.checks import check_document_ids, check_examples, check_token_ids, check_windows
 from trainers.data.config import DOCUMENT_CORPORA
 from trainers.data.packing import packed_stream
+from trainers.objectives.config import check_objective
 from trainers.step import LossFn, MetricFn, lm_loss_fn
 from trainers.validate import check_heads, name_config_key
 
@@ -46,6 +47,7 @@ class Task:
     checks: Callable[[Config, Any, Mapping[str, int]], list] | None = None  # (cfg, rules, mesh sizes) -> layout Issues
     explain: Callable[[Exception], str] | None = None  # a RulesError on the model -> a message naming config keys
     generates: bool = False  # the model is a spmd.models.GPT that spmd.models.generate samples (run.sample_every)
+    start: Callable[[Any], Any] | None = None  # a fresh state with loaded params (checkpoint.init_from) -> the start state
 
     def __post_init__(self) -> None:
         for field in ("model", "loss"):
@@ -131,8 +133,13 @@ def check_validation_split(cfg: Config) -> None:
 
 
 def lm_task(cfg: Config) -> Task:
-    """The built-in task: ``spmd.models.GPT(cfg.model)`` on ``cfg.data``'s token corpus, next-token loss."""
+    """The built-in task: ``spmd.models.GPT(cfg.model)`` on ``cfg.data``'s token corpus, next-token loss
+    (``run.objective=dpo``: DPO on its preference pairs, :func:`trainers.objectives.dpo.dpo_task`)."""
     from spmd.models import flops_per_step
+
+    check_objective(cfg.run.objective)
+    if cfg.run.objective == "dpo":
+        return dpo_task(cfg)
     from spmd.models.packed import document_count, document_losses
 
     check_validation_split(cfg)
@@ -160,6 +167,31 @@ def lm_task(cfg: Config) -> Task:
         checks=lambda c, rules, sizes: check_heads(c.model, rules, dict(sizes)),
         explain=name_config_key,
         generates=True,
+    )
+
+
+def dpo_task(cfg: Config) -> Task:
+    """The built-in GPT trained with DPO on ``cfg.data``'s preference pairs against a frozen copy of itself
+    (``run.objective=dpo``: :mod:`trainers.objectives.dpo`)."""
+    from spmd.models import GPT, flops_per_step
+    from spmd.models.dpo import with_reference
+    from trainers.objectives import dpo
+
+    dpo.check_dpo(cfg)
+    check_validation_split(cfg)
+    model_cfg = cfg.model
+    return Task(
+        model=lambda rngs: with_reference(GPT(model_cfg, rngs=rngs)),
+        loss=dpo.dpo_loss_fn(cfg.dpo),
+        data=lambda c: dpo.pair_data(c, "train"),
+        eval_data=lambda c: dpo.pair_data(c, "validation"),
+        flops_per_example=4 * flops_per_step(model_cfg, 1, cfg.data.seq_len) / 3,  # + the reference's forward
+        tokens_per_example=cfg.data.seq_len,
+        config=cfg,
+        name="dpo",
+        checks=lambda c, rules, sizes: check_heads(c.model, rules, dict(sizes)),
+        explain=name_config_key,
+        start=dpo.reference_from_params,
     )
 
 

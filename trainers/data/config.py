@@ -12,6 +12,7 @@ import numpy as np
 from trainers.data import checks
 from trainers.data import corpus as corpus_lib
 from trainers.data import packing as packing_lib
+from trainers.data import pairs as pairs_lib
 from trainers.data import prepare as prepare_lib
 from trainers.data import tokenizer as tok_lib
 from trainers.data.batches import process_rows
@@ -108,8 +109,8 @@ class DataConfig:
             return
         if self.corpus in ("text", "npy"):
             _check_path(self.corpus, self.path)
-        if self.corpus in DOCUMENT_CORPORA:
-            packing_lib.check(self)
+        if self.corpus in DOCUMENT_CORPORA:  # preference pairs (run.objective=dpo) pack as pairs
+            (pairs_lib.check if pairs_lib.is_pairs(self.field_names) else packing_lib.check)(self)
         if self.tokenizer:
             tok, _ = tok_lib.load_tokenizer(self.tokenizer)
             tok_lib.separator_id(tok, self.separator)

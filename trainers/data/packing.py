@@ -339,12 +339,12 @@ def _check_targets_kept(cfg, stream: PackedStream) -> None:
 
 def per_token(results: dict[str, float]) -> dict[str, float]:
     """Eval means made per weighted token and per document: with loss weights the eval step's means
-    (over rows) of ``loss``, ``ce``, ``z_loss`` are divided by the mean ``loss_weight``; ``document_loss``
+    (over rows) of ``loss``, ``ce``, ``z_loss`` (and DPO's ``rewards/*``, ``logps/*``) are divided by the mean ``loss_weight``; ``document_loss``
     by ``documents`` (the loss per document, every document counted once)."""
     out = dict(results)
     if out.get("loss_weight"):
-        for key in ("loss", "ce", "z_loss"):
-            if key in out:
+        for key in out:
+            if key in ("loss", "ce", "z_loss") or key.startswith(("rewards/", "logps/")):  # DPO's: per pair
                 out[key] = out[key] / out["loss_weight"]
     if out.get("documents"):
         out["document_loss"] = out["document_loss"] / out["documents"]

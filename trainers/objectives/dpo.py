@@ -1,0 +1,103 @@
+"""The DPO objective: the built-in GPT trained on preference pairs against a frozen reference.
+
+    spmd-train gpt-small --set run.objective=dpo --set data.corpus=jsonl --set data.path=pairs.jsonl \\
+        --set data.fields=prompt,chosen,rejected --set dpo.beta=0.1
+
+The model carries a frozen copy of itself (:func:`spmd.models.dpo.with_reference`, sharded and
+checkpointed with it); ``dpo_loss_fn(cfg, reference=fn)`` is the seam for a reference computed another
+way (adapters switched off). Metrics are named as TRL names them. See docs/post-training.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from spmd.models.dpo import dpo_losses, in_model_order, pair_logps, token_logps
+from trainers.config import Config
+from trainers.data import pairs as pairs_lib
+from trainers.data.config import DOCUMENT_CORPORA
+from trainers.objectives.config import DPOConfig
+
+ReferenceFn = Callable[[nnx.Module, dict[str, jax.Array]], jax.Array]  # (model, batch) -> reference log p [B, L]
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+
+
+def dpo_loss_fn(cfg: DPOConfig, reference: ReferenceFn | None = None) -> Callable:
+    """The DPO loss of a model with a frozen copy (``reference=None``: :func:`spmd.models.dpo.with_reference`) or of one whose
+    reference log-probabilities ``reference(model, batch)`` gives: ``(loss, metrics)`` of
+    :func:`dpo_objective` over packed pair rows (:mod:`trainers.data.pairs`)."""
+
+    def loss_fn(model: nnx.Module, batch: dict[str, jax.Array], rngs: nnx.Rngs | None = None):
+        if reference is None:
+            if not hasattr(model, "reference"):
+                raise TypeError(f"the DPO loss without a reference function needs a model with a frozen copy of "
+                                f"itself (spmd.models.dpo.with_reference), got a {type(model).__name__} without one")
+            policy_BL, ref_BL = token_logps(model, batch), token_logps(model.reference, batch)
+        else:
+            policy_BL, ref_BL = token_logps(model, batch), reference(model, batch)
+        return dpo_objective(policy_BL, ref_BL, batch, cfg)
+
+    loss_fn.weighted = True  # type: ignore[attr-defined]  # eval folds its row mask into the weights
+    return loss_fn
+
+
+def dpo_objective(policy_BL: jax.Array, ref_BL: jax.Array, batch: dict[str, jax.Array], cfg: DPOConfig
+                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """``(loss, metrics)`` from per-token log-probabilities of the policy and the reference (held constant):
+    ``mean(weights * per-pair value)`` with one weight per pair, the mean over the global batch's pairs
+    once the step has normalised the weights (eval: once the loop divides by ``loss_weight``)."""
+    ref_BL = jax.lax.stop_gradient(ref_BL)
+    P = cfg.pairs_per_row
+    chosen, rejected, n_chosen, n_rejected = pair_logps(policy_BL, batch, pairs_per_row=P)
+    ref_chosen, ref_rejected, _, _ = pair_logps(ref_BL, batch, pairs_per_row=P)
+    losses, r_chosen, r_rejected = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, beta=cfg.beta,
+                                              loss=cfg.loss, label_smoothing=cfg.label_smoothing,
+                                              chosen_tokens=n_chosen, rejected_tokens=n_rejected)
+    w_BP = pair_weights(batch, P)
+    n = batch["weights"].size  # B x L: what the normalised weights of the global batch sum to
+
+    def avg(x):
+        return jnp.sum(w_BP * x) / n
+
+    metrics = {"rewards/chosen": avg(r_chosen), "rewards/rejected": avg(r_rejected),
+               "rewards/accuracies": avg((r_chosen > r_rejected).astype(jnp.float32)),
+               "rewards/margins": avg(r_chosen - r_rejected),
+               "logps/chosen": avg(jax.lax.stop_gradient(chosen)),
+               "logps/rejected": avg(jax.lax.stop_gradient(rejected)),
+               "loss_weight": jnp.mean(batch["weights"].astype(jnp.float32))}
+    return avg(losses), metrics
+
+
+def pair_weights(batch: dict[str, jax.Array], pairs_per_row: int) -> jax.Array:
+    """Each pair slot's weight ``[B, P]``: the (normalised) weight its row carries on the pair's one weighted token."""
+    seg_BL = in_model_order(batch, "segment_ids")
+    w_BL = in_model_order(batch, "weights").astype(jnp.float32)
+    return jnp.einsum("bl,blp->bp", w_BL, jax.nn.one_hot((seg_BL - 1) // 2, pairs_per_row, dtype=jnp.float32))
+
+
+def reference_from_params(state: Any) -> Any:
+    """A fresh state whose params were loaded (``checkpoint.init_from``): the reference set to a copy of them."""
+    reference = jax.tree.map(jnp.copy, state.params)
+    return state.replace(model_state={**state.model_state, "reference": reference})
+
+
+def check_dpo(cfg: Config) -> None:
+    """What ``run.objective=dpo`` needs of the config, refused before anything is built."""
+    if cfg.data.corpus not in DOCUMENT_CORPORA:
+        raise ValueError(f"run.objective=dpo reads preference pairs from a document corpus ({', '.join(DOCUMENT_CORPORA)}"
+                         f"), got data.corpus={cfg.data.corpus!r}; set data.corpus and data.fields=prompt,chosen,rejected")
+    pairs_lib.check_fields(cfg.data.field_names)
+    if cfg.pipeline.enabled:
+        raise ValueError(f"run.objective=dpo does not run as a pipeline yet (pipeline.schedule="
+                         f"{cfg.pipeline.schedule!r}); set pipeline.schedule=none")
+
+
+def pair_data(cfg: Config, split: str) -> pairs_lib.PairStream:
+    """The checked pair stream of one split of ``cfg.data`` (train: shuffled and repeated)."""
+    return pairs_lib.pair_stream(cfg.data, split, pairs_per_row=cfg.dpo.pairs_per_row, train=split == "train")
