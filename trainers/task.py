@@ -173,15 +173,16 @@ def lm_task(cfg: Config) -> Task:
 def dpo_task(cfg: Config) -> Task:
     """The built-in GPT trained with DPO on ``cfg.data``'s preference pairs against a frozen copy of itself
     (``run.objective=dpo``: :mod:`trainers.objectives.dpo`)."""
-    from spmd.models import GPT, flops_per_step
+    from spmd.models import flops_per_step
     from spmd.models.dpo import with_reference
     from trainers.objectives import dpo
 
     dpo.check_dpo(cfg)
     check_validation_split(cfg)
-    model_cfg = cfg.model
-    return Task(
-        model=lambda rngs: with_reference(GPT(model_cfg, rngs=rngs)),
+    model_cfg, policy = cfg.model, lm_model(cfg.model, cfg.lora.spec)
+    return Task(  # with LoRA the copy holds the adapters as they start (the base, for fresh ones): see the seam in
+        # trainers.objectives.dpo for a reference without a second copy
+        model=lambda rngs: with_reference(policy(rngs)),
         loss=dpo.dpo_loss_fn(cfg.dpo),
         data=lambda c: dpo.pair_data(c, "train"),
         eval_data=lambda c: dpo.pair_data(c, "validation"),

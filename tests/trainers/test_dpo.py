@@ -216,3 +216,18 @@ def test_a_start_from_hugging_face_weights_is_the_reference(pairs_file, tmp_path
     reference = result.state["model_state"]["reference"]
     assert _rel_err(reference, weights) == 0.0
     assert _rel_err(result.state["params"], weights) > 100 * TOL
+
+
+@pytest.mark.slow
+def test_with_lora_only_the_adapters_move_and_the_reference_is_the_base(pairs_file, tmp_path):
+    """``lora.rank=4``: the frozen copy holds the base and the adapters as they start (B = 0: the base
+    itself); training moves the adapters only, so the policy's base weights stay the reference's."""
+    result = _run(pairs_file, tmp_path / "run", "dp2_fsdp2_tp2", "lora.rank=4", "run.steps=3", keep_state=True)
+    params, reference = result.state["params"], result.state["model_state"]["reference"]
+    flat = dict(jax.tree_util.tree_leaves_with_path(params))
+    ref_flat = dict(jax.tree_util.tree_leaves_with_path(reference))
+    assert flat.keys() == ref_flat.keys()
+    adapters = [p for p in flat if "_proj" in jax.tree_util.keystr(p)]
+    assert adapters and all(np.array_equal(flat[p], ref_flat[p]) for p in flat if p not in adapters)
+    assert all(not np.any(np.asarray(ref_flat[p])) for p in adapters if jax.tree_util.keystr(p).endswith("['b']"))
+    assert max(float(np.abs(np.asarray(flat[p]) - np.asarray(ref_flat[p])).max()) for p in adapters) > 1e-4
