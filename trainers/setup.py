@@ -24,6 +24,7 @@ from trainers.faults import guard as guard_lib
 from trainers.local_sgd import LocalSGD, groups_of, inner_rules
 from trainers.lora import freeze_base, frozen_base_loss
 from trainers.lr import make_lr_schedule
+from trainers.objectives.dpo import pair_row_shapes
 from trainers.optim import make_optimizer
 from trainers.state import ShardedState, create_state
 from trainers.step import make_eval_step, make_train_step
@@ -55,6 +56,8 @@ class Setup:
         the LM task's ``inputs``/``targets`` of ``data.seq_len`` tokens."""
         rows, length = self.cfg.data.global_batch, self.cfg.data.seq_len
         example = example or {k: jax.ShapeDtypeStruct((length,), jax.numpy.int32) for k in ("inputs", "targets")}
+        if self.cfg.run.objective == "dpo" and example.keys() == {"inputs", "targets"}:  # packed pair rows
+            example = {**example, **pair_row_shapes(length)}
         return {k: jax.ShapeDtypeStruct((rows, *v.shape), v.dtype, sharding=self.batch_sharding)
                 for k, v in example.items()}
 

@@ -130,6 +130,16 @@ def test_the_objective_needs_three_fields_and_a_known_name(tmp_path):
         lm_task(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, objective="ppo")))
 
 
+def test_the_dry_run_compiles_the_dpo_step(tmp_path):
+    """The dry run compiles the step the run compiles: the pair rows' keys, the reference's forward."""
+    from trainers.planning.dryrun import dry_run
+
+    cfg = override(example.config(example.write_pairs(tmp_path / "pairs.jsonl", n=64), tmp_path / "run", tiny=True),
+                   ["mesh.axes=data=2,fsdp=2,tensor=2"])
+    report = dry_run(cfg, devices=8)
+    assert report.compiled is not None and not any(i.fatal for i in report.issues), report.issues
+
+
 # ------------------------------------------------------------------ runs (slow: each compiles the tiny GPT)
 STEPS = 4
 LAYOUTS = {"single": ("data=1", "none"), "dp2_fsdp2_tp2": ("data=2,fsdp=2,tensor=2", "fsdp_tp"),

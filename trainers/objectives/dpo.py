@@ -81,6 +81,13 @@ def pair_weights(batch: dict[str, jax.Array], pairs_per_row: int) -> jax.Array:
     return jnp.einsum("bl,blp->bp", w_BL, jax.nn.one_hot((seg_BL - 1) // 2, pairs_per_row, dtype=jnp.float32))
 
 
+def pair_row_shapes(length: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """One packed pair row's keys besides ``inputs`` and ``targets`` (:mod:`trainers.data.pairs`), as shapes."""
+    i32, f32 = jnp.int32, jnp.float32
+    return {k: jax.ShapeDtypeStruct((length,), t) for k, t in
+            (("segment_ids", i32), ("positions", i32), ("weights", f32), ("response", f32))}
+
+
 def reference_from_params(state: Any) -> Any:
     """A fresh state whose params were loaded (``checkpoint.init_from``): the reference set to a copy of them."""
     reference = jax.tree.map(jnp.copy, state.params)
