@@ -100,6 +100,26 @@ def test_pairs_pack_side_by_side_with_the_prompt_masked(tmp_path):
     assert bytes(batch["inputs"][0][:5].astype(np.uint8)) == b"ab:12"
 
 
+def test_the_pair_stream_resumes_exactly_and_splits_over_processes(tmp_path):
+    path = example.write_pairs(tmp_path / "pairs.jsonl", n=200)
+    cfg = DataConfig(corpus="jsonl", path=str(path), fields="prompt,chosen,rejected", seq_len=64, global_batch=4)
+    stream = pair_stream(cfg, "train", pairs_per_row=3)
+    it = iter(stream)
+    for _ in range(3):
+        next(it)
+    state, expected = it.get_state(), next(it)
+    assert expected["weights"].sum(1).max() == 3  # 4 pairs of 16 tokens would fit: pairs_per_row=3 stops at 3
+    resumed = iter(pair_stream(cfg, "train", pairs_per_row=3))
+    resumed.set_state(state)
+    halves = [iter(stream.for_process(p, 2)) for p in range(2)]  # two processes' rows of the global batch
+    for half in halves:
+        half.set_state(state)
+    again, split = next(resumed), [next(half) for half in halves]
+    for key, value in expected.items():
+        np.testing.assert_array_equal(again[key], value, err_msg=key)
+        np.testing.assert_array_equal(np.concatenate([b[key] for b in split]), value, err_msg=key)
+
+
 @pytest.mark.parametrize("records, sets, match", [
     ([{"prompt": "a", "chosen": "x"}], [], "no field 'rejected'"),
     ([{"prompt": "a", "chosen": "x", "rejected": "x"}], [], "chosen and rejected documents are the same"),
