@@ -28,7 +28,6 @@ from jax.sharding import Mesh
 from spmd.constraints import constrain, use_rules
 from spmd.models.gpt import GPT, Block
 from spmd.models.layers import kv_slots
-from spmd.models.moe import MoE
 from spmd.rules import Rules
 
 CACHE_DIMS = (None, "batch", None, "kv_heads", "head_dim")
@@ -61,8 +60,8 @@ def _block_step(block: Block, x_BLD: jax.Array, k_BTnK: jax.Array, v_BTnK: jax.A
     k_BTnK = jax.lax.dynamic_update_slice_in_dim(k_BTnK, k_BLnK.astype(k_BTnK.dtype), start, axis=1)
     v_BTnK = jax.lax.dynamic_update_slice_in_dim(v_BTnK, v_BLnK.astype(v_BTnK.dtype), start, axis=1)
     x_BLD = x_BLD + block.attn.out(cached_attention(q_BLHK, k_BTnK, v_BTnK, positions_L))
-    y = block.mlp(block.mlp_norm(x_BLD))
-    return x_BLD + (y[0] if isinstance(block.mlp, MoE) else y), k_BTnK, v_BTnK
+    y = block.mlp(block.mlp_norm(x_BLD))  # a MoE returns (y, its statistics)
+    return x_BLD + (y[0] if isinstance(y, tuple) else y), k_BTnK, v_BTnK
 
 
 def _step(model: GPT, layers: Layers, tokens_BL: jax.Array, start: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:

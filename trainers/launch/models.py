@@ -160,7 +160,8 @@ class _Stream:
     bytes are not all there yet waits for them)."""
 
     def __init__(self, tokenizer, ids: bool) -> None:
-        self.tokenizer, self.ids, self.tokens, self.printed = tokenizer, ids, [], ""
+        self.tokenizer, self.ids, self.printed = tokenizer, ids, ""
+        self.tokens: list[int] = []
 
     def __call__(self, token_B) -> None:
         self.tokens.append(int(token_B[0]))
