@@ -171,8 +171,9 @@ def lm_task(cfg: Config) -> Task:
 
 
 def dpo_task(cfg: Config) -> Task:
-    """The built-in GPT trained with DPO on ``cfg.data``'s preference pairs against a frozen copy of itself
-    (``run.objective=dpo``: :mod:`trainers.objectives.dpo`)."""
+    """The built-in GPT trained with DPO on ``cfg.data``'s preference pairs against a frozen reference
+    (``run.objective=dpo``: :mod:`trainers.objectives.dpo`): a copy of the model as it starts, or with LoRA
+    (``lora.rank > 0``) the same model with its adapters switched off (no copy)."""
     from spmd.models import flops_per_step
     from spmd.models.dpo import with_reference
     from trainers.objectives import dpo
@@ -180,10 +181,14 @@ def dpo_task(cfg: Config) -> Task:
     dpo.check_dpo(cfg)
     check_validation_split(cfg)
     model_cfg, policy = cfg.model, lm_model(cfg.model, cfg.lora.spec)
-    return Task(  # with LoRA the copy holds the adapters as they start (the base, for fresh ones): see the seam in
-        # trainers.objectives.dpo for a reference without a second copy
-        model=lambda rngs: with_reference(policy(rngs)),
-        loss=dpo.dpo_loss_fn(cfg.dpo),
+    if cfg.lora.enabled:  # the reference is the base without its adapters: the policy's own frozen weights
+        model, loss, start = policy, dpo.dpo_loss_fn(cfg.dpo, reference=dpo.base_logps), None
+    else:
+        model, loss, start = (lambda rngs: with_reference(policy(rngs))), dpo.dpo_loss_fn(cfg.dpo), \
+            dpo.reference_from_params
+    return Task(
+        model=model,
+        loss=loss,
         data=lambda c: dpo.pair_data(c, "train"),
         eval_data=lambda c: dpo.pair_data(c, "validation"),
         flops_per_example=4 * flops_per_step(model_cfg, 1, cfg.data.seq_len) / 3,  # + the reference's forward
@@ -192,7 +197,7 @@ def dpo_task(cfg: Config) -> Task:
         name="dpo",
         checks=lambda c, rules, sizes: check_heads(c.model, rules, dict(sizes)),
         explain=name_config_key,
-        start=dpo.reference_from_params,
+        start=start,
     )
 
 

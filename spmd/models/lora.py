@@ -17,6 +17,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +76,7 @@ def _uniform(bound: float):
     return init
 
 
+M = TypeVar("M", bound=nnx.Module)
 Use = Callable[[nnx.Param], jax.Array]  # a parameter as used in compute (spmd.models.layers.weight)
 
 
@@ -143,3 +145,18 @@ def add_kv(y_BLnK: jax.Array, module: nnx.Module, name: str, x_BLD: jax.Array, u
     if n > g:
         d_BLGK = jnp.repeat(d_BLGK, n // g, axis=2)
     return y_BLnK + d_BLGK.astype(y_BLnK.dtype)
+
+
+def without_adapters(model: M) -> M:
+    """A view of ``model`` whose every adapter's ``b`` is zero (held constant): the base model's output, as
+    if it carried no adapters (``y + 0 = y``), on the same weights; ``model`` itself is unchanged.
+
+    The frozen base of a LoRA model without a second copy (the DPO reference: docs/post-training.md). Its
+    own parameters are the view's, so nothing is copied but the ``[..., r, out...]`` zeros, which lie as
+    ``b`` does. The switch is in the data rather than a trace-time flag: jax reuses the traced jaxpr of a
+    body function it has seen (scan, checkpoint), which would ignore a flag flipped between two calls."""
+    view = nnx.clone(model)
+    for _, node in nnx.iter_graph(view):
+        if isinstance(node, Adapter):
+            node.b.set_value(jax.lax.stop_gradient(jnp.zeros_like(node.b.get_value())))
+    return view

@@ -160,6 +160,84 @@ def test_the_dry_run_compiles_the_dpo_step(tmp_path):
     assert report.compiled is not None and not any(i.fatal for i in report.issues), report.issues
 
 
+def _lora_model(seed=0, b_scale=0.0):
+    """A tiny GPT with rank-4 adapters on every projection (``b_scale`` > 0: nonzero B, as a trained adapter)."""
+    from flax import nnx
+
+    from spmd.models import GPT, GPTConfig
+    from spmd.models.lora import LoRASpec
+
+    cfg = GPTConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, norm_eps=1e-5,
+                    tied_head_scale=False)
+    model = GPT(cfg, rngs=nnx.Rngs(seed), lora=LoRASpec(4, 8.0))
+    key = jax.random.key(seed + 1)
+    for _, node in nnx.iter_graph(model):
+        if hasattr(node, "b") and hasattr(node, "scale"):
+            key, sub = jax.random.split(key)
+            node.b.set_value(b_scale * jax.random.normal(sub, node.b.get_value().shape))
+    return cfg, model
+
+
+def _without_proj(tree):
+    return {k: _without_proj(v) if isinstance(v, dict) else v for k, v in tree.items() if not k.endswith("_proj")}
+
+
+def _pair_batch(tmp_path):
+    path = example.write_pairs(tmp_path / "pairs.jsonl", n=64)
+    data = DataConfig(corpus="jsonl", path=str(path), fields="prompt,chosen,rejected", seq_len=32, global_batch=4)
+    batch = next(iter(pair_stream(data, "train", pairs_per_row=2)))
+    return normalize_weights({k: jnp.asarray(v) for k, v in batch.items()})
+
+
+@pytest.mark.slow
+def test_with_lora_the_reference_is_the_base_without_its_adapters_and_no_copy(tmp_path):
+    """``base_logps``: the LoRA model with every B zeroed equals the base model without adapters (same
+    weights), the adapters themselves untouched; with fresh adapters (B = 0) the copy-free loss and every
+    adapter gradient equal the copy-based ones; with a trained adapter the two references differ."""
+    from flax import nnx
+
+    from spmd.models import GPT
+    from spmd.models.dpo import token_logps, with_reference
+    from spmd.models.lora import without_adapters
+    from trainers.objectives.dpo import base_logps, dpo_loss_fn
+
+    batch = _pair_batch(tmp_path)
+    cfg, adapted = _lora_model(b_scale=0.1)
+    base = GPT(cfg, rngs=nnx.Rngs(0))
+    weights = nnx.to_pure_dict(nnx.state(adapted, nnx.Param))
+    base_state = nnx.state(base, nnx.Param)
+    nnx.replace_by_pure_dict(base_state, _without_proj(weights))
+    nnx.update(base, base_state)
+    b_before = nnx.to_pure_dict(nnx.state(adapted, nnx.Param))
+    ref_BL, logps = nnx.jit(base_logps)(adapted, batch), nnx.jit(token_logps)
+    np.testing.assert_allclose(ref_BL, logps(base, batch), rtol=0, atol=1e-6)
+    assert float(jnp.abs(logps(adapted, batch) - ref_BL).max()) > 1e-3  # negative control: adapters on
+    assert _rel_err(nnx.to_pure_dict(nnx.state(adapted, nnx.Param)), b_before) == 0.0  # the view changed nothing
+    assert _rel_err(nnx.to_pure_dict(nnx.state(without_adapters(adapted), nnx.Param)), weights) > 0.0
+
+    dpo_cfg = DPOConfig(beta=0.1, pairs_per_row=2)
+    _, fresh = _lora_model(seed=1)  # B = 0, A random: the adapters' gradient (through B) is not zero
+    copied = with_reference(nnx.clone(fresh))
+
+    @nnx.jit(static_argnums=1)
+    def loss_and_grads(model, loss_fn):
+        (value, _), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
+        return value, {k: v for k, v in nnx.to_pure_dict(grads).items() if k == "blocks"}
+
+    copy_free_loss, copy_based_loss = dpo_loss_fn(dpo_cfg, reference=base_logps), dpo_loss_fn(dpo_cfg)
+    copy_free, copy_based = loss_and_grads(fresh, copy_free_loss), loss_and_grads(copied, copy_based_loss)
+    np.testing.assert_allclose(float(copy_free[0]), float(copy_based[0]), rtol=1e-6)
+    assert _rel_err(copy_free[1], copy_based[1]) < 1e-5
+    assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(copy_free[1])) > 1e-6  # not vacuous
+    # the copy-free model holds its parameters once; the copy-based one twice
+    count = lambda m: sum(x.size for x in jax.tree.leaves(nnx.state(m)))  # noqa: E731
+    assert count(copied) > 1.9 * count(fresh)
+    # a trained adapter: the copy holds it (reference = base + adapter), base_logps the base alone
+    copy_of_trained = with_reference(nnx.clone(adapted))
+    assert abs(float(nnx.jit(copy_based_loss)(copy_of_trained, batch)[0])
+               - float(nnx.jit(copy_free_loss)(adapted, batch)[0])) > 1e-4
+
+
 # ------------------------------------------------------------------ runs (slow: each compiles the tiny GPT)
 STEPS = 4
 LAYOUTS = {"single": ("data=1", "none"), "dp2_fsdp2_tp2": ("data=2,fsdp=2,tensor=2", "fsdp_tp"),
@@ -249,15 +327,32 @@ def test_a_start_from_hugging_face_weights_is_the_reference(pairs_file, tmp_path
 
 
 @pytest.mark.slow
-def test_with_lora_only_the_adapters_move_and_the_reference_is_the_base(pairs_file, tmp_path):
-    """``lora.rank=4``: the frozen copy holds the base and the adapters as they start (B = 0: the base
-    itself); training moves the adapters only, so the policy's base weights stay the reference's."""
-    result = _run(pairs_file, tmp_path / "run", "dp2_fsdp2_tp2", "lora.rank=4", "run.steps=3", keep_state=True)
-    params, reference = result.state["params"], result.state["model_state"]["reference"]
-    flat = dict(jax.tree_util.tree_leaves_with_path(params))
-    ref_flat = dict(jax.tree_util.tree_leaves_with_path(reference))
-    assert flat.keys() == ref_flat.keys()
-    adapters = [p for p in flat if "_proj" in jax.tree_util.keystr(p)]
-    assert adapters and all(np.array_equal(flat[p], ref_flat[p]) for p in flat if p not in adapters)
-    assert all(not np.any(np.asarray(ref_flat[p])) for p in adapters if jax.tree_util.keystr(p).endswith("['b']"))
-    assert max(float(np.abs(np.asarray(flat[p]) - np.asarray(ref_flat[p])).max()) for p in adapters) > 1e-4
+def test_with_lora_only_the_adapters_move_against_the_base_and_no_copy_is_held(pairs_file, tmp_path):
+    """``lora.rank=4`` from Hugging Face weights: the state holds the policy's parameters once (no reference
+    copy in the model's variables), the first step's loss is log 2 (fresh adapters: the policy is the
+    reference, as with a copy), and training moves the adapters only: the base stays the loaded weights."""
+    from flax import nnx
+
+    from spmd.interchange import save_pretrained
+    from spmd.models import GPT, GPTConfig
+    from spmd.models.lora import LoRASpec
+
+    model_cfg = GPTConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, norm_eps=1e-5,
+                          tied_head_scale=False)
+    weights = nnx.to_pure_dict(nnx.state(GPT(model_cfg, rngs=nnx.Rngs(3)), nnx.Param))
+    save_pretrained(str(tmp_path / "hf"), model_cfg, weights)
+    result = _run(pairs_file, tmp_path / "run", "dp2_fsdp2_tp2", f"checkpoint.init_from=hf:{tmp_path / 'hf'}",
+                  "lora.rank=4", "lora.alpha=8", "run.steps=3", keep_state=True)
+    params, model_state = result.state.params, result.state.model_state
+    assert model_state is None  # the model holds parameters only: no reference variables
+    policy = nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0), lora=LoRASpec(4, 8.0)))
+    size = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))  # noqa: E731
+    assert size(params) == size(nnx.state(policy))  # the weights once: no second copy
+    np.testing.assert_allclose(result.losses[1], np.log(2.0), rtol=1e-6)
+    flat = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    loaded = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(weights)}
+    adapters = [k for k in flat if "_proj" in k]
+    assert len(adapters) == 14 and sorted(set(flat) - set(adapters)) == sorted(loaded)
+    assert all(np.array_equal(flat[k], loaded[k]) for k in loaded)  # not one bit of the base moved
+    assert min(float(np.abs(flat[k]).max()) for k in adapters if k.endswith("['b']")) > 1e-4  # every B moved
+    assert result.losses[3] < result.losses[1]

@@ -3,9 +3,10 @@
     spmd-train gpt-small --set run.objective=dpo --set data.corpus=jsonl --set data.path=pairs.jsonl \\
         --set data.fields=prompt,chosen,rejected --set dpo.beta=0.1
 
-The model carries a frozen copy of itself (:func:`spmd.models.dpo.with_reference`, sharded and
-checkpointed with it); ``dpo_loss_fn(cfg, reference=fn)`` is the seam for a reference computed another
-way (adapters switched off). Metrics are named as TRL names them. See docs/post-training.md.
+Without LoRA the model carries a frozen copy of itself (:func:`spmd.models.dpo.with_reference`, sharded
+and checkpointed with it); with LoRA the reference is the same model with its adapters switched off
+(:func:`base_logps` through the seam ``dpo_loss_fn(cfg, reference=fn)``), so no copy is made. Metrics are
+named as TRL names them. See docs/post-training.md.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmd.models.dpo import dpo_losses, in_model_order, pair_logps, token_logps
+from spmd.models.lora import without_adapters
 from trainers.config import Config
 from trainers.data import pairs as pairs_lib
 from trainers.data.config import DOCUMENT_CORPORA
@@ -45,6 +47,12 @@ def dpo_loss_fn(cfg: DPOConfig, reference: ReferenceFn | None = None) -> Callabl
 
     loss_fn.weighted = True  # type: ignore[attr-defined]  # eval folds its row mask into the weights
     return loss_fn
+
+
+def base_logps(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
+    """The reference of a LoRA model: the per-token log-probabilities ``[B, L]`` of its frozen base, the
+    model run with every adapter's ``b`` zero (:func:`spmd.models.lora.without_adapters`; no second copy)."""
+    return token_logps(without_adapters(model), batch)
 
 
 def dpo_objective(policy_BL: jax.Array, ref_BL: jax.Array, batch: dict[str, jax.Array], cfg: DPOConfig
