@@ -129,14 +129,20 @@ def split_source(source: str) -> tuple[str, int | None]:
     return path, None
 
 
-def load_model(source: str, mesh: Mesh | None = None, rules: Any = None) -> GPT:
+def load_model(source: str, mesh: Mesh | None = None, rules: Any = None, *, peft: str | None = None) -> GPT:
     """A trained or pretrained ``GPT``, its parameters sharded on ``mesh`` by ``rules``.
 
     ``source``: a run directory (newest valid step), ``RUN_DIR/STEP``, or ``hf:PATH``. Defaults: the
-    run's mesh config on this host's devices and its rule set; one device for ``hf:PATH``."""
+    run's mesh config on this host's devices and its rule set; one device for ``hf:PATH``. ``peft``: a
+    PEFT LoRA adapter folder (``spmd-export RUN --to peft``) put on the ``hf:PATH`` model (its base)."""
     path = hf_path(source)
     if path is not None:
-        return load_pretrained(path, mesh or meshes.single_device_mesh(), rules or "none")
+        mesh, rules = mesh or meshes.single_device_mesh(), rules or "none"
+        return lora.load_adapted(path, peft=peft, mesh=mesh, rules=rules) if peft else \
+            load_pretrained(path, mesh, rules)
+    if peft:
+        raise ValueError(f"load_model(peft={peft!r}) puts a PEFT adapter on a Hugging Face base: give the source as "
+                         f"hf:PATH (the base the adapter was trained on), got {source!r}")
     run_dir, step = split_source(source)
     cfg = run_config(run_dir)
     mesh = mesh or cfg.mesh.build()

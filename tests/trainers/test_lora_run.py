@@ -102,6 +102,10 @@ def test_exports_as_peft_and_as_merged_weights(hf_folder, one_device, tmp_path):
     base = np.asarray(logits(load_pretrained(str(hf_folder)), tokens))
     np.testing.assert_allclose(merged, trained, atol=TOL, rtol=0)
     np.testing.assert_allclose(adapted, trained, atol=TOL, rtol=0)
+    via_load_model = np.asarray(logits(load_model(f"hf:{hf_folder}", peft=str(tmp_path / "peft")), tokens))
+    np.testing.assert_array_equal(via_load_model, adapted)
+    with pytest.raises(ValueError, match="give the source as hf:PATH"):
+        load_model(run_dir, peft=str(tmp_path / "peft"))
     assert np.abs(base - trained).max() > 1e-3  # negative control: the adapters changed the model
 
 
