@@ -77,7 +77,7 @@ class PackedStream:
         key = (self.rows, limit)
         if key not in self._counts:
             n = 0
-            for _ in PackedIterator(self):
+            for _ in iter(self):  # this stream's own iterator (a subclass's too)
                 n += 1
                 if n == limit:
                     break
@@ -87,7 +87,7 @@ class PackedStream:
     def empty_batch(self) -> dict[str, np.ndarray]:
         """A batch of this stream's rows that holds no document (no loss weight): what a process whose
         rows have ended contributes while others still evaluate."""
-        return PackedIterator(self).batch_of([None] * len(self.rows))
+        return iter(self).batch_of([None] * len(self.rows))
 
     def block_order(self, epoch: int, row: int = 0) -> list[int]:
         """The blocks row ``row`` reads in ``epoch``, in order."""

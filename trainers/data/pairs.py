@@ -52,22 +52,6 @@ class PairStream(PackedStream):
     def __iter__(self) -> PairIterator:
         return PairIterator(self)
 
-    def count_batches(self, limit: int = -1) -> int:
-        if self.repeat:
-            raise ValueError("a repeated stream has no end: count_batches needs repeat=False")
-        key = (self.rows, limit)
-        if key not in self._counts:
-            n = 0
-            for _ in PairIterator(self):
-                n += 1
-                if n == limit:
-                    break
-            self._counts[key] = n
-        return self._counts[key]
-
-    def empty_batch(self) -> dict[str, np.ndarray]:
-        return PairIterator(self).batch_of([None] * len(self.rows))
-
     def _encode(self, epoch: int, block: int) -> list[Pair]:  # type: ignore[override]
         records = self.docs.split_records(self.blocks[block], self.split, self.validation_fraction)
         if self.shuffle:
