@@ -234,3 +234,16 @@ def test_ctrl_c_while_the_first_step_compiles_exits_130_within_a_second(tmp_path
     assert took < 1.5, took
     assert "interrupted (Ctrl-C)" in rest and "Traceback" not in rest, rest
     assert not os.path.isdir(tmp_path / "run" / "checkpoints") or not os.listdir(tmp_path / "run" / "checkpoints")
+
+
+def test_ctrl_c_inside_an_import_exits_at_once(tmp_path):
+    """Ctrl-C while a module initializes (jaxlib's C extension, in a slow start) must not raise into it:
+    that aborted the process (SIGABRT) instead of exiting 130."""
+    (tmp_path / "slow_module.py").write_text("import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\n"
+                                             "time.sleep(30)\n")
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); from trainers.launch import cli\n"
+              "cli.answer_ctrl_c('spmd-train', 'nothing was left half-written')\nimport slow_module\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                          timeout=20, preexec_fn=default_signals)
+    assert proc.returncode == cli.EXIT_INTERRUPTED, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stderr.strip() == "spmd-train: interrupted (Ctrl-C); nothing was left half-written", proc.stderr

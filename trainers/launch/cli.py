@@ -136,10 +136,22 @@ def _interrupt_once(signum, frame) -> None:
     case a library swallows the KeyboardInterrupt); the second one kills at once, even mid-compile."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     _interrupted.set()
+    if _importing(frame):  # a KeyboardInterrupt raised into a C extension's init aborts the process
+        _exit_now(EXIT_INTERRUPTED, True)
     timer = threading.Timer(INTERRUPT_GRACE_S, _exit_now, (EXIT_INTERRUPTED, True))
     timer.daemon = True
     timer.start()
     raise KeyboardInterrupt
+
+
+def _importing(frame) -> bool:
+    """Whether the main thread is inside an import (a native module initializing calls back into Python):
+    raising there can abort the interpreter, and an import has written nothing, so the caller exits at once."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _watch_native_code() -> None:
