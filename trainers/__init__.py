@@ -3,7 +3,7 @@
     from trainers import Config, Task, recipe, override, train
     result = train(override(recipe("gpt-small", tiny=True), ["run.run_dir=/tmp/run"]))  # the built-in GPT task
     result = train(Config(...), Task(model=..., loss=..., data=..., eval_metrics=...))   # any model
-    setup = build(cfg, task)  # the run's state and compiled-on-first-call train and eval steps, to step by hand
+    run = build(cfg, task)  # the one way in: checked state, compiled-on-first-call steps, to step by hand
     model = load_model("runs/x")  # or "hf:PATH": a trained or pretrained GPT, sharded
 
 Subpackages: ``data``, ``checkpoint``, ``faults`` (guard, preemption), ``launch`` (CLI, launcher),
@@ -22,7 +22,7 @@ _FACE = {
     "ExampleLoader": "trainers.data", "IterLoader": "trainers.data", "DivergenceError": "trainers.faults",
     "Result": "trainers.loop", "evaluate": "trainers.loop", "train": "trainers.loop",
     "make_lr_schedule": "trainers.lr", "load_model": "trainers.pretrained", "make_optimizer": "trainers.optim", "recipe": "trainers.recipes",
-    "build": "trainers.setup", "create_state": "trainers.state", "make_eval_step": "trainers.step", "make_train_step": "trainers.step",
+    "Run": "trainers.setup", "build": "trainers.setup", "RunState": "trainers.strategy",
     "Task": "trainers.task", "lm_task": "trainers.task", "load_task": "trainers.task",
 }
 __all__ = sorted(_FACE)
@@ -37,9 +37,8 @@ if TYPE_CHECKING:
     from trainers.optim import make_optimizer
     from trainers.pretrained import load_model
     from trainers.recipes import recipe
-    from trainers.setup import build
-    from trainers.state import create_state
-    from trainers.step import make_eval_step, make_train_step
+    from trainers.setup import Run, build
+    from trainers.strategy import RunState
     from trainers.task import Task, lm_task, load_task
 
 

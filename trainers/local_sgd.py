@@ -159,8 +159,8 @@ class LocalSGD:
 
     def __init__(self, cfg: LocalSGDConfig, template: ShardedState, step_fn: Callable, mesh: Mesh,
                  batch_sharding: NamedSharding, *, steps: int) -> None:
-        """``template``: one group's state (``create_state`` under :func:`inner_rules`, plus the guard
-        window); ``step_fn``: the pure ordinary step under those rules (``make_train_step(jit=False)``);
+        """``template``: one group's state (``sharded_state`` under :func:`inner_rules`, plus the guard
+        window); ``step_fn``: the pure ordinary step under those rules (``train_step_fn(jit=False)``);
         ``batch_sharding``: the global batch's (rows over ``data`` and the inner batch axes)."""
         self.cfg, self.mesh, self.steps, self.groups = cfg, mesh, steps, groups_of(mesh, cfg)
         if template.state.model_state is not None:
@@ -236,11 +236,11 @@ class LocalSGD:
 
     def start(self, one: TrainState) -> TrainState:
         """The local-SGD state from one group's state (fresh, or ``init_from`` params)."""
-        return self._start(TrainState.of(one))
+        return self._start(one)
 
     def train_step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         """One inner step of every group: ``(state, metrics[G])``; nothing is sent over ``data``."""
-        return self._call("inner", self._inner, TrainState.of(state), batch)
+        return self._call("inner", self._inner, state, batch)
 
     def due(self, step: int) -> bool:
         """Whether the outer step runs after inner step ``step``: every H steps and at the last step."""
@@ -248,7 +248,7 @@ class LocalSGD:
 
     def outer_step(self, state: TrainState) -> TrainState:
         """Average params over groups (one all-reduce over ``data``), the outer update, re-broadcast."""
-        return self._call("outer", self._outer, TrainState.of(state))
+        return self._call("outer", self._outer, state)
 
     def fetch(self, metrics: list[dict[str, jax.Array]]) -> list[dict[str, Any]]:
         """Per-group step metrics as host values, one dict per step (a few scalars over ``data`` each)."""

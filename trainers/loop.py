@@ -1,8 +1,10 @@
-"""The training run, as one explicit function a researcher can read in one sitting and fork.
+"""The training run: ``train(cfg, task)`` = ``drive(build(cfg, task, mesh))``, a short driver a researcher
+can read in one sitting and fork.
 
-``train(cfg, task)`` builds the mesh and rules, creates the state directly sharded, resumes or starts,
-then loops: batch -> train step -> guard and metrics -> eval -> checkpoint. It handles preemption,
-crashes and bad steps. See docs/training.md and docs/faults.md.
+:func:`trainers.setup.build` checks the config and makes the state and steps (:class:`trainers.setup.Run`);
+:func:`drive` starts it (a checkpoint, ``init_from`` params, or fresh) and loops: batch -> train step
+(through the run's strategy: plain, or local SGD) -> guard and log -> eval -> checkpoint. It handles
+preemption, crashes and bad steps. See docs/training.md, docs/faults.md and docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import meshes
 import spmd
 from trainers import pretrained, run_lock
 from trainers.blame import InternalError, TaskError, describe_batch, first_batch
-from trainers.checkpoint import Checkpointer, NoUsableCheckpointError, resolve_init_from
+from trainers.checkpoint import Checkpointer
 from trainers.config import Config, changes_since_last_run
 from trainers.data import ExampleLoader, IterLoader, process_rows, to_global
 from trainers.data.checks import check_batch_ids
@@ -33,22 +35,21 @@ from trainers.data.packing import per_token
 from trainers.faults import guard as guard_lib
 from trainers.faults.guard import DivergenceError, Guard, GuardEvent
 from trainers.faults.preemption import PreemptionWatcher
-from trainers.local_sgd import LocalSGD, check_resume
 from trainers.logger import RunLogger, write_config
 from trainers.metrics import StepMeter, peak_flops_per_device
-from trainers.setup import build
-from trainers.state import ShardedState, TrainState
-from trainers.step import eval_view, loss_and_metrics
-from trainers.task import Task, lm_task
+from trainers.setup import Run, build
+from trainers.state import ShardedState
+from trainers.step import loss_and_metrics
+from trainers.strategy import LocalSteps, RunState
+from trainers.task import Task
 from trainers.trace import StepProfiler
-from trainers.validate import check_batch
 
 log = logging.getLogger(__name__)
 
 BatchHook = Callable[[int, dict[str, np.ndarray]], dict[str, np.ndarray]]
 StepHook = Callable[[int], None]
 
-__all__ = ["DivergenceError", "InternalError", "Result", "TaskError", "describe_batch", "evaluate", "train"]
+__all__ = ["DivergenceError", "InternalError", "Result", "TaskError", "describe_batch", "drive", "evaluate", "train"]
 
 
 @dataclasses.dataclass
@@ -103,19 +104,6 @@ def _loader(source, global_batch: int, seed: int, batch_sharding) -> ExampleLoad
     return IterLoader(source)
 
 
-def _check_pipelined(cfg: Config, task: Task) -> None:
-    """A pipelined config needs a task whose loss pipelines its ``spmd.Stack``: say what is missing."""
-    if not cfg.pipeline.enabled or task.pipelined:
-        return
-    model = spmd.sharding.abstract_module(lambda: task.model(nnx.Rngs(cfg.run.seed)))
-    stacks = ["/".join(map(str, path)) or "<root>" for path, node in nnx.iter_graph(model) if isinstance(node, spmd.Stack)]
-    found = (f"its model has spmd.Stack blocks at {stacks}: run them in the loss with "
-             "spmd.pipeline.pipelined_loss(cfg.pipeline, stage_fn, head_fn, stack_state, head_state, x, targets) "
-             "(see spmd.models.GPT.loss) and set Task(pipelined=True)") if stacks else \
-        "its model has no spmd.Stack: put the repeated blocks in one, pipeline them in the loss, and set Task(pipelined=True)"
-    raise ValueError(f"pipeline.schedule={cfg.pipeline.schedule!r} cannot run task {task.name!r}: {found}")
-
-
 def _model_flops(task: Task, sharded: ShardedState, batch, global_batch: int) -> tuple[float, str]:
     """Model FLOPs per step (all devices) and where the number came from."""
     if task.flops_per_example is not None:
@@ -130,68 +118,151 @@ def _model_flops(task: Task, sharded: ShardedState, batch, global_batch: int) ->
     return 3 * spmd.inspection.jaxpr_flops(forward, *abstract), "counted from the loss's jaxpr (3 x forward matmul FLOPs)"
 
 
-def _initial_state(cfg: Config, ckpt: Checkpointer, sharded: ShardedState, logger: RunLogger,
-                   local: LocalSGD | None, fresh: Callable[[Any], TrainState]) -> tuple[int, TrainState, dict[str, Any]]:
-    """``(start step, state, data state)``: resume, else ``init_from`` params, else ``fresh(None)``."""
-    if not cfg.run.resume:
-        if ckpt.all_steps():
-            raise ValueError(
-                f"run.resume=false but {ckpt.directory} already holds checkpoint steps {ckpt.all_steps()}; a fresh run "
-                "would mix its checkpoints with them. Use another run.run_dir, delete them, or set run.resume=true"
-            )
-        restored = None
-    else:
-        newest = ckpt.newest_tree()  # written in the other mode or with another number of replica groups: refused
-        if newest is not None:
-            check_resume(newest[1], local.groups if local else None, newest[0])
-        try:
-            restored = ckpt.restore(local.abstract if local else sharded.abstract)
-        except NoUsableCheckpointError as exc:
-            if not cfg.checkpoint.allow_fresh_start:
-                raise
-            text = f"no usable checkpoint; starting from scratch (checkpoint.allow_fresh_start=true): {exc}"
-            log.warning("%s", text)
-            logger.message(text)
-            restored = None
-    if restored is not None:
-        start, state, data_state = restored
-        logger.message(f"resumed from step {start} ({ckpt.directory})")
-        return start, state, data_state
-    if pretrained.hf_path(cfg.checkpoint.init_from) is not None:  # a Hugging Face folder, read shard by shard
-        params = pretrained.init_params(cfg, sharded.abstract["params"])
-        logger.message(f"initialised params from {cfg.checkpoint.init_from}; fresh optimizer, step 0")
-        return 0, fresh(params), {}
-    if cfg.checkpoint.init_from:
-        directory, step = resolve_init_from(cfg.checkpoint.init_from)
-        with Checkpointer(directory, cfg.checkpoint, read_only=True, layer_orders=sharded.layer_orders) as source:
-            step, params = source.restore_params(sharded.abstract["params"], step=step)
-        logger.message(f"initialised params from step {step} of {directory}; fresh optimizer, step 0")
-        return 0, fresh(params), {}
-    return 0, fresh(None), {}
 
 
-def _loaded(task: Task, state: TrainState, params: Any) -> TrainState:
-    """A fresh state with loaded params (``checkpoint.init_from``), as ``task.start`` completes it (DPO: its reference)."""
-    state = state.replace(params=params)
-    return state if task.start is None else task.start(state)
-
-
-def _saved(state: TrainState, local: LocalSGD | None) -> TrainState:
-    """What checkpoints hold: the state as ``create_state`` makes it, without the guard window
-    (local SGD: every group's state with its window, the outer params and outer optimizer state)."""
-    return state if local is not None else guard_lib.detach(state)
-
-
-def _skipped(state: TrainState, local: LocalSGD | None) -> int:
-    return local.skipped(state) if local is not None else int(jax.device_get(state.skipped))
-
-
-def _next_batch(loader: ExampleLoader | IterLoader, skip: set[int]) -> tuple[int, dict[str, np.ndarray]]:
+def _next_batch(loader: ExampleLoader | IterLoader, skip: frozenset[int]) -> tuple[int, dict[str, np.ndarray]]:
     """``(loader position, local batch)``, stepping over positions in ``skip`` (rolled-back bad batches)."""
     while loader.step in skip:
         next(loader)
     index = loader.step
     return index, next(loader)
+
+
+class _Progress:
+    """The guard and the log. A step's metrics are fetched at log steps, before a save and within 3 steps
+    of a bad one (:func:`trainers.faults.guard.peek_bad`); the guard acts on them before anything is
+    saved; at log steps they are logged with the step time, tokens/s and MFU."""
+
+    def __init__(self, run: Run, logger: RunLogger, state: RunState) -> None:
+        self.run, self.logger, self.start = run, logger, state.step
+        cfg = run.cfg.run
+        self.guard = Guard(cfg.guard, spike_factor=cfg.spike_factor, spike_window=cfg.spike_window,
+                           max_bad_steps=cfg.max_bad_steps, logger=logger)
+        self.peak, self.peak_source = peak_flops_per_device(run.mesh.devices.flat[0],
+                                                            dtype=getattr(run.cfg.model, "dtype", "float32"))
+        self.meter: StepMeter | None = None
+        self.flops_source = ""
+        self.pending: list[tuple[int, int, dict[str, jax.Array]]] = []  # (step, batch index, metrics) not yet fetched
+        self.losses: dict[int, float] = {}
+        self.eval_losses: dict[int, float] = {}
+        self.eval_results: dict[int, dict[str, float]] = {}
+        self.skipped_before = run.strategy.skipped(state.train)
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        self.t_last, self.since = time.perf_counter(), 0
+
+    def first(self, batch: dict[str, jax.Array]) -> None:
+        """Count the model FLOPs on the first batch: the MFU's numerator."""
+        if self.meter is not None:
+            return
+        task, global_batch = self.run.task, self.run.cfg.data.global_batch
+        with first_batch(task.name, batch, "tracing the loss"):
+            flops, self.flops_source = _model_flops(task, self.run.sharded, batch, global_batch)
+        self.meter = StepMeter(tokens_per_step=global_batch * (task.tokens_per_example or 1), model_flops_per_step=flops,
+                               n_devices=self.run.mesh.size, peak_per_device=self.peak)
+        self.logger.message(f"MFU from {flops:.3e} model FLOPs per step, {self.flops_source}; peak {self.peak_source}")
+
+    def stepped(self, step: int, index: int, metrics: dict[str, jax.Array]) -> None:
+        self.since += 1
+        self.pending.append((step, index, metrics))
+
+    def check(self, state: RunState, save: bool, ckpt: Checkpointer) -> list[int]:
+        """Fetch and judge what is due; log at log steps. Returns the batches to roll back over (``run.guard=
+        rollback``); a DivergenceError is raised after the step's metrics are logged."""
+        step, cfg, strategy = state.step, self.run.cfg.run, self.run.strategy
+        log_now = step % cfg.log_every == 0 or step == cfg.steps or step == self.start + 1
+        if not (log_now or save or guard_lib.peek_bad(self.pending)):
+            return []
+        fetched = strategy.fetch([m for _, _, m in self.pending])
+        bad, error = [], None
+        try:
+            for (s, i, _), flags in zip(self.pending, fetched):
+                if self.guard.observe(s, i, flags, last_checkpoint=lambda: ckpt.valid_steps()[-1:]):
+                    bad.append(i)
+        except DivergenceError as exc:
+            error = exc
+        self.pending.clear()
+        if bad and error is None and cfg.guard == "rollback":
+            return bad
+        if log_now:
+            assert self.meter is not None
+            now = time.perf_counter()
+            timing = self.meter.record(now - self.t_last, steps=self.since)
+            self.t_last, self.since = now, 0
+            values = {k: float(v) for k, v in fetched[-1].items() if k not in guard_lib.FLAG_KEYS}
+            if not self.run.task.tokens_per_example:
+                timing["examples_per_s"] = timing.pop("tokens_per_s")
+            values.update(timing, skipped=float(strategy.skipped(state.train)), **strategy.log_values())
+            self.losses[step] = values["loss"]
+            self.logger.log(step, values)
+        if error is not None:
+            raise error
+        return []
+
+    def evaluate(self, state: RunState, source: Any) -> None:
+        cfg = self.run.cfg
+        results = evaluate(self.run.eval_step, self.run.strategy.eval_view(state.train), source,
+                           self.run.batch_sharding, cfg.data.global_batch, cfg.run.eval_batches)
+        self.eval_losses[state.step], self.eval_results[state.step] = results["loss"], results
+        if "ce" in results:  # a language model's cross-entropy: perplexity too
+            results = {**results, "perplexity": math.exp(min(results["ce"], 50.0))}
+        self.logger.log(state.step, results, prefix="eval")
+        self.t_last = time.perf_counter()  # eval time is not step time
+
+    def summary(self, steps: int) -> dict[str, Any]:
+        summary: dict[str, Any] = self.meter.summary() if self.meter is not None else {}
+        if not self.run.task.tokens_per_example and "tokens_per_s" in summary:
+            summary["examples_per_s"] = summary.pop("tokens_per_s")
+        return summary | {"peak_flops_per_device": self.peak, "peak_source": self.peak_source,
+                          "flops_source": self.flops_source} | self.run.strategy.summary(steps)
+
+
+def _rolled_back(run: Run, ckpt: Checkpointer, state: RunState, bad: list[int], loader: ExampleLoader | IterLoader,
+                 progress: _Progress) -> RunState:
+    """``run.guard=rollback``: the run state of the last checkpoint, stepping over the ``bad`` batches from now on."""
+    ckpt.wait()
+    restored = ckpt.restore(run.strategy.abstract)
+    if restored is None:
+        raise DivergenceError(f"run.guard='rollback' at step {state.step}: no checkpoint to roll back to "
+                              f"in {ckpt.directory}; bad batches {sorted(bad)}")
+    back = RunState.from_tree(*restored, run.strategy)
+    back.skip_batches = state.skip_batches | set(bad)
+    loader.set_state(back.data)
+    progress.logger.resume_at(back.step, keep_splits=(guard_lib.SPLIT_PREFIX,))  # the events stay
+    progress.guard.rolled_back(back.step, set(back.skip_batches), state.step)
+    progress.restart_clock()
+    return back
+
+
+def _begin(run: Run, ckpt: Checkpointer, logger: RunLogger, loader: ExampleLoader | IterLoader,
+           changes: list) -> RunState:
+    """Where the run starts (a checkpoint, ``init_from`` params, or fresh), recorded and described."""
+    try:
+        state = run.start(ckpt, logger.message)
+    except BaseException:
+        ckpt.close()
+        logger.close()
+        raise
+    cfg, sharded = run.cfg, run.sharded
+    if jax.process_index() == 0:  # every check has passed, the checkpoint's included: record the config
+        write_config(cfg.run.directory, cfg.to_dict())
+        record_manifest(cfg.run.directory, cfg.data)  # the data by content, for the next resume (trainers.data.manifest)
+    logger.resume_at(state.step)  # steps after the start are logged again: their old records are dropped
+    if state.data is not None:
+        loader.set_state(state.data)
+    if isinstance(run.strategy, LocalSteps):  # the one group's state the groups were made from is not used again
+        run.strategy.release_template(state.train)
+    if changes:
+        logger.message("config changed since this run directory's last run (the old one is kept as config.<n>.json): "
+                       + "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changes))
+    n_params = sum(x.size for x in jax.tree.leaves(sharded.state.params))
+    logger.message(meshes.describe(run.mesh).splitlines()[0]
+                   + f"; rules {run.rules.name}; task {run.task.name}; {n_params:,} params")
+    if any(d.source != "annotation" and d.kind == "Param" for d in sharded.model.decisions):
+        logger.message("sharding of variables without logical dims:\n" + spmd.variables.format_decisions(
+            [d for d in sharded.model.decisions if d.source != "annotation"]))
+    return state
 
 
 def train(
@@ -206,191 +277,72 @@ def train(
     """Run (or resume) ``task`` (default: the built-in GPT task of ``cfg``) as ``cfg`` describes; returns losses and
     a summary. One run per run directory: process 0 holds its lock throughout (:mod:`trainers.run_lock`)."""
     with run_lock.claim(cfg.run.directory, enabled=jax.process_index() == 0):
-        return _train(cfg, task, mesh=mesh, keep_state=keep_state, batch_hook=batch_hook, step_hook=step_hook)
+        return drive(build(cfg, task, mesh), keep_state=keep_state, batch_hook=batch_hook, step_hook=step_hook)
 
 
-def _train(
-    cfg: Config,
-    task: Task | None = None,
-    *,
-    mesh: jax.sharding.Mesh | None = None,
-    keep_state: bool = False,
-    batch_hook: BatchHook | None = None,
-    step_hook: StepHook | None = None,
-) -> Result:
-    """Run (or resume) ``task`` (default: the built-in GPT task of ``cfg``) as ``cfg`` describes; returns losses and a summary."""
-    cfg = pretrained.resolve(cfg)  # checkpoint.init_from=hf:PATH: model.* from its config.json, tensors checked
-    run, data_cfg = cfg.run, cfg.data
-    task = lm_task(cfg) if task is None else task
-    if not isinstance(task, Task):
-        raise TypeError(f"task must be a trainers.Task, got {type(task).__name__}")
-    _check_pipelined(cfg, task)
-    mesh = mesh or cfg.mesh.build()  # the run's one mesh; everything below takes it as an argument
-    meshes.distributed.check_consistent(meshes.distributed.fingerprint(mesh, cfg.to_dict()))  # no-op on one process
-    rules = spmd.get_rules(cfg.rules)
-    layout = task.checks(cfg, rules, dict(mesh.shape)) if task.checks is not None else []
-    for issue in layout + check_batch(data_cfg.global_batch, run.grad_accum, rules, dict(mesh.shape)):
-        raise ValueError(str(issue))  # before any state is built or compiled
-    is_main = jax.process_index() == 0
+def drive(run: Run, *, keep_state: bool = False, batch_hook: BatchHook | None = None,
+          step_hook: StepHook | None = None) -> Result:
+    """The loop over a built run: batch -> train step -> guard and log -> eval -> checkpoint, until
+    ``run.steps`` or a preemption (a checkpoint, then ``Result(preempted=True)``)."""
+    cfg, task, strategy = run.cfg, run.task, run.strategy
     changes = changes_since_last_run(cfg)  # refuses what cannot be resumed before anything is written
-
-    setup = build(cfg, task, mesh)
-    sharded, stepped, local = setup.sharded, setup.stepped, setup.local
-    train_step, eval_step, batch_sharding = setup.train_step, setup.eval_step, setup.batch_sharding
-    if local is not None:
-        fresh = lambda params: local.start(stepped.state if params is None else _loaded(task, stepped.state, params))
-    else:
-        fresh = lambda params: sharded.state if params is None else _loaded(task, sharded.state, params)
-    eval_source = task.eval_source(cfg) if run.eval_batches else None
-
-    train_data = _loader(task.train_source(cfg), data_cfg.global_batch, data_cfg.seed, batch_sharding)
-    ckpt = Checkpointer(cfg.checkpoint.resolve_directory(run.directory), cfg.checkpoint,
-                        layer_orders=sharded.layer_orders)  # steps hold stacks in natural layer order
-    logger = RunLogger(run.directory, is_main=is_main, total_steps=run.steps,
-                       use_tensorboard=run.tensorboard, progress=run.progress)
-    try:
-        start, state, data_state = _initial_state(cfg, ckpt, sharded, logger, local, fresh)
-    except BaseException:
-        ckpt.close()
-        logger.close()
-        raise
-    if is_main:  # every check has passed, the checkpoint's included: record the config
-        write_config(run.directory, cfg.to_dict())
-        record_manifest(run.directory, cfg.data)  # the data by content, for the next resume (trainers.data.manifest)
-    logger.resume_at(start)  # steps after `start` are logged again: their old records are dropped
-    if "train" in data_state:
-        train_data.set_state(data_state["train"])
-    if local is None:  # local SGD keeps each group's window in the checkpointed state
-        state = guard_lib.attach(state, data_state.get("guard"), run.spike_window, mesh)
-    else:  # the one group's state the groups were made from is not used again (unless passed through)
-        kept = {id(x) for x in jax.tree.leaves(state)}
-        [x.delete() for x in jax.tree.leaves(stepped.state) if id(x) not in kept]
-    skip_batches: set[int] = set(data_state.get("skip_batches", []))
-
-    if changes:
-        logger.message("config changed since this run directory's last run (the old one is kept as config.<n>.json): "
-                       + "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changes))
-    n_params = sum(x.size for x in jax.tree.leaves(sharded.state.params))
-    logger.message(meshes.describe(mesh).splitlines()[0] + f"; rules {rules.name}; task {task.name}; {n_params:,} params")
-    if any(d.source != "annotation" and d.kind == "Param" for d in sharded.model.decisions):
-        logger.message("sharding of variables without logical dims:\n" + spmd.variables.format_decisions(
-            [d for d in sharded.model.decisions if d.source != "annotation"]))
-    peak, peak_source = peak_flops_per_device(mesh.devices.flat[0], dtype=getattr(cfg.model, "dtype", "float32"))
-    meter, flops_source = None, ""
-    step_hook = pretrained.sampling_hook(cfg, task, sharded, mesh, rules, logger, step_hook, lambda: state)  # run.sample_every
-    guard = Guard(run.guard, spike_factor=run.spike_factor, spike_window=run.spike_window,
-                  max_bad_steps=run.max_bad_steps, logger=logger)
-    losses: dict[int, float] = {}
-    eval_losses: dict[int, float] = {}
-    eval_results: dict[int, dict[str, float]] = {}
-    pending: list[tuple[int, int, dict[str, jax.Array]]] = []  # (step, batch index, metrics) not yet fetched
-    preempted = False
-    profiler = StepProfiler(run.directory, run.profile_steps, run.profile_processes, run.memory_profile_step)
-    step = start
-    skipped_before = _skipped(state, local)
-    t_last, steps_since = time.perf_counter(), 0
-    with PreemptionWatcher(check_every=run.preemption_check_every) as watcher:
+    eval_source = task.eval_source(cfg) if cfg.run.eval_batches else None
+    loader = _loader(task.train_source(cfg), cfg.data.global_batch, cfg.data.seed, run.batch_sharding)
+    ckpt = Checkpointer(cfg.checkpoint.resolve_directory(cfg.run.directory), cfg.checkpoint,
+                        layer_orders=run.sharded.layer_orders)  # steps hold stacks in natural layer order
+    logger = RunLogger(cfg.run.directory, is_main=jax.process_index() == 0, total_steps=cfg.run.steps,
+                       use_tensorboard=cfg.run.tensorboard, progress=cfg.run.progress)
+    state = _begin(run, ckpt, logger, loader, changes)
+    start, progress, preempted = state.step, _Progress(run, logger, state), False
+    current = state  # the sampling hook reads the state as it is when it runs
+    step_hook = pretrained.sampling_hook(cfg, task, run.sharded, run.mesh, run.rules, logger, step_hook,
+                                         lambda: current.train)  # run.sample_every
+    profiler = StepProfiler(cfg.run.directory, cfg.run.profile_steps, cfg.run.profile_processes,
+                            cfg.run.memory_profile_step)
+    with PreemptionWatcher(check_every=cfg.run.preemption_check_every) as watcher:
         try:
-            while step < run.steps:
-                index, batch = _next_batch(train_data, skip_batches)
+            while state.step < cfg.run.steps:
+                index, batch = _next_batch(loader, state.skip_batches)
                 if batch_hook is not None:
                     batch = batch_hook(index, batch)
                 if task.vocab_size is not None:  # ids outside the vocab are refused before they reach the model
                     check_batch_ids(batch, task.vocab_size, task.token_keys, where=f"task {task.name!r}, batch {index}")
-                batch = to_global(batch, batch_sharding, data_cfg.global_batch)
-                if meter is None:
-                    with first_batch(task.name, batch, "tracing the loss"):
-                        flops, flops_source = _model_flops(task, sharded, batch, data_cfg.global_batch)
-                    per_example = task.tokens_per_example or 1
-                    meter = StepMeter(tokens_per_step=data_cfg.global_batch * per_example, model_flops_per_step=flops,
-                                      n_devices=mesh.size, peak_per_device=peak)
-                    logger.message(f"MFU from {flops:.3e} model FLOPs per step, {flops_source}; peak {peak_source}")
-                with first_batch(task.name, batch, "the train step") if step == start else contextlib.nullcontext():
-                    with profiler.before(step + 1):  # run.profile_steps
-                        state, metrics = train_step(state, batch)  # contract errors surface at its trace, before any compile
-                step += 1
-                if local is not None and local.due(step):
-                    state = local.outer_step(state)  # groups synchronise: one all-reduce over data
-                profiler.after(step, metrics)
-                steps_since += 1
-                pending.append((step, index, metrics))
+                batch = to_global(batch, run.batch_sharding, cfg.data.global_batch)
+                progress.first(batch)
+                with first_batch(task.name, batch, "the train step") if state.step == start else contextlib.nullcontext():
+                    with profiler.before(state.step + 1):  # run.profile_steps
+                        state.train, metrics = run.train_step(state.train, batch)  # contract errors surface at its trace
+                state.step += 1
+                state.train = strategy.after_step(state.train, state.step)  # local SGD: the groups synchronise
+                profiler.after(state.step, metrics)
+                progress.stepped(state.step, index, metrics)
                 if step_hook is not None:
-                    step_hook(step)
-                stop = watcher.should_stop(step)
-                save = ckpt.should_save(step, force=stop or step == run.steps)
-                log_now = step % run.log_every == 0 or step == run.steps or step == start + 1
-                if log_now or save or guard_lib.peek_bad(pending):  # fetch flags and metrics; the guard acts
-                    # before anything is saved, and within 3 steps of a bad one
-                    fetched = (local.fetch if local else jax.device_get)([m for _, _, m in pending])
-                    bad, error = [], None
-                    try:
-                        for (s, i, _), flags in zip(pending, fetched):
-                            if guard.observe(s, i, flags, last_checkpoint=lambda: ckpt.valid_steps()[-1:]):
-                                bad.append(i)
-                    except DivergenceError as exc:  # raised after this step's metrics are logged
-                        error = exc
-                    pending.clear()
-                    if bad and error is None and run.guard == "rollback":
-                        skip_batches.update(bad)
-                        ckpt.wait()
-                        restored = ckpt.restore(local.abstract if local else sharded.abstract)
-                        if restored is None:
-                            raise DivergenceError(f"run.guard='rollback' at step {step}: no checkpoint to roll back to "
-                                                  f"in {ckpt.directory}; bad batches {sorted(bad)}")
-                        at, (step, state, data_state) = step, restored
-                        train_data.set_state(data_state["train"])
-                        if local is None:
-                            state = guard_lib.attach(state, data_state.get("guard"), run.spike_window, mesh)
-                        logger.resume_at(step, keep_splits=(guard_lib.SPLIT_PREFIX,))  # the events stay
-                        guard.rolled_back(step, skip_batches, at)
-                        t_last, steps_since = time.perf_counter(), 0
-                        continue
-                    if log_now:
-                        now = time.perf_counter()
-                        timing = meter.record(now - t_last, steps=steps_since)
-                        t_last, steps_since = now, 0
-                        values = {k: float(v) for k, v in fetched[-1].items() if k not in guard_lib.FLAG_KEYS}
-                        if not task.tokens_per_example:
-                            timing["examples_per_s"] = timing.pop("tokens_per_s")
-                        values.update(timing, skipped=float(_skipped(state, local)))
-                        if local is not None:
-                            values["data_bytes"] = float(local.bytes_sent)
-                        losses[step] = values["loss"]
-                        logger.log(step, values)
-                    if error is not None:
-                        raise error
-                if eval_source is not None and (step % run.eval_every == 0 or step == run.steps):
-                    results = evaluate(eval_step, (local.eval_view(state) if local else eval_view(state)), eval_source, batch_sharding, data_cfg.global_batch,
-                                       run.eval_batches)
-                    eval_losses[step], eval_results[step] = results["loss"], results
-                    if "ce" in results:  # a language model's cross-entropy: perplexity too
-                        results = {**results, "perplexity": math.exp(min(results["ce"], 50.0))}
-                    logger.log(step, results, prefix="eval")
-                    t_last = time.perf_counter()  # eval time is not step time
+                    step_hook(state.step)
+                stop = watcher.should_stop(state.step)
+                save = ckpt.should_save(state.step, force=stop or state.step == cfg.run.steps)
+                bad = progress.check(state, save, ckpt)
+                if bad:
+                    state = current = _rolled_back(run, ckpt, state, bad, loader, progress)
+                    continue
+                if eval_source is not None and (state.step % cfg.run.eval_every == 0 or state.step == cfg.run.steps):
+                    progress.evaluate(state, eval_source)
                 if save:
-                    data_state = {"train": train_data.get_state(), "skip_batches": sorted(skip_batches)}
-                    if local is None:
-                        data_state["guard"] = guard_lib.window_to_json(state.guard)
-                    ckpt.save(step, _saved(state, local), data_state, force=True)  # due: decided above
+                    state.data = loader.get_state()
+                    ckpt.save(state.step, *state.to_tree(strategy), force=True)  # due: decided above
                 if stop:
                     ckpt.wait()
                     preempted = True
-                    logger.message(f"stopping at step {step} ({watcher.reason}): checkpoint step {step} is committed in "
-                                   f"{ckpt.directory}; run the same command again to resume")
+                    logger.message(f"stopping at step {state.step} ({watcher.reason}): checkpoint step {state.step} is "
+                                   f"committed in {ckpt.directory}; run the same command again to resume")
                     break
             ckpt.wait()
         finally:
             profiler.close()
             ckpt.close()
             logger.close()
+    skipped = strategy.skipped(state.train)
     if not preempted:
-        guard_lib.check_learned(start, step, _skipped(state, local) - skipped_before, guard.events, run.guard)
-    summary: dict[str, Any] = meter.summary() if meter is not None else {}
-    if not task.tokens_per_example and "tokens_per_s" in summary:
-        summary["examples_per_s"] = summary.pop("tokens_per_s")
-    summary = summary | {"peak_flops_per_device": peak, "peak_source": peak_source,
-                                                                "flops_source": flops_source}
-    if local is not None:
-        summary |= local.summary(step - start)
-    return Result(run.directory, start, step, losses, eval_losses, _skipped(state, local), summary,
-                  _saved(state, local) if keep_state else None, preempted, list(guard.events), eval_results)
+        guard_lib.check_learned(start, state.step, skipped - progress.skipped_before, progress.guard.events, cfg.run.guard)
+    return Result(cfg.run.directory, start, state.step, progress.losses, progress.eval_losses, skipped,
+                  progress.summary(state.step - start), strategy.kept(state.train) if keep_state else None, preempted,
+                  list(progress.guard.events), progress.eval_results)

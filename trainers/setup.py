@@ -1,9 +1,10 @@
-"""The one place a training step is assembled: :func:`build` ``(cfg, task, mesh) -> Setup``.
+"""The one way from a config to something that steps: :func:`build` ``(cfg, task, mesh) -> Run``.
 
-Rules, LR schedule, optimizer, the state created directly sharded (or abstractly), the guard window,
-the batch sharding, the train step (local SGD: its replica-group form) and the eval step. The loop
-trains with it, the dry run and the planner compile its train step, the benchmarks time it: the dry
-run compiles the real step by construction. See docs/training.md.
+The config resolved against its ``hf:`` start and checked, then rules, LR schedule, optimizer, the
+state created directly sharded (or abstractly), the guard window, the batch sharding, the train step
+with its strategy (plain, or local SGD's replica groups) and the eval step. The loop trains with it,
+the dry run and the planner compile its train step, the benchmarks and tests time and step it: the
+dry run compiles the real step by construction. See docs/training.md and docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from jax.sharding import Mesh, NamedSharding
 
 import spmd
 from spmd.rules import Rules, RulesError
+from trainers import pretrained, startup
+from trainers.checkpoint import Checkpointer
 from trainers.config import Config
 from trainers.faults import guard as guard_lib
 from trainers.local_sgd import LocalSGD, groups_of, inner_rules
@@ -26,16 +29,19 @@ from trainers.lora import freeze_base, frozen_base_loss
 from trainers.lr import make_lr_schedule
 from trainers.objectives.dpo import pair_row_shapes
 from trainers.optim import make_optimizer
-from trainers.state import ShardedState, create_state
-from trainers.step import make_eval_step, make_train_step
+from trainers.state import ShardedState, sharded_state
+from trainers.step import eval_step_fn, train_step_fn
+from trainers.strategy import LocalSteps, Plain, RunState
 from trainers.task import Task, call_user, lm_task
 
 
 @dataclasses.dataclass
-class Setup:
+class Run:
     """Everything a run steps with. ``sharded``: the state as created (what checkpoints hold);
     ``stepped``: what the train step carries (``sharded`` plus the guard window; local SGD: one
-    group's); ``local``: the local-SGD form of the run (None when ``local_sgd.every`` is 0)."""
+    group's); ``strategy``: how it steps (:class:`trainers.strategy.Plain`, or ``LocalSteps`` under
+    local SGD, whose ``train_step`` steps every replica group). :meth:`fresh` is the run state at step 0,
+    :meth:`start` the one a run begins from (a checkpoint, ``init_from`` params, or fresh)."""
 
     cfg: Config
     task: Task
@@ -49,7 +55,7 @@ class Setup:
     batch_sharding: NamedSharding
     train_step: Callable
     eval_step: Callable
-    local: LocalSGD | None = None
+    strategy: Plain
 
     def abstract_batch(self, example: dict[str, Any] | None = None) -> dict[str, jax.ShapeDtypeStruct]:
         """The global batch as shapes with the batch sharding: ``example`` (one example's arrays), or
@@ -61,19 +67,43 @@ class Setup:
         return {k: jax.ShapeDtypeStruct((rows, *v.shape), v.dtype, sharding=self.batch_sharding)
                 for k, v in example.items()}
 
+    def fresh(self, params: Any = None) -> RunState:
+        """The run state at step 0: the state as created, or with loaded ``params`` (the task's ``start`` completes it)."""
+        return RunState(0, self.strategy.fresh(params, self.task.start))
+
+    def start(self, ckpt: Checkpointer, say: Callable[[str], None] = lambda _: None) -> RunState:
+        """Where the run begins: its newest usable checkpoint (``run.resume``), else the ``init_from``
+        params (``hf:PATH`` or another run's step, fresh optimizer), else fresh. ``say`` hears which."""
+        restored = startup.resume(self.cfg, ckpt, self.strategy, say)
+        if restored is not None:
+            step, state, data = restored
+            say(f"resumed from step {step} ({ckpt.directory})")
+            return RunState.from_tree(step, state, data, self.strategy)
+        params = startup.loaded_params(self.cfg, self.sharded, say)
+        return self.fresh(params)
+
 
 def build(cfg: Config, task: Task | None = None, mesh: Mesh | None = None, *, abstract: bool = False,
-          donate: bool = True) -> Setup:
-    """The setup of ``task`` (default: the built-in GPT task of ``cfg``) on ``mesh`` (default:
-    ``cfg.mesh.build()``). ``abstract=True`` creates shapes and shardings only (the dry run, the
-    planner); there the train step is the ordinary jitted one also under local SGD, whose inner step
-    it is. ``donate=False`` keeps the input state alive after a step (benchmarks that replay it)."""
+          donate: bool = True, tx: optax.GradientTransformation | None = None) -> Run:
+    """The run of ``task`` (default: the built-in GPT task of ``cfg``) on ``mesh`` (default:
+    ``cfg.mesh.build()``): ``cfg`` resolved against its ``hf:`` start, checked, then the state created
+    directly sharded and the steps made (compiled on their first call). ``abstract=True`` creates
+    shapes and shardings only (the dry run, the planner; its checks are theirs to report); there the
+    train step is the ordinary jitted one also under local SGD, whose inner step it is.
+    ``donate=False`` keeps the input state alive after a step (benchmarks that replay it). ``tx``: an
+    optimizer of your own instead of ``cfg.optimizer`` and ``cfg.lr`` (the schedule is still logged)."""
+    if not abstract:
+        cfg = pretrained.resolve(cfg)  # checkpoint.init_from=hf:PATH: model.* from its config.json, tensors checked
     task = lm_task(cfg) if task is None else task
+    if not isinstance(task, Task):
+        raise TypeError(f"task must be a trainers.Task, got {type(task).__name__}")
     mesh = mesh or cfg.mesh.build()
     run = cfg.run
     rules = spmd.get_rules(cfg.rules)
+    if not abstract:
+        startup.check_run(cfg, task, mesh, rules)  # before any state is built or compiled
     schedule = make_lr_schedule(cfg.lr, run.steps)
-    tx = make_optimizer(cfg.optimizer, schedule)
+    tx = make_optimizer(cfg.optimizer, schedule) if tx is None else tx
     loss_fn = task.loss
     if cfg.lora.enabled:  # the base frozen: no gradient, no optimizer state (trainers.lora)
         tx, loss_fn = freeze_base(tx), frozen_base_loss(task.loss)
@@ -82,18 +112,22 @@ def build(cfg: Config, task: Task | None = None, mesh: Mesh | None = None, *, ab
     if grouped:
         groups_of(mesh, cfg.local_sgd)
     try:
-        sharded = create_state(lambda: call_user(task.model, "the task's model function", nnx.Rngs(run.seed)), tx,
-                               state_rules, mesh, seed=run.seed, path_rules=task.path_rules, pipeline=cfg.pipeline,
-                               abstract=abstract)
+        sharded = sharded_state(lambda: call_user(task.model, "the task's model function", nnx.Rngs(run.seed)), tx,
+                                state_rules, mesh, seed=run.seed, path_rules=task.path_rules, pipeline=cfg.pipeline,
+                                abstract=abstract)
     except RulesError as e:  # a dim that does not divide by its mesh axes: named as the task's config keys
         raise RulesError(task.explain(e) if task.explain is not None else str(e)) from None
     stepped = guard_lib.add_window(sharded, run.spike_window, mesh)
     batch_sharding = spmd.batch_sharding(rules, mesh, dims=("batch",))
-    train_step = make_train_step(stepped, tx, state_rules, mesh, batch_sharding, schedule=schedule,
-                                 grad_accum=run.grad_accum, loss_fn=loss_fn, spike_factor=run.spike_factor,
-                                 fsdp_gather=run.fsdp_gather, jit=not grouped, donate=donate,
-                                 max_update_ratio=run.max_update_ratio, max_param_growth=run.max_param_growth)
-    local = LocalSGD(cfg.local_sgd, stepped, train_step, mesh, batch_sharding, steps=run.steps) if grouped else None
-    eval_step = make_eval_step(sharded, rules, mesh, batch_sharding, loss_fn=task.loss, metrics=task.eval_metrics)
-    return Setup(cfg, task, mesh, rules, state_rules, schedule, tx, sharded, stepped, batch_sharding,
-                 local.train_step if local is not None else train_step, eval_step, local)
+    train_step = train_step_fn(stepped, tx, state_rules, mesh, batch_sharding, schedule=schedule,
+                               grad_accum=run.grad_accum, loss_fn=loss_fn, spike_factor=run.spike_factor,
+                               fsdp_gather=run.fsdp_gather, jit=not grouped, donate=donate,
+                               max_update_ratio=run.max_update_ratio, max_param_growth=run.max_param_growth)
+    if grouped:
+        local = LocalSGD(cfg.local_sgd, stepped, train_step, mesh, batch_sharding, steps=run.steps)
+        strategy: Plain = LocalSteps(local, sharded, stepped, mesh, run.spike_window)
+    else:
+        strategy = Plain(sharded, stepped, train_step, mesh, run.spike_window)
+    eval_step = eval_step_fn(sharded, rules, mesh, batch_sharding, loss_fn=task.loss, metrics=task.eval_metrics)
+    return Run(cfg, task, mesh, rules, state_rules, schedule, tx, sharded, stepped, batch_sharding,
+               strategy.train_step, eval_step, strategy)

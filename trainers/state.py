@@ -35,8 +35,7 @@ class TrainState:
     statistics, RNG streams), None for a model with none; ``guard``: the guard's window
     (:mod:`trainers.faults.guard`), None outside the step; ``outer_params`` / ``outer_opt_state``:
     local SGD's synchronised params and outer optimizer state (:mod:`trainers.local_sgd`).
-    ``state["params"]``, ``"guard" in state`` and ``state.get(...)`` read it as a mapping of its set
-    fields (code that holds a state uses the attributes; checkpoints and callers' dicts use the keys)."""
+    Read by attribute; :meth:`as_dict` / :meth:`from_dict` convert to and from the plain dict checkpoints hold."""
 
     params: Any
     opt_state: Any = None
@@ -66,32 +65,6 @@ class TrainState:
             raise ValueError(f"a train state has no fields {unknown}; its fields: {sorted(names)}")
         return cls(**d)
 
-    @classmethod
-    def of(cls, state: TrainState | Mapping[str, Any]) -> TrainState:
-        """``state`` as a TrainState: itself, or a mapping of fields (e.g. a fetched state edited as a dict)."""
-        return state if isinstance(state, TrainState) else cls.from_dict(dict(state))
-
-    def keys(self) -> list[str]:
-        return list(self.as_dict())
-
-    def __getitem__(self, key: str) -> Any:
-        value = getattr(self, key, None) if isinstance(key, str) else None
-        if value is None:
-            raise KeyError(key)
-        return value
-
-    def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and getattr(self, key, None) is not None
-
-    def __iter__(self):
-        return iter(self.keys())
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self[key] if key in self else default
-
-
-State = TrainState
-
 
 @dataclasses.dataclass
 class ShardedState:
@@ -114,7 +87,7 @@ class ShardedState:
         )
 
 
-def create_state(
+def sharded_state(
     make_model: Callable[[], nnx.Module],
     tx: optax.GradientTransformation,
     rules: spmd.Rules | str,

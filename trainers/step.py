@@ -83,7 +83,7 @@ def loss_and_metrics(out: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     return loss, dict(metrics)
 
 
-def make_train_step(
+def train_step_fn(
     sharded: ShardedState,
     tx: optax.GradientTransformation,
     rules: spmd.Rules | str,
@@ -116,7 +116,7 @@ def make_train_step(
     check_fsdp_gather(fsdp_gather)
     if spike_factor > 0 and sharded.state.guard is None:
         raise ValueError(f"spike_factor={spike_factor} needs a guard window in the state (trainers.faults.guard.add_window); "
-                         f"state fields: {sharded.state.keys()}")
+                         f"state fields: {sorted(sharded.state.as_dict())}")
     model_vars, param_shardings = sharded.model, sharded.shardings.params
     loss_fn = loss_fn or lm_loss_fn()
     pipelined = getattr(loss_fn, "pipelined", False)
@@ -232,7 +232,7 @@ def eval_view(state: TrainState) -> TrainState:
     return TrainState(state.params, model_state=state.model_state)
 
 
-def make_eval_step(
+def eval_step_fn(
     sharded: ShardedState, rules: spmd.Rules | str, mesh: Mesh, batch_sharding: NamedSharding, *,
     loss_fn: LossFn | None = None, metrics: Mapping[str, MetricFn] | None = None,
 ) -> Callable[[TrainState, Batch, jax.Array], dict[str, jax.Array]]:

@@ -19,8 +19,8 @@ from helpers.gpt_util import CFG, LAYOUTS, LENGTH
 from spmd.hlo import collectives
 from spmd.models import GPT
 from spmd.pipeline import PipelineConfig
-from trainers.state import create_state
-from trainers.step import lm_loss_fn, make_train_step
+from trainers.state import sharded_state
+from trainers.step import lm_loss_fn, train_step_fn
 
 ROWS = 32  # global batch: 4 microbatches of 8 rows, one row per device at 8-way data parallelism
 TX = optax.sgd(1.0)
@@ -39,10 +39,10 @@ class AccumStep:
     def __init__(self, name: str, k: int, fsdp_gather: str):
         sizes, rules = PIPELINED.get(name) or LAYOUTS[name]
         self.mesh = meshes.single_device_mesh() if name == "single" else meshes.make_mesh(sizes)
-        self.sharded = create_state(lambda: GPT(CFG, rngs=nnx.Rngs(0)), TX, rules, self.mesh)
+        self.sharded = sharded_state(lambda: GPT(CFG, rngs=nnx.Rngs(0)), TX, rules, self.mesh)
         self.batch_sharding = spmd.batch_sharding(rules, self.mesh, dims=("batch",))
         loss_fn = lm_loss_fn(pipeline=PIPELINE if name in PIPELINED else None)
-        self.step = make_train_step(self.sharded, TX, rules, self.mesh, self.batch_sharding, grad_accum=k,
+        self.step = train_step_fn(self.sharded, TX, rules, self.mesh, self.batch_sharding, grad_accum=k,
                                     donate=False, fsdp_gather=fsdp_gather, loss_fn=loss_fn)
 
     def batch(self, seed: int = 0) -> dict:

@@ -232,13 +232,13 @@ def _initial_params(cell: dict):
     from flax import nnx
 
     import meshes
-    from trainers.state import create_state
+    from trainers.state import sharded_state
     from trainers.task import lm_task
 
     cfg, task = _config_and_task(cell, overrides(cell, one_device=True))
     task = task or lm_task(cfg)
     seed = cfg.run.seed
-    sharded = create_state(lambda: task.model(nnx.Rngs(seed)), optax.sgd(0.1), "none", meshes.single_device_mesh(),
+    sharded = sharded_state(lambda: task.model(nnx.Rngs(seed)), optax.sgd(0.1), "none", meshes.single_device_mesh(),
                            seed=seed, path_rules=task.path_rules)
     return jax.tree.map(np.asarray, sharded.state["params"])
 

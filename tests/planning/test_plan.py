@@ -25,18 +25,14 @@ import spmd
 from spmd.models import flops_per_step
 from spmd.pipeline import get_schedule
 from trainers import override, recipe
+from trainers.checks import Issue
+from trainers.checks.compiled import check_collectives, parse_remat_warnings
+from trainers.checks.params import check_divisibility, check_replicated
 from trainers.hardware import custom, get_hardware
 from trainers.launch.plan import main
+from trainers.model_variables import param_infos
 from trainers.planning.blockers import blockers, group_reasons, workable_counts
 from trainers.planning.costs import gpt_work, memory_estimate
-from trainers.planning.diagnose import (
-    Issue,
-    check_collectives,
-    check_divisibility,
-    check_replicated,
-    param_infos,
-    parse_remat_warnings,
-)
 from trainers.planning.dryrun import dry_run
 from trainers.planning.planner import REMAT_LADDER, Layout, candidates, estimate_layout, plan
 

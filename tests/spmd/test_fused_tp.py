@@ -24,7 +24,7 @@ from spmd.models import GPT, lm_loss
 from spmd.models.layers import kv_slots, valid_head_shards
 from spmd.rules import RulesError
 from trainers.checkpoint import Checkpointer
-from trainers.validate import check_heads
+from trainers.checks.layout import check_heads
 
 TOL = 1e-5
 F32 = 4

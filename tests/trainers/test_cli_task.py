@@ -138,7 +138,7 @@ def test_a_layout_that_cannot_be_built_names_the_dim_and_axis():
 
 
 def test_activations_left_whole_on_every_device_are_flagged(reports):
-    from trainers.planning.diagnose import check_activation_split
+    from trainers.checks.compiled import check_activation_split
 
     mib = 2**20
     # trainers.examples.decoder under fsdp=8 (no activation constraints): 171 MiB compiled, 177 whole, 22 split

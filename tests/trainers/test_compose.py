@@ -19,8 +19,8 @@ from helpers.gpt_util import rel_err
 import meshes
 import spmd
 from spmd.models import GPT, GPTConfig
-from trainers.state import create_state
-from trainers.step import lm_loss_fn, make_train_step
+from trainers.state import sharded_state
+from trainers.step import lm_loss_fn, train_step_fn
 
 TOL = 1e-5
 ROWS, LENGTH = 16, 32
@@ -33,9 +33,9 @@ MOE = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, 
 def one_step(cfg: GPTConfig, sizes: tuple = (), rules: str = "none", k: int = 1):
     """(params after one step, loss) for the tiny GPT ``cfg`` on a mesh of ``sizes`` with ``k`` microbatches."""
     mesh = meshes.make_mesh(dict(sizes)) if sizes else meshes.single_device_mesh()
-    sharded = create_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), TX, rules, mesh)
+    sharded = sharded_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), TX, rules, mesh)
     bs = spmd.batch_sharding(rules, mesh, dims=("batch",))
-    step = make_train_step(sharded, TX, rules, mesh, bs, grad_accum=k, donate=False, loss_fn=lm_loss_fn())
+    step = train_step_fn(sharded, TX, rules, mesh, bs, grad_accum=k, donate=False, loss_fn=lm_loss_fn())
     t = np.random.default_rng(0).integers(0, cfg.vocab_size, (ROWS, LENGTH + 1)).astype(np.int32)
     state, metrics = step(sharded.state, {"inputs": jax.device_put(t[:, :-1], bs),
                                           "targets": jax.device_put(t[:, 1:], bs)})

@@ -86,14 +86,14 @@ def test_a_batch_without_loss_weight_is_loss_zero_weight_zero():
     import meshes
     import spmd
     from spmd.models import GPT, GPTConfig
-    from trainers.state import create_state
-    from trainers.step import lm_loss_fn, make_train_step
+    from trainers.state import sharded_state
+    from trainers.step import lm_loss_fn, train_step_fn
 
     mesh = meshes.make_mesh({"data": 8})
     cfg = GPTConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, d_ff=32)
-    sharded = create_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), optax.sgd(0.1), "dp", mesh)
+    sharded = sharded_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), optax.sgd(0.1), "dp", mesh)
     bs = spmd.batch_sharding(spmd.get_rules("dp"), mesh, dims=("batch",))
-    step = make_train_step(sharded, optax.sgd(0.1), "dp", mesh, bs, donate=False, loss_fn=lm_loss_fn())
+    step = train_step_fn(sharded, optax.sgd(0.1), "dp", mesh, bs, donate=False, loss_fn=lm_loss_fn())
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 64, size=(8, 9)).astype(np.int32)
     for weight in (0.0, 1.0):

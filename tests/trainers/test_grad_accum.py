@@ -160,13 +160,13 @@ def test_accumulation_note_for_a_layer_with_its_own_shard_map():
     from flax import nnx
 
     from spmd.models import GPT
-    from trainers.state import create_state
+    from trainers.state import sharded_state
     from trainers.step import accumulation_note
 
     mesh = meshes.make_mesh({"data": 2, "expert": 4})
     moe = dataclasses.replace(CFG, n_experts=4)
-    sharded = create_state(lambda: GPT(moe, rngs=nnx.Rngs(0)), TX, "dp_ep", mesh, abstract=True)
+    sharded = sharded_state(lambda: GPT(moe, rngs=nnx.Rngs(0)), TX, "dp_ep", mesh, abstract=True)
     note = accumulation_note(sharded, "dp_ep", mesh, 32, grad_accum=2)
     assert "over data=2 every microbatch" in note and "a layer runs its own shard_map (e.g. MoE)" in note
-    dense = create_state(lambda: GPT(CFG, rngs=nnx.Rngs(0)), TX, "dp_ep", mesh, abstract=True)
+    dense = sharded_state(lambda: GPT(CFG, rngs=nnx.Rngs(0)), TX, "dp_ep", mesh, abstract=True)
     assert accumulation_note(dense, "dp_ep", mesh, 32, grad_accum=2) is None

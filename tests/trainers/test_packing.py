@@ -15,8 +15,8 @@ import meshes
 import spmd
 from spmd.models import GPT, GPTConfig
 from spmd.models.segments import document_positions, skipped_fraction
-from trainers.state import create_state
-from trainers.step import lm_loss_fn, make_train_step, normalize_weights
+from trainers.state import sharded_state
+from trainers.step import lm_loss_fn, train_step_fn, normalize_weights
 
 CFG = GPTConfig(vocab_size=256,  # 64 trips an XLA partitioner check on data x fsdp x tensor under jax 0.12
                  d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, attention_block=4)
@@ -140,10 +140,10 @@ def test_weighted_loss_sharded_and_accumulated_equals_numpy_over_the_global_batc
     docs, rows = corpus()
     mesh = meshes.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     tx = optax.sgd(1.0)
-    sharded = create_state(lambda: GPT(GPTConfig(**{**CFG.__dict__, "attention": "blockwise"}), rngs=nnx.Rngs(0)),
+    sharded = sharded_state(lambda: GPT(GPTConfig(**{**CFG.__dict__, "attention": "blockwise"}), rngs=nnx.Rngs(0)),
                            tx, "fsdp_tp", mesh)
     bs = spmd.batch_sharding(spmd.get_rules("fsdp_tp"), mesh, dims=("batch",))
-    step = make_train_step(sharded, tx, "fsdp_tp", mesh, bs, grad_accum=4, donate=False, loss_fn=lm_loss_fn())
+    step = train_step_fn(sharded, tx, "fsdp_tp", mesh, bs, grad_accum=4, donate=False, loss_fn=lm_loss_fn())
     params0 = jax.tree.map(np.asarray, sharded.state["params"])
     state, metrics = step(sharded.state, {k: jax.device_put(v, bs) for k, v in rows.items()})
     # NumPy: per-token cross-entropy of each document alone (one device), weighted over the global batch
@@ -208,10 +208,10 @@ def test_pipelined_packed_rows_equal_each_document_alone(schedule, accum):
     mesh = meshes.make_mesh({"data": 4, "pipe": 2})
     tx = optax.sgd(1.0)
     pipeline = PipelineConfig(schedule, microbatches=2)
-    sharded = create_state(lambda: GPT(GPTConfig(**{**CFG.__dict__, "attention": "blockwise"}), rngs=nnx.Rngs(0)),
+    sharded = sharded_state(lambda: GPT(GPTConfig(**{**CFG.__dict__, "attention": "blockwise"}), rngs=nnx.Rngs(0)),
                            tx, "dp", mesh, pipeline=pipeline)
     bs = spmd.batch_sharding(spmd.get_rules("dp"), mesh, dims=("batch",))
-    step = make_train_step(sharded, tx, "dp", mesh, bs, grad_accum=accum, donate=False,
+    step = train_step_fn(sharded, tx, "dp", mesh, bs, grad_accum=accum, donate=False,
                            loss_fn=lm_loss_fn(pipeline=pipeline))
     params0 = jax.tree.map(np.asarray, sharded.state["params"])
     state, metrics = step(sharded.state, {k: jax.device_put(v, bs) for k, v in rows.items()})

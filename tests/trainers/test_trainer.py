@@ -21,8 +21,8 @@ from trainers.loop import train
 from trainers.lr import make_lr_schedule
 from trainers.optim import make_optimizer
 from trainers.recipes import RECIPES, recipe
-from trainers.state import create_state
-from trainers.step import make_train_step
+from trainers.state import sharded_state
+from trainers.step import train_step_fn
 
 
 def tiny(tmp_path, *sets):
@@ -32,9 +32,9 @@ def tiny(tmp_path, *sets):
 
 def _state_and_step(cfg, mesh, grad_accum):
     tx = make_optimizer(cfg.optimizer, make_lr_schedule(cfg.lr, cfg.run.steps))
-    sharded = create_state(lambda: GPT(cfg.model, rngs=nnx.Rngs(0)), tx, cfg.rules, mesh)
+    sharded = sharded_state(lambda: GPT(cfg.model, rngs=nnx.Rngs(0)), tx, cfg.rules, mesh)
     bs = spmd.batch_sharding(cfg.rules, mesh)
-    step = make_train_step(sharded, tx, cfg.rules, mesh, bs, grad_accum=grad_accum, donate=False)
+    step = train_step_fn(sharded, tx, cfg.rules, mesh, bs, grad_accum=grad_accum, donate=False)
     return sharded, step, bs
 
 
@@ -104,7 +104,7 @@ def test_resume_onto_another_mesh(tmp_path):
     cfg = tiny(tmp_path, *common, "mesh.axes=data=2,tensor=4", "rules=dp_tp")
     mesh = meshes.make_mesh({"data": 2, "tensor": 4})
     tx = make_optimizer(cfg.optimizer, make_lr_schedule(cfg.lr, cfg.run.steps))
-    sharded = create_state(lambda: GPT(cfg.model, rngs=nnx.Rngs(0)), tx, "dp_tp", mesh)
+    sharded = sharded_state(lambda: GPT(cfg.model, rngs=nnx.Rngs(0)), tx, "dp_tp", mesh)
     with Checkpointer(os.path.join(tmp_path, "checkpoints"), cfg.checkpoint) as ckpt:
         step, restored, _ = ckpt.restore(sharded.abstract)
     assert step == 2

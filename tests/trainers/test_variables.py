@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 import meshes
 import spmd
 from spmd.variables import decide, format_decisions, init_model
-from trainers.state import create_state
-from trainers.step import make_eval_step, make_train_step
+from trainers.state import sharded_state
+from trainers.step import eval_step_fn, train_step_fn
 
 
 class Annotated(nnx.Module):
@@ -112,9 +112,9 @@ def _loss(model, batch, rngs):
 
 def _run(mesh, rules, steps=3, rate=0.5, loss=_loss):
     tx = optax.sgd(0.1)  # Adam would amplify float-level differences of near-zero gradients
-    sharded = create_state(lambda: Plain(nnx.Rngs(0), rate), tx, rules, mesh)
+    sharded = sharded_state(lambda: Plain(nnx.Rngs(0), rate), tx, rules, mesh)
     bs = spmd.batch_sharding(rules, mesh, dims=("batch",))
-    step = make_train_step(sharded, tx, rules, mesh, bs, loss_fn=loss, donate=False)
+    step = train_step_fn(sharded, tx, rules, mesh, bs, loss_fn=loss, donate=False)
     state, out = sharded.state, []
     for i in range(steps):
         state, m = step(state, jax.device_put(_batch(i), bs))
@@ -169,12 +169,12 @@ def test_scalar_loss_and_eval_metric_contract(reference):
     mesh = _mesh(data=1)
     bs = spmd.batch_sharding("dp", mesh, dims=("batch",))
     acc = lambda m, b: m(b["x"]).argmax(-1) == b["y"]
-    ev = make_eval_step(sharded, "dp", mesh, bs, loss_fn=lambda m, b, r: _loss(m, b, r)[0], metrics={"accuracy": acc})
+    ev = eval_step_fn(sharded, "dp", mesh, bs, loss_fn=lambda m, b, r: _loss(m, b, r)[0], metrics={"accuracy": acc})
     view = {"params": state["params"], "model_state": state["model_state"]}
     mask = np.asarray([1.0] * 12 + [0.0] * 4, np.float32)
     out = jax.device_get(ev(view, jax.device_put(_batch(7), bs), jax.device_put(mask, bs)))
     assert out["count"] == 12 and 0 <= out["accuracy"] <= 12
-    bad = make_eval_step(sharded, "dp", mesh, bs, loss_fn=_loss, metrics={"mean_acc": lambda m, b: jnp.mean(acc(m, b))})
+    bad = eval_step_fn(sharded, "dp", mesh, bs, loss_fn=_loss, metrics={"mean_acc": lambda m, b: jnp.mean(acc(m, b))})
     with pytest.raises(TypeError, match="one value per example"):
         bad(view, jax.device_put(_batch(7), bs), jax.device_put(mask, bs))
 
@@ -203,9 +203,9 @@ def test_a_loss_may_draw_keys_from_rngs_with_accumulation():
         return _loss(model, {**batch, "x": batch["x"] * keep}, rngs)
 
     tx = optax.sgd(0.1)
-    sharded = create_state(lambda: Plain(nnx.Rngs(0), 0.0), tx, "dp", mesh)
+    sharded = sharded_state(lambda: Plain(nnx.Rngs(0), 0.0), tx, "dp", mesh)
     bs = spmd.batch_sharding("dp", mesh, dims=("batch",))
-    step = make_train_step(sharded, tx, "dp", mesh, bs, loss_fn=noisy, grad_accum=2, donate=False)
+    step = train_step_fn(sharded, tx, "dp", mesh, bs, loss_fn=noisy, grad_accum=2, donate=False)
     batch = jax.device_put(_batch(0), bs)
     s1, m1 = step(sharded.state, batch)
     _, m2 = step(sharded.state, batch)

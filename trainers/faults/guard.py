@@ -339,7 +339,7 @@ def window_from_json(data: dict[str, Any] | None, window: int, mesh: jax.shardin
 def add_window(sharded: Any, window: int, mesh: jax.sharding.Mesh) -> Any:
     """``sharded`` (a ``trainers.state.ShardedState``) with an empty replicated guard window in its state."""
     if sharded.state.guard is not None:
-        raise ValueError(f"the state already has a guard window; fields: {sharded.state.keys()}")
+        raise ValueError(f"the state already has a guard window; fields: {sorted(sharded.state.as_dict())}")
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(sharded.state)):  # an abstract state
         window_state = jax.eval_shape(lambda: init_state(window))

@@ -10,8 +10,8 @@ import pytest
 
 from spmd.pipeline import get_schedule
 from trainers import override, recipe
+from trainers.checks.layout import check_pipeline
 from trainers.launch import cli
-from trainers.planning.diagnose import check_pipeline
 from trainers.recipes import RECIPES
 
 PP = ["mesh.axes=data=2,pipe=4", "rules=dp", "model.n_layers=8", "data.global_batch=32", "pipeline.schedule=1f1b",

@@ -19,7 +19,7 @@ from spmd.pipeline import LayerOrder, PipelineConfig, get_schedule
 from spmd.pipeline.sends import hlo_sent_bytes, send_plan
 from spmd.stack import reorder_stacks
 from trainers.checkpoint import CheckpointConfig, Checkpointer
-from trainers.state import create_state
+from trainers.state import sharded_state
 
 M = 4
 
@@ -120,7 +120,7 @@ def test_chunk_ordered_step_sends_only_the_table_minimum(sizes, rules, S, V):
 
 def _state(sizes: dict[str, int], pipeline: PipelineConfig | None, seed: int):
     mesh = meshes.make_mesh(sizes, devices=jax.devices()[:int(np.prod(list(sizes.values())))])
-    return create_state(lambda: GPT(CFG, rngs=nnx.Rngs(seed)), optax.adamw(1e-3), "dp", mesh, seed=seed,
+    return sharded_state(lambda: GPT(CFG, rngs=nnx.Rngs(seed)), optax.adamw(1e-3), "dp", mesh, seed=seed,
                         pipeline=pipeline)
 
 

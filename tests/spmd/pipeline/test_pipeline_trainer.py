@@ -19,7 +19,7 @@ from trainers.loop import train
 from trainers.lr import make_lr_schedule
 from trainers.optim import make_optimizer
 from trainers.recipes import recipe
-from trainers.state import create_state
+from trainers.state import sharded_state
 
 STEPS = 4
 COMMON = [f"run.steps={STEPS}", "checkpoint.every_steps=2", f"run.eval_every={STEPS}",
@@ -64,7 +64,7 @@ def _restore(run_dir, sizes, *sets):
     cfg = cfg_for(run_dir, *sets)
     mesh = meshes.make_mesh(sizes)
     tx = make_optimizer(cfg.optimizer, make_lr_schedule(cfg.lr, cfg.run.steps))
-    sharded = create_state(lambda: GPT(cfg.model, rngs=nnx.Rngs(0)), tx, cfg.rules, mesh)
+    sharded = sharded_state(lambda: GPT(cfg.model, rngs=nnx.Rngs(0)), tx, cfg.rules, mesh)
     with Checkpointer(os.path.join(run_dir, "checkpoints"), cfg.checkpoint) as ckpt:
         step, restored, _ = ckpt.restore(sharded.abstract)
     return step, restored
