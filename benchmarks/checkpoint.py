@@ -106,17 +106,15 @@ class BareCopy:
 def large_state(quick: bool) -> tuple[Any, Callable[[Any], Any], str]:
     """(state, donated update, description): a GPT's params + AdamW moments, random values."""
     import optax
-    from flax import nnx
 
-    import spmd
-    from spmd.models import GPT, GPTConfig
-    from trainers import create_state
+    from spmd.models import GPTConfig
+    from trainers.setup import build
 
     cfg = (GPTConfig(vocab_size=256, d_model=128, n_layers=2, n_heads=4, d_ff=512) if quick else
            GPTConfig(vocab_size=256, d_model=512, n_layers=8, n_heads=8, d_ff=2048))
     mesh = common.layout_mesh(LAYOUT if len(jax.devices()) >= 8 else "single")
     rules = common.LAYOUTS.get(LAYOUT, ({}, "none"))[1] if len(jax.devices()) >= 8 else "none"
-    sharded = create_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), optax.adamw(1e-3), spmd.get_rules(rules), mesh)
+    sharded = build(common.run_config(cfg, rules, 8, 16), mesh=mesh, tx=optax.adamw(1e-3)).sharded
     state = {"params": sharded.state.params, "opt_state": sharded.state.opt_state}
     shardings = jax.tree.map(lambda a: a.sharding, state)
 
@@ -146,7 +144,7 @@ def run(options: common.Options, command: str = "python -m benchmarks.checkpoint
                              batch, length)
     large, update, large_desc = large_state(options.quick)
     holder: dict[str, Any] = {"main": setup.state, "large": large}
-    abstract = {"params": setup.sharded.abstract["params"], "opt_state": setup.sharded.abstract["opt_state"]}
+    abstract = {"params": setup.sharded.abstract.params, "opt_state": setup.sharded.abstract.opt_state}
     nbytes = {"main": sum(x.nbytes for x in jax.tree.leaves(setup.state)),
               "large": sum(x.nbytes for x in jax.tree.leaves(large))}
     root = tempfile.mkdtemp(prefix="spmd-bench-checkpoint-")

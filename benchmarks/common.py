@@ -39,7 +39,7 @@ from flax import nnx
 
 import meshes
 import spmd
-from spmd.models import GPT, GPTConfig, lm_loss
+from spmd.models import GPTConfig, lm_loss
 from spmd.units import fmt_bytes  # noqa: F401  (the benchmarks' byte formatter)
 
 SIMULATED_DEVICES = 8
@@ -295,7 +295,7 @@ def minimal_step(sharded: Any, tx: optax.GradientTransformation, rules: spmd.Rul
     ``pipeline``: an ``spmd.pipeline.PipelineConfig``; the loss then runs through ``GPT.loss``.
     """
     graphdef = sharded.graphdef
-    state_shardings = (sharded.shardings["params"], sharded.shardings["opt_state"])
+    state_shardings = (sharded.shardings.params, sharded.shardings.opt_state)
 
     def loss_of(params, batch):
         model = nnx.merge(graphdef, params)
@@ -344,19 +344,23 @@ class GPTSetup:
         return self.sharded.state.params, self.sharded.state.opt_state
 
 
-def gpt_setup(cfg: GPTConfig, mesh: jax.sharding.Mesh, rules: str | spmd.Rules, batch: int, length: int, *,
+def gpt_setup(cfg: GPTConfig, mesh: jax.sharding.Mesh, rules: str, batch: int, length: int, *,
               tx: optax.GradientTransformation | None = None, donate: bool = True, pipeline: Any = None) -> GPTSetup:
-    """Create the sharded state (f32 AdamW), the batch and the compiled minimal step for one layout."""
-    from trainers import create_state  # trainers sits above spmd; only the benchmarks join them
+    """Create the sharded state (f32 AdamW) with :func:`trainers.setup.build`, the batch and the compiled
+    minimal step for one layout."""
+    from trainers.setup import build  # trainers sits above spmd; only the benchmarks join them
 
-    rules = spmd.get_rules(rules)
     tx = tx or optax.adamw(1e-3, b1=0.9, b2=0.95, weight_decay=0.1)
-    sharded = create_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), tx, rules, mesh, pipeline=pipeline)  # its layer order
-    batch_sharding = spmd.batch_sharding(rules, mesh)
+    run_cfg = run_config(cfg, rules, batch, length)
+    if pipeline is not None:
+        run_cfg = dataclasses.replace(run_cfg, pipeline=pipeline)
+    run = build(run_cfg, mesh=mesh, tx=tx, donate=donate)  # the state in the pipeline's layer order
+    sharded = run.sharded
+    batch_sharding = spmd.batch_sharding(run.rules, mesh)
     data = make_batch(cfg.vocab_size, batch, length, batch_sharding)
-    step = minimal_step(sharded, tx, rules, mesh, batch_sharding, donate=donate, pipeline=pipeline)
+    step = minimal_step(sharded, tx, run.rules, mesh, batch_sharding, donate=donate, pipeline=pipeline)
     abstract = (sharded.abstract.params, sharded.abstract.opt_state)
     start, cpu = time.perf_counter(), time.process_time()
     compiled = step.lower(abstract, data).compile()
-    return GPTSetup(cfg, mesh, rules, sharded, data, step, compiled, time.perf_counter() - start,
+    return GPTSetup(cfg, mesh, run.rules, sharded, data, step, compiled, time.perf_counter() - start,
                     time.process_time() - cpu)

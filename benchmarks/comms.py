@@ -202,9 +202,9 @@ def accumulation_rows(cfg, batch: int, length: int) -> list[Row]:
             mesh, rules = common.layout_mesh(name), spmd.get_rules(common.LAYOUTS[name][1])
             run_cfg = common.run_config(cfg, rules.name, batch, length, f"run.grad_accum={k}",
                                         *([f"run.fsdp_gather={mode}"] if mode else []))
-            setup = build(run_cfg, mesh=mesh)  # the run's own step
-            sharded, sharding = setup.stepped, setup.batch_sharding
-            compiled = setup.train_step.lower(sharded.abstract, common.make_batch(cfg.vocab_size, batch, length,
+            run = build(run_cfg, mesh=mesh)  # the run's own step
+            sharded, sharding = run.stepped, run.batch_sharding
+            compiled = run.train_step.lower(sharded.abstract, common.make_batch(cfg.vocab_size, batch, length,
                                                                                   sharding)).compile()
             ops = spmd.hlo.collectives(compiled, mesh)
             w = gathered_bytes(sharded.state.params, "fsdp", mesh)

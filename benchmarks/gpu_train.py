@@ -217,21 +217,21 @@ def child_toolkit(shape: Shape, seq: int, kind: str, rounds: int, steps: int) ->
                  ["model.scan_layers=unrolled"]]
     for sets in tries:
         run_cfg = override(cfg, sets)
-        setup = build(run_cfg, mesh=mesh)
-        batch = _jax_batch(shape, seq, setup.batch_sharding)
+        run = build(run_cfg, mesh=mesh)
+        batch = _jax_batch(shape, seq, run.batch_sharding)
         t0 = time.perf_counter()
-        compiled = setup.train_step.lower(setup.stepped.abstract, batch).compile()
+        compiled = run.train_step.lower(run.stepped.abstract, batch).compile()
         lower_compile = time.perf_counter() - t0
         m = compiled.memory_analysis()
         need = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
         if limit and need > 0.95 * limit and sets is not tries[-1]:
             info.setdefault("skipped", []).append(f"{' '.join(sets)}: needs {need / 2**30:.1f} GiB")
-            del setup, compiled, batch
+            del run, compiled, batch
             continue
-        holder = {"state": setup.stepped.state}
+        holder = {"state": run.stepped.state}
 
         def step() -> Any:
-            holder["state"], metrics = setup.train_step(holder["state"], batch)
+            holder["state"], metrics = run.train_step(holder["state"], batch)
             return metrics
 
         first, step_s, metrics = _time_steps(step, jax.block_until_ready, rounds, steps)

@@ -1,6 +1,6 @@
 """Guard: what checking each proposed update costs the train step, and how fast an absurd dry run is refused.
 
-The train step of ``trainers.step.make_train_step`` on the fsdp_tp layout (data 2 x fsdp 2 x
+The train step of ``trainers.build`` on the fsdp_tp layout (data 2 x fsdp 2 x
 tensor 2, the gpt-small shape; a tiny GPT with ``--quick``), with a guard window, compiled twice:
 with the update checks off and on (``max_update_ratio=1``, ``max_param_growth=10``: one more
 fused pass over gradients, moments and params, three norms). Rows: the step's temporaries
@@ -45,10 +45,10 @@ def run(options: common.Options, command: str = "python -m benchmarks.guard") ->
     setups, data = {}, None
     for name, limits in (("off", []), ("on", ["run.max_update_ratio=1.0", "run.max_param_growth=10.0"])):
         # the run's own step (clipping, AdamW, the guard's window and spike check), without / with the update check
-        setup = build(common.run_config(cfg, rules, batch, length, "run.spike_factor=10.0", "run.spike_window=32",
+        run = build(common.run_config(cfg, rules, batch, length, "run.spike_factor=10.0", "run.spike_window=32",
                                         *limits), mesh=mesh)
-        data = data or common.make_batch(cfg.vocab_size, batch, length, setup.batch_sharding)
-        step, state = setup.train_step, setup.stepped.state
+        data = data or common.make_batch(cfg.vocab_size, batch, length, run.batch_sharding)
+        step, state = run.train_step, run.stepped.state
         temp = step.lower(state, data).compile().memory_analysis().temp_size_in_bytes
         setups[name] = {"step": step, "state": step(state, data)[0], "temp": temp}
 

@@ -56,9 +56,9 @@ def config(steps: int, quick: bool, run_dir: str, every: int) -> Config:
 
 def dp_bytes_per_step(cfg: Config) -> int:
     """Bytes per device the ordinary train step sends over ``data`` (its compiled HLO; one compile)."""
-    setup = build(cfg, abstract=True)  # abstract: the ordinary (data-parallel) step, also with local_sgd.every set
-    mesh, step, batch = setup.mesh, setup.train_step, setup.abstract_batch()
-    return data_bytes(step.lower(setup.stepped.abstract, batch).compile(), mesh)
+    run = build(cfg, abstract=True)  # abstract: the ordinary (data-parallel) step, also with local_sgd.every set
+    mesh, step, batch = run.mesh, run.train_step, run.abstract_batch()
+    return data_bytes(step.lower(run.stepped.abstract, batch).compile(), mesh)
 
 
 def curve(run_dir: str, per_step: int = 0) -> list[tuple[int, float, float]]:

@@ -1,4 +1,4 @@
-"""Trainer overhead: ``make_train_step`` against a minimal hand-written ``jax.jit`` step.
+"""Trainer overhead: the train step of ``trainers.build`` against a minimal hand-written ``jax.jit`` step.
 
 The trainer's step does more than a training step strictly needs: a pre-clip global gradient
 norm for logging, a NaN/Inf guard (``jnp.where`` on every parameter and optimizer-state leaf),
@@ -11,7 +11,7 @@ For each layout
 
 it builds, from the same recipe (model, optimizer, schedule) and the same global batch,
 
-- **trainer**: ``trainers.make_train_step`` as the training loop uses it;
+- **trainer**: ``trainers.build(cfg).train_step``, the step the training loop runs;
 - **minimal**: ``jax.jit(value_and_grad(loss) -> tx.update -> optax.apply_updates)`` with the same
   in/out shardings for params and optimizer state, the state donated, the same activation rules,
   and only the loss returned (no guard, no norm, no counters, no metrics).
@@ -48,13 +48,11 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 
 import meshes
 from benchmarks import common
 from benchmarks.common import RESULTS, minimal_step, setup_devices
-from spmd.models import GPT
-from trainers import Config, create_state, recipe
+from trainers import Config, recipe
 from trainers.setup import build
 
 GOAL = 1.03
@@ -119,25 +117,23 @@ def _time_round(step: Callable, state: Any, batch: dict[str, jax.Array], steps: 
 
 def measure(what: str, cfg: Config, mesh: jax.sharding.Mesh, rules_name: str, settings: Settings) -> Row:
     """Build both steps for this mesh and rule set, warm them up, time them interleaved."""
-    setup = build(dataclasses.replace(cfg, rules=rules_name), mesh=mesh)  # the run's own step (trainers.setup)
-    rules, tx, seed = setup.rules, setup.tx, cfg.run.seed
+    run_cfg = dataclasses.replace(cfg, rules=rules_name)
+    run = build(run_cfg, mesh=mesh)  # the run's own step (trainers.setup)
+    rules, tx = run.rules, run.tx
 
-    def make_model() -> GPT:
-        return GPT(cfg.model, rngs=nnx.Rngs(seed))
-
-    sharded, batch_sharding = setup.stepped, setup.batch_sharding
+    sharded, batch_sharding = run.stepped, run.batch_sharding
     batch = make_batch(cfg, batch_sharding)
-    trainer = setup.train_step
+    trainer = run.train_step
     trainer_state: Any = sharded.state
 
-    twin = create_state(make_model, tx, rules, mesh, seed=seed)
+    twin = build(run_cfg, mesh=mesh, tx=tx).sharded  # the same state again: the trainer's is donated
     minimal = minimal_step(twin, tx, rules, mesh, batch_sharding)
     minimal_state: Any = (twin.state.params, twin.state.opt_state)
 
     # Compile (ahead of time: the jit cache keeps the executables, and XLA's cost model compares
     # what each step computes and moves, a noise-free complement to the timings), then warm up.
     trainer_cost = trainer.lower(sharded.abstract, batch).compile().cost_analysis()
-    minimal_cost = minimal.lower((twin.abstract["params"], twin.abstract["opt_state"]), batch).compile().cost_analysis()
+    minimal_cost = minimal.lower((twin.abstract.params, twin.abstract.opt_state), batch).compile().cost_analysis()
     trainer_state, _ = _time_round(trainer, trainer_state, batch, 1 + settings.warmup)
     minimal_state, _ = _time_round(minimal, minimal_state, batch, 1 + settings.warmup)
 
@@ -235,7 +231,7 @@ def run(settings: Settings, command: str = "python -m benchmarks.overhead") -> l
         "parameter after both ran the same steps (shows the baseline computes the same thing).",
     ]
     options = common.Options(quick=settings.quick, real_devices=settings.real_devices, output=settings.output)
-    common.report("overhead", "Trainer overhead: `make_train_step` vs a minimal `jax.jit` step", rows_of(rows, skipped),
+    common.report("overhead", "Trainer overhead: `build(...).train_step` vs a minimal `jax.jit` step", rows_of(rows, skipped),
                   options, command, before=before, after=after, started_load=started)
     return rows
 
