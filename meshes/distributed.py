@@ -20,6 +20,8 @@ from typing import Any
 
 import jax
 
+from meshes import compat
+
 _ENV = ("SPMD_COORDINATOR", "SPMD_NUM_PROCESSES", "SPMD_PROCESS_ID")
 TIMEOUT_ENV = "SPMD_INIT_TIMEOUT"  # default for timeout_s (spmd-launch --timeout sets it)
 DEFAULT_TIMEOUT_S = 300
@@ -102,13 +104,9 @@ def detect_cluster(env: Mapping[str, str] | None = None) -> str | None:
 def _cluster_detected() -> bool:
     """Whether jax's own cluster detection recognises this environment (TPU pod, SLURM, k8s)."""
     try:
-        from jax._src.clusters import ClusterEnv
-
         # Opt-in-only detectors (mpi4py: merely installed, not a cluster) are skipped, as jax does.
-        return any(
-            env.is_env_present() for env in ClusterEnv._cluster_types if not getattr(env, "opt_in_only_method", False)
-        )
-    except Exception:  # pragma: no cover - private API moved; fall back to single host
+        return any(env.is_env_present() for env in compat.cluster_detectors())
+    except Exception:  # pragma: no cover - a detector failed; fall back to single host
         return False
 
 

@@ -15,12 +15,12 @@ import warnings
 
 import jax
 
+from meshes import compat
+
 
 def backend_started() -> bool:
     """Whether a jax backend has already been initialised in this process."""
-    from jax._src import xla_bridge
-
-    return bool(getattr(xla_bridge, "_backends", None))
+    return compat.backends_initialized()
 
 
 def _check_count(n: object) -> None:

@@ -17,8 +17,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax._src import core as jax_core
-from jax._src.interpreters import partial_eval as pe
+from jax.extend.core import Literal, Var
+
+from meshes import compat
 
 Layer = Callable[[list[jax.Array], jax.Array], jax.Array]  # (one layer's leaves, x[b, L, D]) -> y
 _CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr", "remat2": "jaxpr",
@@ -31,16 +32,13 @@ def _inline(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
     env.update(zip(jaxpr.invars, args, strict=True))
 
     def read(v: Any) -> Any:
-        return v.val if isinstance(v, jax_core.Literal) else env[v]
+        return v.val if isinstance(v, Literal) else env[v]
 
     for eqn in jaxpr.eqns:
         vals, name, params = [read(v) for v in eqn.invars], eqn.primitive.name, eqn.params
         if name == "scan" and params["length"] == 1:
             body = params["jaxpr"]
-            if "num_consts" in params:
-                nc, nk = params["num_consts"], params["num_carry"]
-            else:  # jax >= 0.12: the operand groups (consts, carry, xs) as a flat tree
-                nc, nk = (len(list(g)) for g in params["ft_in"].update(vals).unpack()[:2])
+            nc, nk = compat.scan_consts_carry(params, vals)
             outs = _inline(body.jaxpr, body.consts, *vals[:nc + nk], *(x[0] for x in vals[nc + nk:]))
             outs = [*outs[:nk], *(y[None] for y in outs[nk:])]
         elif name in _CALLS:
@@ -55,18 +53,18 @@ def _inline(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
 
 def _needed(eqns: list[Any], outs: Sequence[Any]) -> set[int]:
     """Indices of the equations the vars ``outs`` depend on."""
-    want = {v for v in outs if isinstance(v, jax_core.Var)}
+    want = {v for v in outs if isinstance(v, Var)}
     idx = set()
     for i in reversed(range(len(eqns))):
         if any(o in want for o in eqns[i].outvars):
             idx.add(i)
-            want.update(v for v in eqns[i].invars if isinstance(v, jax_core.Var))
+            want.update(v for v in eqns[i].invars if isinstance(v, Var))
     return idx
 
 
 def _run(eqns: list[Any], env: dict[Any, Any], outs: Sequence[Any]) -> list[Any]:
     env = dict(env)
-    read = lambda v: v.val if isinstance(v, jax_core.Literal) else env[v]  # noqa: E731
+    read = lambda v: v.val if isinstance(v, Literal) else env[v]  # noqa: E731
     for eqn in eqns:
         ans = eqn.primitive.bind(*map(read, eqn.invars), **eqn.primitive.get_bind_params(eqn.params))
         env.update(zip(eqn.outvars, ans if eqn.primitive.multiple_results else [ans], strict=True))
@@ -96,7 +94,7 @@ class SplitBackward:
         closed = jax.make_jaxpr(residuals)(p_l, x_aval)
         tree, n_p = box["tree"], len(p_l)
         avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.outvars]
-        known, _, from_x, _ = pe.partial_eval_jaxpr_nounits(closed, [False] * n_p + [True], instantiate=False)
+        known, from_x = compat.partial_eval_jaxpr(closed, [False] * n_p + [True])
         self.known = known  # the layer's leaves -> the residuals computed from them alone (then its own)
         self.from_x = [i for i, u in enumerate(from_x) if u]
         self.from_p = [i for i, u in enumerate(from_x) if not u]
@@ -116,9 +114,9 @@ class SplitBackward:
         made = {o for e in self.w_eqns for o in e.outvars}
         skip = made | set(self.consts) | {jaxpr.invars[i] for i in self.from_p}
         reads = [v for e in self.w_eqns for v in e.invars] + list(self.dp_out)
-        self.boundary = list(dict.fromkeys(v for v in reads if isinstance(v, jax_core.Var) and v not in skip))
-        read_b = {v for e in self.b_eqns for v in e.invars if isinstance(v, jax_core.Var)} | set(self.boundary)
-        read_b |= {self.dx_out} if isinstance(self.dx_out, jax_core.Var) else set()
+        self.boundary = list(dict.fromkeys(v for v in reads if isinstance(v, Var) and v not in skip))
+        read_b = {v for e in self.b_eqns for v in e.invars if isinstance(v, Var)} | set(self.boundary)
+        read_b |= {self.dx_out} if isinstance(self.dx_out, Var) else set()
         self.kept = [i for i in self.from_x if jaxpr.invars[i] in read_b]  # what B's forward keeps
         self.n_leaves = len(avals)
         Lc = chunk_leaves[0].shape[0]
@@ -127,7 +125,7 @@ class SplitBackward:
 
     def _env(self, p_l: list[jax.Array]) -> dict[Any, Any]:
         """The consts and the residuals computed from the layer's leaves alone."""
-        outs = jax_core.eval_jaxpr(self.known.jaxpr, self.known.consts, *p_l)
+        outs = compat.eval_jaxpr(self.known.jaxpr, self.known.consts, *p_l)
         return {**self.consts, **{self.invars[i]: a for i, a in zip(self.from_p, outs, strict=False)}}
 
     def bwd_input(self, chunk: list[jax.Array], x: jax.Array, dy: jax.Array) -> tuple[jax.Array, list[jax.Array]]:

@@ -7,10 +7,10 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-# The one private orbax import: orbax exposes no public path to the per-array metadata store that its
-# default jax.Array handler uses, and our handler (other options, see state_save_handler) must write
-# the same metadata for plain orbax to read the step as its own.
-from orbax.checkpoint._src.metadata import array_metadata_store
+# orbax exposes no public path to the per-array metadata store that its default jax.Array handler uses,
+# and our handler (other options, see state_save_handler) must write the same metadata for plain orbax
+# to read the step as its own: meshes.compat.array_metadata_store reaches it.
+from meshes import compat
 
 ITEMS = ("state", "data")
 # Files each item writes last; their absence means the item never finished or was damaged.
@@ -32,7 +32,7 @@ def state_save_handler() -> ocp.PyTreeCheckpointHandler:
     """Orbax's pytree handler (what ``StandardSave`` uses): zarr3, no compression; replica-parallel
     writing only with many processes (see ``trainers.checkpoint.checkpointer``)."""
     arrays = ocp.type_handlers.ArrayHandler(use_replica_parallel=jax.process_count() > 1,
-                                            array_metadata_store=array_metadata_store.Store())
+                                            array_metadata_store=compat.array_metadata_store())
     types = [(ty, arrays if ty is jax.Array else ocp.type_handlers.get_type_handler(ty))
              for ty in ocp.type_handlers.supported_types()]
     return ocp.PyTreeCheckpointHandler(type_handler_registry=ocp.type_handlers.create_type_handler_registry(*types),

@@ -17,6 +17,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from meshes import compat
+
 log = logging.getLogger(__name__)
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -127,9 +129,7 @@ def barrier(name: str, timeout_s: float) -> None:
         raise ValueError(f"barrier needs a non-empty name and timeout_s > 0, got {name!r}, {timeout_s!r}")
     if jax.process_count() == 1:
         return
-    from jax._src import distributed
-
-    client = distributed.global_state.client
+    client = compat.distributed_client()
     if client is None:  # started without jax.distributed: fall back to a device barrier (unbounded)
         from jax.experimental import multihost_utils
 
