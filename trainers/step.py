@@ -279,9 +279,7 @@ def eval_step_fn(
     jitted = jax.jit(step, in_shardings=(eval_view(sharded.shardings), batch_sharding, batch_sharding),
                      out_shardings=spmd.sharding.replicated(mesh), static_argnums=3)
 
-    def eval_step(view: TrainState | Mapping[str, Any], batch: Batch, mask_B: jax.Array, padded: bool = False):
-        if not isinstance(view, TrainState):  # a mapping {"params": ..., "model_state": ...}
-            view = TrainState(view["params"], model_state=view.get("model_state"))
+    def eval_step(view: TrainState, batch: Batch, mask_B: jax.Array, padded: bool = False):
         if weighted and isinstance(batch, Mapping) and "weights" in batch:
             padded = False  # the mask is folded into the weights either way: one program
         return jitted(view, batch, mask_B, padded)
