@@ -25,7 +25,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from spmd.models.lora import DEFAULT_TARGETS, PROJECTIONS, LoRASpec, is_adapter
+from spmd.models.lora import DEFAULT_TARGETS, PROJECTIONS, LoRASpec, draw_dropout, has_dropout, is_adapter
 from spmd.sharding import path_str
 
 PEFT = "peft:"
@@ -44,8 +44,9 @@ class LoRAConfig:
     """``rank`` 0 (the default): no adapters, the run as without this section. ``rank >= 1``: adapters
     ``scale * (x @ A) @ B`` with ``scale = alpha / rank`` on the projections ``targets`` (a regex searched
     in ``attn/q_proj``, ``attn/k_proj``, ``attn/v_proj``, ``attn/o_proj``, ``mlp/gate_proj``, ``mlp/up_proj``,
-    ``mlp/down_proj``) and every other parameter frozen. ``dropout``: on the adapters' input (0 only, for
-    now). ``init_from``: ``peft:DIR``, a PEFT adapter to start from (its rank, alpha and targets are used)."""
+    ``mlp/down_proj``) and every other parameter frozen. ``dropout``: PEFT's ``lora_dropout``, on the adapters'
+    input in training only (masks from the step's key; not under a pipeline). ``init_from``: ``peft:DIR``, a
+    PEFT adapter to start from (its rank, alpha and targets are used; ``dropout`` stays this section's)."""
 
     rank: int = 0
     alpha: float = 16.0
@@ -56,11 +57,8 @@ class LoRAConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
             raise ValueError(f"lora.rank={self.rank!r} must be an integer >= 0 (0: no LoRA; e.g. 8 or 16)")
-        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"lora.dropout={self.dropout!r} must be a number in [0, 1)")
-        if self.dropout:
-            raise ValueError(f"lora.dropout={self.dropout!r}: dropout on the adapters' input is not supported yet; "
-                             "use lora.dropout=0")
         if self.init_from and not self.init_from.startswith(PEFT):
             raise ValueError(f"lora.init_from={self.init_from!r} must be peft:DIR (a folder with {ADAPTER_CONFIG} "
                              f"and {ADAPTER_WEIGHTS}), or empty")
@@ -80,7 +78,7 @@ class LoRAConfig:
     @property
     def spec(self) -> LoRASpec | None:
         """The model-side adapter spec, or None when LoRA is off."""
-        return LoRASpec(self.rank, float(self.alpha), self.targets) if self.rank else None
+        return LoRASpec(self.rank, float(self.alpha), self.targets, float(self.dropout)) if self.rank else None
 
 
 def spec_of(cfg: Any) -> LoRASpec | None:
@@ -104,8 +102,12 @@ def freeze_base(tx: optax.GradientTransformation) -> optax.GradientTransformatio
 
 def frozen_base_loss(loss_fn: Callable) -> Callable:
     """``loss_fn`` with every parameter but the adapters behind ``stop_gradient``: the base's gradient is
-    zero (nothing of it is computed beyond what the adapters' gradient needs)."""
+    zero (nothing of it is computed beyond what the adapters' gradient needs). With ``lora.dropout > 0`` the
+    adapters' mask keys are drawn first from ``rngs`` (its ``dropout`` stream: the train step's key), so the
+    masks are a function of the run's seed and step (``spmd.models.lora.draw_dropout``)."""
     def loss(model: nnx.Module, batch: Any, rngs: nnx.Rngs | None = None):
+        if rngs is not None and has_dropout(model):
+            draw_dropout(model, rngs.dropout())
         state = nnx.state(model, nnx.Param)
         pure = nnx.to_pure_dict(state)
         frozen = jax.tree_util.tree_map_with_path(
@@ -174,7 +176,7 @@ def peft_tensors(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
 def peft_config(spec: LoRASpec, base: str = "") -> dict[str, Any]:
     """PEFT's ``adapter_config.json`` for ``spec`` (target modules listed by name)."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
-            "lora_dropout": 0.0, "target_modules": sorted({p.split("/")[1] for p in spec.projections}),
+            "lora_dropout": spec.dropout, "target_modules": sorted({p.split("/")[1] for p in spec.projections}),
             "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
             "init_lora_weights": True, "modules_to_save": None, "base_model_name_or_path": base}
 

@@ -323,6 +323,10 @@ class GPT(nnx.Module):
         if cfg.n_experts:
             raise ValueError(f"GPTConfig.n_experts={cfg.n_experts}: MoE blocks do not run under a pipeline yet; "
                              f"use pipeline schedule 'none' (a pipe axis of size 1)")
+        if self.lora is not None and self.lora.dropout:
+            raise ValueError(f"lora.dropout={self.lora.dropout} does not run under a pipeline yet (pipeline schedule "
+                             f"{pipeline.schedule!r}): a stage would draw the same adapter mask for every microbatch; "
+                             "use lora.dropout=0, or pipeline.schedule=none (a pipe axis of size 1)")
         x_BLD = self.embed_tokens(tokens_BL)
         apply, block_state = self.blocks.split()
         norm_def, norm_state = nnx.split(self.final_norm)

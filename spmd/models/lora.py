@@ -8,7 +8,14 @@ activation of a row-parallel input (``o_proj``, ``down_proj``) is all-reduced ov
 
 Projections are named as PEFT names Llama's (``attn/q_proj`` ... ``mlp/down_proj``); ``LoRASpec.targets`` is
 a regex searched in those names. ``A`` starts as PEFT's (uniform in ``+-1/sqrt(fan_in)``), ``B`` at zero, so
-an adapted model starts equal to its base; ``scale = alpha / rank``. See docs/post-training.md.
+an adapted model starts equal to its base; ``scale = alpha / rank``.
+
+``dropout = p > 0`` is PEFT's: on the adapter's input only, ``y = base(x) + scale * B(A(dropout(x)))``, in
+training (``model.train()``; off after ``model.eval()``, the default, so in eval, generation and export). Each
+adapter keeps its mask's key as a :class:`DropoutKey` variable (not a parameter; ``[layers, key]`` in a stack),
+which :func:`draw_dropout` sets from the loss's key before the forward pass: the masks depend on the step's key
+only, and, drawn over the whole ``[B, L, in...]`` input in natural token order, not on the layout. See
+docs/post-training.md.
 """
 
 from __future__ import annotations
@@ -32,17 +39,21 @@ ADAPTER_PATH = re.compile(r"(^|/)(q|k|v|o|gate|up|down)_proj/(a|b)$")  # a param
 @dataclasses.dataclass(frozen=True)
 class LoRASpec:
     """Which projections carry an adapter (``targets``: a regex searched in :data:`PROJECTIONS`), its
-    rank ``r >= 1`` and ``alpha`` (the update is scaled by ``alpha / rank``)."""
+    rank ``r >= 1``, ``alpha`` (the update is scaled by ``alpha / rank``) and ``dropout`` (PEFT's
+    ``lora_dropout``: the probability of zeroing an element of the adapter's input in training)."""
 
     rank: int
     alpha: float = 16.0
     targets: str = DEFAULT_TARGETS
+    dropout: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"LoRA rank must be a positive integer, got {self.rank!r}")
         if not isinstance(self.alpha, (int, float)) or not math.isfinite(self.alpha) or self.alpha <= 0:
             raise ValueError(f"LoRA alpha must be a finite number > 0, got {self.alpha!r}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRA dropout must be a number in [0, 1), got {self.dropout!r}")
         try:
             pattern = re.compile(self.targets)
         except (re.error, TypeError) as e:
@@ -80,9 +91,21 @@ M = TypeVar("M", bound=nnx.Module)
 Use = Callable[[nnx.Param], jax.Array]  # a parameter as used in compute (spmd.models.layers.weight)
 
 
+class DropoutKey(nnx.Variable):
+    """The raw key data of an adapter's dropout mask (``[layers, key]`` in a stack): set each step by
+    :func:`draw_dropout`, read in training only. State of the model, not a parameter."""
+
+
+def _key_data() -> jax.Array:
+    return jax.random.key_data(jax.random.key(0))
+
+
 class Adapter(nnx.Module):
-    """``delta(x[..., in...]) = scale * (x @ a[in..., r]) @ b[r, out...]``, the parameters taken as
-    ``use`` gives them (cast to the compute dtype, laid out as activations: ``layers.weight``)."""
+    """``delta(x[..., in...]) = scale * (dropout(x) @ a[in..., r]) @ b[r, out...]``, the parameters taken as
+    ``use`` gives them (cast to the compute dtype, laid out as activations: ``layers.weight``).
+
+    ``dropout`` (``spec.dropout > 0``) acts when ``deterministic`` is False (``model.train()``), with the mask
+    of the key :func:`draw_dropout` set; it is off as created and after ``model.eval()``."""
 
     def __init__(self, spec: LoRASpec, in_shape: Sequence[int], in_dims: Sequence[str | None],
                  out_shape: Sequence[int], out_dims: Sequence[str | None], *, rngs: nnx.Rngs):
@@ -94,11 +117,48 @@ class Adapter(nnx.Module):
         self.b = nnx.Param(jnp.zeros((r, *out_shape), jnp.float32), out_sharding=(None, *out_dims),
                            eager_sharding=False)
         self.scale = spec.scale
+        self.dropout, self.deterministic = float(spec.dropout), True
+        if spec.dropout:
+            self.key = DropoutKey(_key_data(), out_sharding=(None,), eager_sharding=False)
 
     def __call__(self, x: jax.Array, use: Use) -> jax.Array:
         a, b = use(self.a), use(self.b)
-        h = jnp.tensordot(x.astype(a.dtype), a, axes=a.ndim - 1)  # [..., r]: replicated over the rank
+        x = x.astype(a.dtype)
+        if self.dropout and not self.deterministic:
+            x = x * dropout_mask(self.key.get_value(), self.dropout, x.shape).astype(x.dtype)
+        h = jnp.tensordot(x, a, axes=a.ndim - 1)  # [..., r]: replicated over the rank
         return jnp.tensordot(h, b, axes=1) * jnp.asarray(self.scale, a.dtype)
+
+
+def dropout_mask(key_data: jax.Array, rate: float, shape: Sequence[int]) -> jax.Array:
+    """``keep / (1 - rate)`` (f32) over an adapter input of ``shape`` ``[B, L, ...]``, ``keep`` Bernoulli(1 - rate)
+    drawn from ``key_data``. Drawn in natural token order and put in the layout's (context parallelism stores
+    the positions in ``context.sequence_order``), so an element's mask is the same on any layout."""
+    from spmd.models import context
+
+    keep = jax.random.bernoulli(jax.random.wrap_key_data(key_data), 1.0 - rate, tuple(shape))
+    order = context.sequence_order(shape[1]) if len(shape) > 1 else None
+    if order is not None:
+        keep = keep[:, order]
+    return keep.astype(jnp.float32) / (1.0 - rate)
+
+
+def draw_dropout(model: nnx.Module, key: jax.Array) -> None:
+    """Set the mask key of every adapter with dropout in ``model`` (in place) from ``key``: the i-th such
+    adapter (graph order) gets ``split(fold_in(key, i), n)`` over its ``n`` stacked layers. The train step's
+    LoRA loss calls it with a key of the loss's ``nnx.Rngs`` (``trainers.lora.frozen_base_loss``)."""
+    i = 0
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, Adapter) and node.dropout:
+            shape = node.key.get_value().shape  # [..., key]
+            keys = jax.random.split(jax.random.fold_in(key, i), math.prod(shape[:-1]))
+            node.key.set_value(jax.random.key_data(keys).reshape(shape))
+            i += 1
+
+
+def has_dropout(model: nnx.Module) -> bool:
+    """Whether any adapter of ``model`` has dropout."""
+    return any(isinstance(node, Adapter) and node.dropout for _, node in nnx.iter_graph(model))
 
 
 def attention_adapters(module: nnx.Module, spec: LoRASpec | None, d_model: int, n_heads: int, n_kv_heads: int,

@@ -62,6 +62,28 @@ REFUSED = ({(("layout", p), ("local_sgd", 1)) for p in (*PIPES, *SEQS, "fsdp")}
 BASE = dict(layout="dp", model="gpt", length="short", grad_accum=1, fsdp_gather="per_microbatch", remat="none",
             dtype="float32", loss_chunk=0, local_sgd=0, resume="no")
 
+# LoRA (lora.rank=4, lora.alpha=8: adapters on a frozen base) crossed with the features it composes with. These
+# cells stand beside the all-pairs design (a factor more would redraw it); each is compared with the same LoRA
+# run on one device. lora_dropout > 0 under a pipeline is refused (a stage would draw one mask for every
+# microbatch); elsewhere the masks are drawn over the whole batch in natural token order, so they equal one device's.
+LORA_CELLS = {
+    "pipe_1f1b": dict(layout="pipe_1f1b", grad_accum=2, fsdp_gather="per_step"),
+    "seq_ring": dict(layout="seq_ring", length="blockwise", lora_dropout=0.1),
+    "expert_moe": dict(layout="expert", model="moe", grad_accum=2),
+    "tp_sp_bf16": dict(layout="tp_sp", dtype="bfloat16", remat="full"),
+    "fsdp_accum": dict(layout="fsdp", grad_accum=2, fsdp_gather="per_step", lora_dropout=0.1),
+    "pipe_zb_dropout": dict(layout="pipe_zb", lora_dropout=0.1),
+}
+
+
+def lora_cell(name: str) -> dict:
+    """The LoRA cell ``name`` of :data:`LORA_CELLS`, completed from :data:`BASE`."""
+    return {**BASE, "lora": 4, "lora_dropout": 0.0, **LORA_CELLS[name]}
+
+
+def lora_refused(cell: dict) -> bool:
+    return bool(cell.get("lora_dropout")) and cell["layout"] in PIPES
+
 
 def applicable(cell: dict) -> bool:
     """False for combinations without meaning (the user task has no attention, dtype or chunked loss)."""
@@ -130,14 +152,15 @@ class Outcome:
 
     @property
     def ok(self) -> bool:
-        if refused(self.cell) or regroups(self.cell) or (self.cell["local_sgd"] and self.cell["model"] == "user"):
+        if refused(self.cell) or regroups(self.cell) or (self.cell["local_sgd"] and self.cell["model"] == "user") \
+                or lora_refused(self.cell):
             return self.status == "refused" and names_both(self.cell, self.detail)
         return self.status == "equal"
 
 
 def names_both(cell: dict, message: str) -> bool:
     """A refusal names the features it is about: at least two config keys or values of the cell."""
-    words = {"pipeline", "pipe", "seq", "context", "local_sgd", "expert", "MoE", "n_experts", "grad_accum", "mesh", "state",
+    words = {"pipeline", "pipe", "seq", "lora", "context", "local_sgd", "expert", "MoE", "n_experts", "grad_accum", "mesh", "state",
              "fsdp_gather", "remat", "bfloat16", "loss_chunk", "attention", "task", "resume", "checkpoint"}
     return sum(w in message for w in words) >= 2
 
@@ -151,6 +174,8 @@ def overrides(cell: dict, *, one_device: bool = False) -> list[str]:
         sets += ["model.n_layers=4", f"model.dtype={cell['dtype']}", f"model.loss_chunk={cell['loss_chunk']}",
                  f"model.remat_policy={cell['remat']}", "data.corpus=synthetic"]
         sets += ["data.seq_len=32", "model.attention_block=8"] if cell["length"] == "blockwise" else ["data.seq_len=16"]
+    if cell.get("lora"):
+        sets += [f"lora.rank={cell['lora']}", "lora.alpha=8", f"lora.dropout={cell.get('lora_dropout', 0.0)}"]
     if cell["model"] == "moe":  # dropless: capacity groups are per device, so a capacity drops differently per layout
         sets += ["model.capacity_factor=0"]
     if one_device:
@@ -187,9 +212,7 @@ def _params(result):
     import jax
     import numpy as np
 
-    state = result.state
-    params = state["params"] if isinstance(state, dict) else state.params
-    return jax.tree.map(np.asarray, params)
+    return jax.tree.map(np.asarray, result.state.params)
 
 
 def run_cell(cell: dict, reference, workdir: str) -> Outcome:
@@ -228,25 +251,20 @@ def _initial_params(cell: dict):
     """The parameters every run of ``cell`` starts from, built as the loop builds them, on one device."""
     import jax
     import numpy as np
-    import optax
-    from flax import nnx
 
     import meshes
-    from trainers.state import sharded_state
-    from trainers.task import lm_task
+    from trainers.setup import build
 
     cfg, task = _config_and_task(cell, overrides(cell, one_device=True))
-    task = task or lm_task(cfg)
-    seed = cfg.run.seed
-    sharded = sharded_state(lambda: task.model(nnx.Rngs(seed)), optax.sgd(0.1), "none", meshes.single_device_mesh(),
-                           seed=seed, path_rules=task.path_rules)
-    return jax.tree.map(np.asarray, sharded.state["params"])
+    run = build(cfg, task, meshes.single_device_mesh())
+    return jax.tree.map(np.asarray, run.sharded.state.params)
 
 
 def reference_key(cell: dict) -> tuple:
     """What the one-device run depends on: remat and the loss chunk change no number beyond rounding, and
     accumulation changes none for the plain GPT (the MoE's router losses and BatchNorm are per microbatch)."""
-    return cell["model"], cell["length"], cell["dtype"], cell["grad_accum"] if cell["model"] != "gpt" else 1
+    return (cell["model"], cell["length"], cell["dtype"], cell["grad_accum"] if cell["model"] != "gpt" else 1,
+            cell.get("lora", 0), cell.get("lora_dropout", 0.0))
 
 
 def run_reference(cell: dict, workdir: str):
@@ -290,6 +308,44 @@ The combinations refused today, and why:
   `spmd.pipeline.pipelined_loss` and say so (`Task(pipelined=True)`), as the GPT's does.
 
 """
+
+
+LORA_DOC = """
+## LoRA with the other features
+
+`lora.rank=4`, `lora.alpha=8` (adapters on a frozen base: docs/post-training.md) in cells beside the design above
+(`python tests/helpers/matrix.py --lora` reruns them and rewrites this section; tests/trainers/test_lora_compose.py
+runs them), each compared with the same LoRA run on one device as above. `lora_dropout` > 0: the masks are drawn
+over the whole batch in natural token order, so a layout draws the masks one device draws. Refused: `lora.dropout`
+> 0 under a pipeline (a stage would draw the same mask for every microbatch).
+
+"""
+LORA_MARK = "## LoRA with the other features"
+LORA_COLUMNS = ("layout", "model", "length", "grad_accum", "fsdp_gather", "remat", "dtype", "lora_dropout")
+
+
+def lora_table(outcomes: list[Outcome]) -> str:
+    head = "| " + " | ".join(LORA_COLUMNS) + " | result | detail |\n|" + "---|" * (len(LORA_COLUMNS) + 2) + "\n"
+    return head + "".join("| " + " | ".join(str(o.cell[f]) for f in LORA_COLUMNS) + f" | {o.status} | {o.detail} |\n"
+                          for o in outcomes)
+
+
+def run_lora(log=print) -> list[Outcome]:
+    """Every LoRA cell, in this process (one reference per :func:`reference_key`)."""
+    import logging
+
+    logging.disable(logging.WARNING)
+    refs: dict = {}
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in LORA_CELLS:
+            cell = lora_cell(name)
+            key = reference_key(cell)
+            if key not in refs:
+                refs[key] = run_reference(cell, os.path.join(tmp, f"ref{len(refs)}"))
+            out.append(run_cell(cell, refs[key], os.path.join(tmp, name)))
+            log(name, out[-1].status, out[-1].detail)
+    return out
 
 
 def groups(cells: list[dict]) -> list[list[int]]:
@@ -349,15 +405,21 @@ def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--cells":
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         return run_group([int(i) for i in sys.argv[2].split(",")])
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "compose.md")
+    if sys.argv[1:] == ["--lora"]:  # the LoRA section alone
+        with open(path) as f:
+            text = f.read().split(LORA_MARK)[0].rstrip("\n") + "\n"
+        with open(path, "w") as f:
+            f.write(text + LORA_DOC + lora_table(run_lora()))
+        return None
     cells = design()
     outcomes = run_all()
     covered, possible = coverage(cells)
     summary = (f"Pairs of factor levels covered / possible: {covered} / {possible} = {covered / possible:.3f} "
                f"({len(cells)} cells; {sum(o.status == 'equal' for o in outcomes)} equal, "
                f"{sum(o.status == 'refused' for o in outcomes)} refused, {sum(not o.ok for o in outcomes)} failing).\n\n")
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "compose.md")
     with open(path, "w") as f:
-        f.write(DOC + summary + table(outcomes))
+        f.write(DOC + summary + table(outcomes) + LORA_DOC + lora_table(run_lora()))
     print(summary)
 
 

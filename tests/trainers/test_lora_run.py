@@ -118,3 +118,87 @@ def test_a_run_starts_from_a_peft_adapter(hf_folder, one_device, tmp_path):
         if "_proj/" not in k:
             np.testing.assert_array_equal(ours[k], theirs[k], err_msg=k)  # the same frozen base
     assert result.losses[1] != pytest.approx(one_device.losses[1], abs=1e-3)  # not the fresh start's first loss
+
+
+# ------------------------------------------------------------------------------------ dropout (lora.dropout)
+def test_dropout_is_on_the_adapter_input_with_the_mask_of_its_key():
+    """The adapter's gradient with dropout p equals a hand-computed one on the same mask (drawn here, not by the
+    adapter), about a fraction p of the input is dropped; off in eval mode (as created) it is the plain update."""
+    from spmd.models.lora import Adapter, LoRASpec
+
+    p, shape = 0.3, (2, 16, 8)
+    adapter = Adapter(LoRASpec(4, 8.0, dropout=p), (8,), ("embed",), (6,), ("mlp",), rngs=nnx.Rngs(0))
+    adapter.b.set_value(jax.random.normal(jax.random.key(1), (4, 6)))
+    key = jax.random.key_data(jax.random.key(7))
+    adapter.key.set_value(key)
+    x = jax.random.normal(jax.random.key(2), shape)
+    w = jax.random.normal(jax.random.key(3), (2, 16, 6))
+
+    graphdef, state = nnx.split(adapter)
+
+    def ours(a, b, train):
+        m = nnx.merge(graphdef, state, copy=True)
+        m.a.set_value(a)
+        m.b.set_value(b)
+        m.deterministic = not train
+        return (m(x, lambda v: v.get_value()) * w).sum()
+
+    keep = np.asarray(jax.random.bernoulli(jax.random.wrap_key_data(key), 1 - p, shape))
+    assert abs(1 - keep.mean() - p) < 0.05
+
+    def reference(a, b, mask):
+        return ((x * mask) @ a @ b * 2.0 * w).sum()  # scale = alpha / rank = 2
+
+    a0, b0 = adapter.a.get_value(), adapter.b.get_value()
+    got = jax.grad(ours, argnums=(0, 1))(a0, b0, True)
+    want = jax.grad(reference, argnums=(0, 1))(a0, b0, keep / (1 - p))
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+    plain = jax.grad(ours, argnums=(0, 1))(a0, b0, False)
+    np.testing.assert_allclose(plain[1], jax.grad(reference, argnums=1)(a0, b0, 1.0), rtol=1e-5, atol=1e-6)
+    assert np.abs(np.asarray(plain[1]) - np.asarray(got[1])).max() > 1e-2  # negative control: the mask matters
+
+
+def test_dropout_trains_only_and_is_deterministic_for_a_key():
+    """A GPT with ``lora.dropout=0.5`` through the run's LoRA loss: in train mode its loss and adapter gradients
+    differ from p=0's on the same weights and are bit-equal for the same key on every call (the compiled
+    function reused); another key draws other masks; in eval mode it is p=0's; PEFT's config carries it."""
+    from spmd.models.lora import LoRASpec
+    from trainers.step import lm_loss_fn
+
+    cfg = GPTConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=32)
+    loss_fn = lora.frozen_base_loss(lm_loss_fn())
+    tokens = np.random.default_rng(0).integers(0, 64, (2, 9)).astype(np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+    def model_of(p):
+        model = GPT(cfg, rngs=nnx.Rngs(0), lora=LoRASpec(4, 8.0, dropout=p))
+        for path, var in nnx.iter_graph(model):
+            if path and path[-1] == "b":
+                var.set_value(0.1 * jax.random.normal(jax.random.key(len(path)), var.get_value().shape))
+        return nnx.split(model)
+
+    def step(graphdef, state, key, train):
+        params, rest = nnx.split_state(state, nnx.Param, ...)
+
+        def loss(params, rest):
+            model = nnx.merge(graphdef, params, rest, copy=True)
+            model.train() if train else model.eval()
+            out = loss_fn(model, batch, nnx.Rngs(key))
+            return out[0] if isinstance(out, tuple) else out
+
+        return jax.value_and_grad(loss)(params, rest)
+
+    step = jax.jit(step, static_argnums=(0, 3))
+    (g0, s0), (g5, s5) = model_of(0.0), model_of(0.5)
+    assert jax.tree.all(jax.tree.map(np.array_equal, nnx.state(s0, nnx.Param), nnx.state(s5, nnx.Param)))
+    key, other = jax.random.key(1), jax.random.key(2)
+    plain, drop, again, moved = step(g0, s0, key, True), step(g5, s5, key, True), step(g5, s5, key, True), \
+        step(g5, s5, other, True)
+    assert abs(float(drop[0]) - float(plain[0])) > 1e-4
+    assert float(again[0]) == float(drop[0]) and jax.tree.all(jax.tree.map(np.array_equal, again[1], drop[1]))
+    assert float(moved[0]) != float(drop[0])
+    np.testing.assert_allclose(step(g5, s5, key, False)[0], plain[0], rtol=1e-6)  # eval mode: p=0's computation
+    assert lora.peft_config(LoRASpec(4, 8.0, dropout=0.5))["lora_dropout"] == 0.5
+    with pytest.raises(ValueError, match=r"lora.dropout=1.0 must be a number in \[0, 1\)"):
+        lora.LoRAConfig(rank=4, dropout=1.0)
