@@ -25,6 +25,9 @@ import meshes
 from spmd.models import GPTConfig
 from spmd.pipeline import PipelineConfig
 from trainers.checkpoint import CheckpointConfig
+from trainers.checks.config import check_fsdp_gather
+from trainers.checks.issue import raise_first_fatal
+from trainers.checks.registry import check
 from trainers.data import DataConfig
 from trainers.local_sgd import LocalSGDConfig
 from trainers.lora import LoRAConfig
@@ -32,7 +35,6 @@ from trainers.lr import LRConfig
 from trainers.objectives.config import DPOConfig
 from trainers.optim import OptimizerConfig
 from trainers.trace import PROCESSES, parse_steps
-from trainers.validate import check_fsdp_gather, check_pipeline
 
 AUTO = "auto"  # mesh.axes: the planner picks mesh, rule set and remat (trainers.planning.resolve_auto)
 
@@ -178,39 +180,9 @@ class Config:
         self.lr.for_run(self.run.steps)  # the schedule fits the run (lr.total_steps 0 is run.steps)
         if self.model.vocab_size < self.data.vocab_size:
             raise ValueError(f"model.vocab_size {self.model.vocab_size} < data.vocab_size {self.data.vocab_size}")
-        if self.local_sgd.enabled:
-            self._check_local_sgd()
-        if self.pipeline.enabled and self.mesh.axes != AUTO:
-            # checked when the config is built (``spmd-train --set`` fails before any compile), with the
-            # axis sizes mesh.axes fixes; an inferred (-1) axis skips the checks that need its size
-            spec = self.mesh.spec
-            dcn = dict(spec.dcn)
-            sizes = {a: s * dcn.get(a, 1) for a, s in spec.ici}
-            issues = check_pipeline(self.model, self.pipeline, self.rules, sizes, global_batch=self.data.global_batch,
-                                    grad_accum=self.run.grad_accum)
-            if issues:
-                raise ValueError(str(issues[0]))
-
-    def _check_local_sgd(self) -> None:
-        """What local SGD cannot combine with, refused when the config is built."""
-        every = self.local_sgd.every
-        if self.pipeline.enabled:
-            raise ValueError(f"local_sgd.every={every} cannot run with pipeline.schedule={self.pipeline.schedule!r}: "
-                             "the pipeline's shard_map is not mapped over replica groups; use one or the other")
-        if self.model.n_experts:
-            raise ValueError(f"local_sgd.every={every} cannot run with MoE blocks (model.n_experts="
-                             f"{self.model.n_experts}): the expert dispatch is a shard_map that is not mapped over "
-                             "replica groups yet; set model.n_experts=0 or local_sgd.every=0")
-        seq = dict(self.mesh.spec.ici).get("seq", 1) * dict(self.mesh.spec.dcn).get("seq", 1)
-        if seq != 1:
-            raise ValueError(f"local_sgd.every={every} cannot run with context parallelism (mesh seq={seq}): the "
-                             "attention's K/V exchange is a shard_map that is not mapped over replica groups yet; "
-                             "use seq=1 (e.g. give the seq devices to data or tensor) or set local_sgd.every=0")
-        ici, dcn = dict(self.mesh.spec.ici).get("data", 1), dict(self.mesh.spec.dcn).get("data", 1)
-        data = ici * dcn
-        if ici > 0 and dcn > 0 and data < 2:  # an inferred (-1) size is checked on the mesh
-            raise ValueError(f"local_sgd.every={every} needs replica groups over the data axis, but mesh.axes="
-                             f"{self.mesh.axes!r} gives data={data}; give data >= 2 (e.g. data=2,fsdp=4) or set local_sgd.every=0")
+        # the config stage of the checks pass (local SGD's partners, the pipeline on mesh.axes' sizes), now:
+        # ``spmd-train --set`` fails before any compile; an inferred (-1) axis skips the checks that need its size
+        raise_first_fatal(check(self, stages=("config",)))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -17,6 +17,8 @@ from typing import Any
 from flax import nnx
 
 from trainers.blame import frame_owner
+from trainers.checks.issue import name_config_key
+from trainers.checks.layout import check_heads
 from trainers.config import Config
 from trainers.data import TokenWindows, load_corpus
 from trainers.data.checks import check_document_ids, check_examples, check_token_ids, check_windows
@@ -24,7 +26,6 @@ from trainers.data.config import DOCUMENT_CORPORA
 from trainers.data.packing import packed_stream
 from trainers.objectives.config import check_objective
 from trainers.step import LossFn, MetricFn, lm_loss_fn
-from trainers.validate import check_heads, name_config_key
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,7 @@
     blockers(cfg, 7168) -> ["7 divides the device count 7168 but none of: ...", ...]
     workable_counts(cfg, 7168) -> (4096, 8192): the nearest counts with a valid factorisation
 
-The built-in GPT's constraints (:mod:`trainers.planning.diagnose` checks them per layout): the batch per
+The built-in GPT's constraints (the layout stage of :func:`trainers.checks.check` checks them per layout): the batch per
 step splits over the batch axes (and a pipeline's microbatches), heads / d_ff / vocab over tensor, layers
 over pipe, the length over 2 x seq, experts over expert. See docs/planning.md.
 """
@@ -16,8 +16,8 @@ import functools
 from collections import Counter
 from collections.abc import Iterable
 
+from trainers.checks import Issue, buildable, check
 from trainers.config import Config
-from trainers.validate import Issue
 
 
 def _divisors(n: int) -> tuple[int, ...]:
@@ -79,14 +79,10 @@ class AxisSplits:
 def device_splits(cfg: Config) -> AxisSplits:
     """The built-in GPT's :class:`AxisSplits`: tensor sizes from the real checks (heads, d_ff, vocab under
     the ``tp`` rule set), pipe from ``n_layers`` and the batch, seq from ``data.seq_len``."""
-    from trainers.planning.diagnose import check_divisibility, param_infos
-    from trainers.validate import check_heads
-
     m, micro = cfg.model, cfg.data.global_batch // max(cfg.run.grad_accum, 1)
-    infos = param_infos(m)
     tensor = tuple(t for t in range(1, max(m.n_heads, 1) + 1)
-                   if not any(i.fatal for i in check_heads(m, "tp", {"tensor": t})
-                              + check_divisibility(infos, "tp", {"tensor": t})))
+                   if buildable(check(cfg, stages=("layout",), mesh_shape={"tensor": t}, rules="tp",
+                                      select=("heads", "divisibility"))))
     pipe = tuple(p for p in _divisors(m.n_layers) if micro % p == 0)
     seq = tuple(s for s in _divisors(max(cfg.data.seq_len // 2, 1)) if cfg.data.seq_len % (2 * s) == 0)
     expert = _divisors(m.n_experts) if m.n_experts else (1,)

@@ -25,11 +25,12 @@ import spmd
 from spmd.models import flops_per_step
 from spmd.models.moe import expert_rows
 from spmd.rules import axes_of
+from trainers.checks import Issue, batch_axes, check
 from trainers.config import Config
 from trainers.faults.guard import window_bytes
 from trainers.hardware import Hardware
+from trainers.model_variables import ParamInfo, shard_divisors
 from trainers.optim import make_optimizer
-from trainers.planning.diagnose import ParamInfo, diagnose, shard_divisors
 from trainers.planning.perf import Work, step_time
 from trainers.planning.profile import TaskProfile, at
 from trainers.planning.traffic import DTYPE_BYTES as _DTYPE_BYTES
@@ -42,7 +43,6 @@ from trainers.planning.traffic import (
     stash_sizes,
     token_axes,
 )
-from trainers.validate import Issue, batch_axes
 
 # spmd.remat policies by what a block keeps on the device for the backward pass (else: its input only)
 KEEPS_ALL = ("none", "save_all_but_gathered")  # every intermediate; the weights too under none
@@ -378,10 +378,9 @@ class Costs:
 
 
 def layout_costs(cfg: Config, sizes: dict[str, int], hw: Hardware, *, profile: TaskProfile | None = None, dcn_axes: tuple[str, ...] = ()) -> Costs:
-    """``cfg`` on a mesh of these axis sizes: the static diagnostics (:func:`diagnose`), then memory,
+    """``cfg`` on a mesh of these axis sizes: the static checks (the layout stage of :func:`trainers.checks.check`), then memory,
     collectives and roofline, from the built-in GPT's formulas or from a task's ``profile``."""
-    issues = tuple(diagnose(cfg.model if profile is None else profile.variables, cfg.rules, sizes, global_batch=cfg.data.global_batch,
-                            grad_accum=cfg.run.grad_accum, pipeline=cfg.pipeline, seq_len=cfg.data.seq_len))
+    issues = tuple(check(cfg, stages=("layout",), mesh_shape=sizes, model=None if profile is None else profile.variables))
     if any(i.fatal for i in issues):
         return Costs(issues)
     if profile is None:

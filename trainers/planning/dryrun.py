@@ -18,10 +18,11 @@ import jax
 import meshes
 import spmd
 from spmd.models import flops_per_step, param_count
+from trainers.checks import Compiled, Issue, batch_axes, check
 from trainers.config import Config
 from trainers.hardware import Hardware, get_hardware
 from trainers.planning.costs import Traffic, layout_costs, layout_roofline, rows_per_device
-from trainers.planning.diagnose import capture_stderr, check_activation_split, check_collectives, parse_remat_warnings
+from trainers.planning.diagnose import capture_stderr
 from trainers.planning.fresh_process import call_with_devices, check_simulated, import_root
 from trainers.planning.profile import abstract_batch, profile_task
 from trainers.planning.report import DryRunReport, is_cpu_target, layer_stack, target_platform
@@ -29,7 +30,6 @@ from trainers.planning.traffic import pipeline_schedule
 from trainers.setup import build
 from trainers.step import accumulation_note
 from trainers.task import Task, lm_task, load_task
-from trainers.validate import Issue, batch_axes
 
 
 def dry_run(cfg: Config, task: Task | str | None = None, *, devices: int | None = None,
@@ -80,13 +80,9 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
         n_params, flops = param_count(cfg.model), flops_per_step(cfg.model, cfg.data.global_batch, cfg.data.seq_len)
         name = cfg.run.name
     else:
-        if p.enabled and not task.pipelined:
-            issues.append(Issue("config", "pipeline", None, f"pipeline.schedule={p.schedule!r} needs a task "
-                                f"whose loss runs its spmd.Stack through spmd.pipeline.pipelined_loss; task "
-                                f"{task.name!r} does not (Task.pipelined=False)", "set pipeline.schedule=none",
-                                fatal=True))
+        issues += check(cfg, stages=("config",), task=task, select=("pipelined_task",))
         if profile.note:
-            issues.append(Issue("profile", "loss", None, profile.note, ""))
+            issues.append(Issue("profile", "loss", None, profile.note, "", stage="compiled"))
         n_params, flops = profile.variables.param_count, profile.model_flops(cfg.data.global_batch)
         name = cfg.run.name if cfg.run.name == task.name else f"{cfg.run.name} (task {task.name})"
     common: dict[str, Any] = dict(name=name, devices=devices, mesh=tuple(sizes.items()), dcn_axes=dcn_axes, rules=rules.name,
@@ -106,7 +102,7 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
     note = accumulation_note(setup.sharded, setup.state_rules, mesh, cfg.data.global_batch,
                              grad_accum=cfg.run.grad_accum, fsdp_gather=cfg.run.fsdp_gather, loss_fn=run.loss)
     if note:
-        issues.append(Issue("accumulate", "batch", "batch", note, ""))
+        issues.append(Issue("accumulate", "batch", "batch", note, "", stage="compiled"))
     if profile is None:
         batch = setup.abstract_batch()
     else:
@@ -127,16 +123,16 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
             table[("collective-permute", ("pipe",))] = {"count": sent["count"], "bytes": sent["busiest"]}
         except ValueError as e:
             issues.append(Issue("pipeline", "pipe", None, f"the compiled step's sends over pipe could not be matched "
-                                f"to the schedule table ({e}); their bytes count every switch branch on every tick", ""))
+                                f"to the schedule table ({e}); their bytes count every switch branch on every tick", "",
+                                stage="compiled"))
     traffic = [Traffic.timed(kind, axes, row["count"], row["bytes"], sizes, hw, dcn_axes)
                for (kind, axes), row in table.items() if row["count"]]
     analytic = costs.memory
-    if profile is not None:
-        issues += check_activation_split(spmd.inspection.memory(compiled).temp, analytic.activations,
-                                         profile.activations(cfg.data.global_batch // cfg.run.grad_accum),
-                                         analytic.grads + analytic.state, rows_per_device(cfg, sizes),
-                                         batch_axes(rules, sizes))
-    issues += check_collectives(ops) + parse_remat_warnings(log[0] if log else "")
+    split = None if profile is None else (
+        spmd.inspection.memory(compiled).temp, analytic.activations,
+        profile.activations(cfg.data.global_batch // cfg.run.grad_accum), analytic.grads + analytic.state,
+        rows_per_device(cfg, sizes), batch_axes(rules, sizes))
+    issues += check(cfg, stages=("compiled",), compiled=Compiled(ops, log[0] if log else "", split))
     state_bytes, batch_bytes = compiled_arg_bytes(compiled, (state, batch))
     return DryRunReport(
         **common, analytic=analytic, compiled=spmd.inspection.memory(compiled), state_bytes=state_bytes,

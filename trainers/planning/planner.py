@@ -23,6 +23,7 @@ from spmd import pipeline as pipeline_lib
 from spmd import remat as remat_lib
 from spmd.pipeline import PipelineConfig
 from spmd.units import fmt_bytes
+from trainers.checks import Issue, buildable, check, first_fatal
 from trainers.config import Config
 from trainers.hardware import Hardware, get_hardware
 from trainers.planning.blockers import blockers, device_splits, workable_counts
@@ -31,7 +32,6 @@ from trainers.planning.costs import MemoryEstimate, Roofline, Traffic, layout_co
 from trainers.planning.profile import TaskProfile, profile_task
 from trainers.planning.report import DryRunReport, counts_text, format_plan, layer_stack
 from trainers.task import Task, load_task
-from trainers.validate import Issue, check_pipeline
 
 # rule set -> (mesh axes it needs > 1, axes it may also use): one candidate per distinct layout. Every
 # rule set also splits the length over seq (context parallelism), so seq is open to each of them.
@@ -145,7 +145,7 @@ class Estimate:
 
     @property
     def buildable(self) -> bool:
-        return not any(i.fatal for i in self.issues)
+        return buildable(self.issues)
 
     @property
     def fits(self) -> bool:
@@ -154,7 +154,7 @@ class Estimate:
     @property
     def reason(self) -> str:
         if not self.buildable:
-            return str(next(i for i in self.issues if i.fatal))
+            return str(first_fatal(self.issues))
         if not self.fits:
             return f"needs {fmt_bytes(self.memory.total)} per device > budget {fmt_bytes(self.budget)}"
         return f"dominant cost: {self.roofline.dominant}"
@@ -169,14 +169,15 @@ def estimate_layout(cfg: Config, layout: Layout, hardware: str | Hardware, *, he
     sizes = {a: layout.sizes.get(a, 1) for a in ("data", "pipe", "fsdp", "seq", "expert", "tensor")}
     budget = headroom * hw.hbm_bytes
     if layout.pipe > 1:  # the pipeline's own checks, as Issues (the config refuses to build on the first)
-        piped = [i for i in check_pipeline(cfg.model, layout.pipeline, layout.rules, sizes,
-                                           global_batch=cfg.data.global_batch, grad_accum=cfg.run.grad_accum) if i.fatal]
+        piped = [i for i in check(cfg, stages=("layout",), mesh_shape=sizes, rules=layout.rules,
+                                  pipeline=layout.pipeline, select=("pipeline",)) if i.fatal]
         if piped:
             return Estimate(layout, None, (), None, budget, tuple(piped))
     try:
         run = layout.apply(cfg)
     except ValueError as e:  # the config's own checks (e.g. a pipeline microbatch that does not split)
-        return Estimate(layout, None, (), None, budget, (Issue("config", "config", None, str(e), "", fatal=True),))
+        return Estimate(layout, None, (), None, budget, (Issue("config", "config", None, str(e), "", fatal=True,
+                                                                stage="config"),))
     profile = task if task is None or isinstance(task, TaskProfile) else profile_task(task, cfg)
     costs = layout_costs(run, sizes, hw, profile=profile)
     return Estimate(layout, costs.memory, costs.traffic, costs.roofline, budget, costs.issues)

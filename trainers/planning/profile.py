@@ -18,7 +18,7 @@ from flax import nnx
 import spmd
 from spmd.variables import ModelVars
 from trainers.config import Config
-from trainers.planning.diagnose import ModelVariables, model_variables
+from trainers.model_variables import ModelVariables, model_variables
 from trainers.step import loss_and_metrics
 from trainers.task import Task
 

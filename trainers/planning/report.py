@@ -7,10 +7,10 @@ import dataclasses
 from spmd.hlo import Collective, format_collectives
 from spmd.inspection import Memory
 from spmd.units import fmt_bytes, fmt_count, fmt_seconds, format_table
+from trainers.checks import Issue
 from trainers.hardware import HARDWARE, Hardware
 from trainers.planning.blockers import group_reasons
 from trainers.planning.costs import MemoryEstimate, Roofline, Traffic
-from trainers.validate import Issue
 
 
 def is_cpu_target(hw: Hardware) -> bool:

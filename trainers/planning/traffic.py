@@ -21,10 +21,10 @@ from spmd.models.router import capacity
 from spmd.pipeline import Schedule, get_schedule
 from spmd.rules import axes_of
 from spmd.sharding import fit_spec
+from trainers.checks import batch_axes
 from trainers.config import Config
 from trainers.hardware import Hardware, axis_levels, collective_seconds, networks
-from trainers.planning.diagnose import ParamInfo, param_infos, shard_divisors
-from trainers.validate import batch_axes
+from trainers.model_variables import ParamInfo, param_infos, shard_divisors
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 RECOMPUTES_BLOCK = ("full", "save_block_input")  # spmd.remat policies that run each block's forward twice

@@ -1,0 +1,78 @@
+"""Config-stage checks: what one config's sections need of each other, before any mesh or device.
+
+    check_local_sgd(cfg) -> [Issue("config", "local_sgd", ..., fatal=True)] or []
+
+``trainers.Config`` runs the config stage when it is built (``--set`` fails at once); single-field
+checks stay with their section's dataclass (:func:`check_fsdp_gather` for ``run.fsdp_gather``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainers.checks.issue import Issue
+from trainers.checks.layout import check_pipeline
+
+FSDP_GATHER = ("per_microbatch", "per_step")  # run.fsdp_gather: when gradient accumulation gathers FSDP weights
+_AUTO = "auto"  # mesh.axes: the planner picks the layout (trainers.config.AUTO)
+
+
+def check_fsdp_gather(value: str) -> None:
+    """``run.fsdp_gather`` is one of :data:`FSDP_GATHER`, or a ValueError naming them."""
+    if value not in FSDP_GATHER:
+        raise ValueError(f"run.fsdp_gather={value!r}; valid: {', '.join(FSDP_GATHER)} "
+                         "(per_microbatch: least memory; per_step: fewest bytes over fsdp)")
+
+
+def _config(path: str, message: str, fix: str, key: str) -> Issue:
+    return Issue("config", path, None, message, fix, fatal=True, stage="config", key=key)
+
+
+def check_local_sgd(cfg: Any) -> list[Issue]:
+    """What local SGD (``local_sgd.every`` >= 1) cannot combine with: a pipeline, MoE blocks, context
+    parallelism, a data axis under 2. The first found only (later ones read the mesh spec)."""
+    every = cfg.local_sgd.every
+    if not cfg.local_sgd.enabled:
+        return []
+    if cfg.pipeline.enabled:
+        return [_config("local_sgd", f"local_sgd.every={every} cannot run with pipeline.schedule={cfg.pipeline.schedule!r}",
+                        "the pipeline's shard_map is not mapped over replica groups; use one or the other",
+                        "pipeline.schedule")]
+    if cfg.model.n_experts:
+        return [_config("local_sgd", f"local_sgd.every={every} cannot run with MoE blocks (model.n_experts="
+                        f"{cfg.model.n_experts})", "the expert dispatch is a shard_map that is not mapped over replica "
+                        "groups yet; set model.n_experts=0 or local_sgd.every=0", "model.n_experts")]
+    spec = cfg.mesh.spec
+    seq = dict(spec.ici).get("seq", 1) * dict(spec.dcn).get("seq", 1)
+    if seq != 1:
+        return [_config("local_sgd", f"local_sgd.every={every} cannot run with context parallelism (mesh seq={seq})",
+                        "the attention's K/V exchange is a shard_map that is not mapped over replica groups yet; use "
+                        "seq=1 (e.g. give the seq devices to data or tensor) or set local_sgd.every=0", "mesh.axes")]
+    ici, dcn = dict(spec.ici).get("data", 1), dict(spec.dcn).get("data", 1)
+    data = ici * dcn
+    if ici > 0 and dcn > 0 and data < 2:  # an inferred (-1) size is checked on the mesh
+        return [_config("local_sgd", f"local_sgd.every={every} needs replica groups over the data axis, but mesh.axes="
+                        f"{cfg.mesh.axes!r} gives data={data}; give data >= 2 (e.g. data=2,fsdp=4) or set "
+                        "local_sgd.every=0", "", "mesh.axes")]
+    return []
+
+
+def check_pipeline_on_mesh(cfg: Any) -> list[Issue]:
+    """:func:`~trainers.checks.layout.check_pipeline` with the axis sizes ``mesh.axes`` fixes (ICI x DCN;
+    an inferred -1 axis skips the checks that need its size; ``mesh.axes=auto``: nothing yet)."""
+    if not cfg.pipeline.enabled or cfg.mesh.axes == _AUTO:
+        return []
+    spec = cfg.mesh.spec
+    dcn = dict(spec.dcn)
+    sizes = {a: s * dcn.get(a, 1) for a, s in spec.ici}
+    return check_pipeline(cfg.model, cfg.pipeline, cfg.rules, sizes, global_batch=cfg.data.global_batch,
+                          grad_accum=cfg.run.grad_accum)
+
+
+def check_pipelined_task(cfg: Any, task: Any) -> list[Issue]:
+    """A pipelined config needs a task whose loss pipelines its ``spmd.Stack`` (``Task.pipelined``)."""
+    if not cfg.pipeline.enabled or task.pipelined:
+        return []
+    return [_config("pipeline", f"pipeline.schedule={cfg.pipeline.schedule!r} needs a task whose loss runs its "
+                    f"spmd.Stack through spmd.pipeline.pipelined_loss; task {task.name!r} does not (Task.pipelined=False)",
+                    "set pipeline.schedule=none", "pipeline.schedule")]
