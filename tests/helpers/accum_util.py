@@ -11,21 +11,15 @@ import functools
 import jax
 import numpy as np
 import optax
-from flax import nnx
 
 import meshes
-import spmd
-from helpers.gpt_util import CFG, LAYOUTS, LENGTH
+from helpers.gpt_util import CFG, LAYOUTS, LENGTH, gpt_config, gpt_task
 from spmd.hlo import collectives
-from spmd.models import GPT
-from spmd.pipeline import PipelineConfig
-from trainers.state import sharded_state
-from trainers.step import lm_loss_fn, train_step_fn
+from trainers.setup import build
 
 ROWS = 32  # global batch: 4 microbatches of 8 rows, one row per device at 8-way data parallelism
 TX = optax.sgd(1.0)
-PIPELINE = PipelineConfig(schedule="1f1b", microbatches=2)
-# the GPT's blocks run as a 1F1B pipeline
+PIPELINE = ("pipeline.schedule=1f1b", "pipeline.microbatches=2")  # the GPT's blocks run as a 1F1B pipeline
 PIPELINED = {"dp4_pipe2": ({"data": 4, "pipe": 2}, "dp"), "dp2_pipe2_tp2": ({"data": 2, "pipe": 2, "tensor": 2}, "dp_tp")}
 
 
@@ -34,16 +28,17 @@ def tokens(seed: int = 0) -> np.ndarray:
 
 
 class AccumStep:
-    """The state, jitted step and compiled HLO collectives of one (layout, k, fsdp_gather)."""
+    """The state, jitted step and compiled HLO collectives of one (layout, k, fsdp_gather): the run's own
+    step (:func:`trainers.setup.build`), the spike and update checks off."""
 
     def __init__(self, name: str, k: int, fsdp_gather: str):
         sizes, rules = PIPELINED.get(name) or LAYOUTS[name]
         self.mesh = meshes.single_device_mesh() if name == "single" else meshes.make_mesh(sizes)
-        self.sharded = sharded_state(lambda: GPT(CFG, rngs=nnx.Rngs(0)), TX, rules, self.mesh)
-        self.batch_sharding = spmd.batch_sharding(rules, self.mesh, dims=("batch",))
-        loss_fn = lm_loss_fn(pipeline=PIPELINE if name in PIPELINED else None)
-        self.step = train_step_fn(self.sharded, TX, rules, self.mesh, self.batch_sharding, grad_accum=k,
-                                    donate=False, fsdp_gather=fsdp_gather, loss_fn=loss_fn)
+        cfg = gpt_config(sizes, rules, f"data.global_batch={ROWS}", f"run.grad_accum={k}", f"run.fsdp_gather={fsdp_gather}",
+                         *(PIPELINE if name in PIPELINED else ()))
+        task = gpt_task(pipeline=cfg.pipeline if name in PIPELINED else None)
+        run = build(cfg, task, self.mesh, tx=TX, donate=False)
+        self.state, self.step, self.batch_sharding = run.stepped.state, run.train_step, run.batch_sharding
 
     def batch(self, seed: int = 0) -> dict:
         t = tokens(seed)
@@ -52,7 +47,7 @@ class AccumStep:
 
     @functools.cached_property
     def compiled(self):
-        return self.step.lower(self.sharded.state, self.batch()).compile()
+        return self.step.lower(self.state, self.batch()).compile()
 
     @functools.cached_property
     def ops(self) -> list:
@@ -60,8 +55,8 @@ class AccumStep:
 
     def run(self, seed: int = 0) -> tuple[dict, dict]:
         """Params after one step and the step's metrics, as numpy."""
-        state, metrics = self.compiled(self.sharded.state, self.batch(seed))  # one compile per step
-        return jax.tree.map(np.asarray, state["params"]), jax.tree.map(np.asarray, metrics)
+        state, metrics = self.compiled(self.state, self.batch(seed))  # one compile per step
+        return jax.tree.map(np.asarray, state.params), jax.tree.map(np.asarray, metrics)
 
 
 @functools.cache

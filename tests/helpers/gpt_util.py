@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -33,6 +34,30 @@ LAYOUTS = {
     "dp2_seq2_tp2": ({"data": 2, "seq": 2, "tensor": 2}, "dp_tp"),
     "seq2_tp4_sp": ({"seq": 2, "tensor": 4}, "dp_tp_sp"),
 }
+
+
+def gpt_config(sizes: dict[str, int], rules: str, *sets: str, model: GPTConfig = CFG):
+    """The gpt-small recipe's tiny config with ``model`` on a mesh of ``sizes`` under ``rules``, a global batch
+    of BATCH x LENGTH tokens, the spike and update checks off (``sets``: more overrides)."""
+    from trainers.config import override
+    from trainers.recipes import recipe
+
+    axes = ",".join(f"{k}={v}" for k, v in sizes.items()) or "data=1"
+    cfg = override(recipe("gpt-small", tiny=True), [
+        f"mesh.axes={axes}", f"rules={rules}", "data.corpus=synthetic", f"data.global_batch={BATCH}", f"data.seq_len={LENGTH}",
+        f"data.vocab_size={model.vocab_size}", "run.spike_factor=0", "run.max_update_ratio=0", "run.max_param_growth=0",
+        *sets])
+    return dataclasses.replace(cfg, model=model)
+
+
+def gpt_task(model: GPTConfig = CFG, pipeline=None):
+    """``model``'s GPT with the next-token loss as a ``trainers.Task`` (``pipeline``: an enabled
+    ``spmd.pipeline.PipelineConfig`` its blocks run as); no data: the tests feed the steps batches."""
+    from trainers.step import lm_loss_fn
+    from trainers.task import Task
+
+    return Task(model=lambda rngs: GPT(model, rngs=rngs), loss=lm_loss_fn(pipeline=pipeline), data=(),
+                pipelined=pipeline is not None)
 
 
 def make_model() -> GPT:

@@ -496,7 +496,7 @@ def test_collectives_in_conditional_branches_are_flagged_as_upper_bounds():
 
 
 def test_accumulation_reduces_gradients_over_data_once_per_step():
-    """``train_step_fn`` with k = 4 microbatches on dp8: one all-reduce over data per step (the
+    """The run's train step (``trainers.build``) with k = 4 microbatches on dp8: one all-reduce over data per step (the
     gradients and the loss), outside every loop (``count`` 1), carrying the same bytes as one
     microbatch's step. The k = 1 step above reduces per layer inside the backward scan (count > 1):
     the counter sees collectives in loops, so count 1 here is not vacuous."""

@@ -529,7 +529,7 @@ def test_a_train_state_is_stored_as_the_dict_of_its_fields(tmp_path):
         ck.wait()
         step, restored, _ = ck.restore(_abstract(typed))
     assert step == 1 and isinstance(restored, TrainState) and restored.guard is None
-    assert _trees_bit_equal(restored, typed) and sorted(restored.keys()) == ["model_state", "opt_state", "params", "step"]
+    assert _trees_bit_equal(restored, typed) and sorted(restored.as_dict()) == ["model_state", "opt_state", "params", "step"]
     plain = _plain_orbax_restore(tmp_path / "ckpt", 1, _abstract(typed.as_dict()))
     assert isinstance(plain, dict) and _trees_bit_equal(plain, typed.as_dict())
     import orbax.checkpoint as ocp

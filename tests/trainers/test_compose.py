@@ -13,14 +13,11 @@ import jax
 import numpy as np
 import optax
 import pytest
-from flax import nnx
-from helpers.gpt_util import rel_err
+from helpers.gpt_util import gpt_config, gpt_task, rel_err
 
 import meshes
-import spmd
-from spmd.models import GPT, GPTConfig
-from trainers.state import sharded_state
-from trainers.step import lm_loss_fn, train_step_fn
+from spmd.models import GPTConfig
+from trainers.setup import build
 
 TOL = 1e-5
 ROWS, LENGTH = 16, 32
@@ -33,13 +30,14 @@ MOE = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, 
 def one_step(cfg: GPTConfig, sizes: tuple = (), rules: str = "none", k: int = 1):
     """(params after one step, loss) for the tiny GPT ``cfg`` on a mesh of ``sizes`` with ``k`` microbatches."""
     mesh = meshes.make_mesh(dict(sizes)) if sizes else meshes.single_device_mesh()
-    sharded = sharded_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), TX, rules, mesh)
-    bs = spmd.batch_sharding(rules, mesh, dims=("batch",))
-    step = train_step_fn(sharded, TX, rules, mesh, bs, grad_accum=k, donate=False, loss_fn=lm_loss_fn())
+    run_cfg = gpt_config(dict(sizes), rules, f"data.global_batch={ROWS}", f"data.seq_len={LENGTH}", f"run.grad_accum={k}",
+                         model=cfg)
+    run = build(run_cfg, gpt_task(cfg), mesh, tx=TX, donate=False)
+    bs = run.batch_sharding
     t = np.random.default_rng(0).integers(0, cfg.vocab_size, (ROWS, LENGTH + 1)).astype(np.int32)
-    state, metrics = step(sharded.state, {"inputs": jax.device_put(t[:, :-1], bs),
-                                          "targets": jax.device_put(t[:, 1:], bs)})
-    return jax.tree.map(np.asarray, state["params"]), float(metrics["loss"])
+    state, metrics = run.train_step(run.stepped.state, {"inputs": jax.device_put(t[:, :-1], bs),
+                                                        "targets": jax.device_put(t[:, 1:], bs)})
+    return jax.tree.map(np.asarray, state.params), float(metrics["loss"])
 
 
 def test_accumulation_with_blockwise_attention_equals_one_device():

@@ -273,10 +273,10 @@ def test_layout_equals_one_device_and_resumes_onto_another_mesh(pairs_file, tmp_
     assert losses[-1] < 0.9 * losses[0]  # it trains: the comparison is not of a run that stands still
     np.testing.assert_allclose([straight.losses[s] for s in range(1, STEPS + 1)], losses, rtol=TOL)
     for key in ("params", "model_state", "opt_state"):
-        assert _rel_err(straight.state[key], single.state[key]) < TOL, key
+        assert _rel_err(getattr(straight.state, key), getattr(single.state, key)) < TOL, key
     # the reference stays the policy as it started: frozen on every layout
-    assert _rel_err(straight.state["model_state"]["reference"], single.state["model_state"]["reference"]) == 0.0
-    assert _rel_err(straight.state["params"], straight.state["model_state"]["reference"]) > 100 * TOL
+    assert _rel_err(straight.state.model_state["reference"], single.state.model_state["reference"]) == 0.0
+    assert _rel_err(straight.state.params, straight.state.model_state["reference"]) > 100 * TOL
     # resume: 2 steps, then the rest on the same mesh (exact) and on fsdp=8 (the same continuation)
     first = _run(pairs_file, tmp_path / "a", "dp2_fsdp2_tp2", "run.steps=2")
     shutil.copytree(tmp_path / "a", tmp_path / "b")
@@ -284,13 +284,13 @@ def test_layout_equals_one_device_and_resumes_onto_another_mesh(pairs_file, tmp_
     assert first.final_step == 2 and resumed.start_step == 2
     assert [resumed.losses[s] for s in range(3, STEPS + 1)] == [straight.losses[s] for s in range(3, STEPS + 1)]
     for key in ("params", "model_state", "opt_state"):
-        assert _rel_err(resumed.state[key], straight.state[key]) == 0.0, key
+        assert _rel_err(getattr(resumed.state, key), getattr(straight.state, key)) == 0.0, key
     other = _run(pairs_file, tmp_path / "b", "fsdp8", keep_state=True)
     assert other.start_step == 2
     np.testing.assert_allclose([other.losses[s] for s in range(3, STEPS + 1)],
                                [straight.losses[s] for s in range(3, STEPS + 1)], rtol=TOL)
-    assert _rel_err(other.state["params"], straight.state["params"]) < TOL
-    assert _rel_err(other.state["model_state"], straight.state["model_state"]) == 0.0
+    assert _rel_err(other.state.params, straight.state.params) < TOL
+    assert _rel_err(other.state.model_state, straight.state.model_state) == 0.0
 
 
 @pytest.mark.slow
@@ -321,9 +321,9 @@ def test_a_start_from_hugging_face_weights_is_the_reference(pairs_file, tmp_path
     save_pretrained(str(tmp_path / "hf"), model_cfg, weights)
     result = _run(pairs_file, tmp_path / "run", "dp2_fsdp2_tp2", f"checkpoint.init_from=hf:{tmp_path / 'hf'}",
                   "run.steps=2", keep_state=True)
-    reference = result.state["model_state"]["reference"]
+    reference = result.state.model_state["reference"]
     assert _rel_err(reference, weights) == 0.0
-    assert _rel_err(result.state["params"], weights) > 100 * TOL
+    assert _rel_err(result.state.params, weights) > 100 * TOL
 
 
 @pytest.mark.slow

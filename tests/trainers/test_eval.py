@@ -33,8 +33,8 @@ def base(tmp: str):
 def eval_of(tmp: str, sets: tuple[str, ...]) -> dict[str, float]:
     """One pass over the validation split (``run.eval_batches=-1``) of the freshly initialised model."""
     cfg = override(base(tmp), list(sets))
-    setup = build(cfg)
-    return evaluate(setup.eval_step, eval_view(setup.sharded.state), setup.task.eval_source(cfg), setup.batch_sharding,
+    run = build(cfg)
+    return evaluate(run.eval_step, eval_view(run.sharded.state), run.task.eval_source(cfg), run.batch_sharding,
                     cfg.data.global_batch, -1)
 
 
@@ -81,24 +81,21 @@ def test_a_batch_without_loss_weight_is_loss_zero_weight_zero():
     """All weights 0 (a prompt that fills the row): the train step's loss is 0 with loss_weight 0 and
     finite gradients, not NaN, and the step is not a bad one; a batch with weight is the control."""
     import optax
-    from flax import nnx
+    from helpers.gpt_util import gpt_config, gpt_task
 
     import meshes
-    import spmd
-    from spmd.models import GPT, GPTConfig
-    from trainers.state import sharded_state
-    from trainers.step import lm_loss_fn, train_step_fn
+    from spmd.models import GPTConfig
 
     mesh = meshes.make_mesh({"data": 8})
     cfg = GPTConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, d_ff=32)
-    sharded = sharded_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), optax.sgd(0.1), "dp", mesh)
-    bs = spmd.batch_sharding(spmd.get_rules("dp"), mesh, dims=("batch",))
-    step = train_step_fn(sharded, optax.sgd(0.1), "dp", mesh, bs, donate=False, loss_fn=lm_loss_fn())
+    run = build(gpt_config({"data": 8}, "dp", "data.global_batch=8", "data.seq_len=8", model=cfg), gpt_task(cfg), mesh,
+                tx=optax.sgd(0.1), donate=False)
+    step, bs = run.train_step, run.batch_sharding
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 64, size=(8, 9)).astype(np.int32)
     for weight in (0.0, 1.0):
         batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.full((8, 8), weight, np.float32)}
-        _, m = step(sharded.state, jax.device_put(batch, bs))
+        _, m = step(run.stepped.state, jax.device_put(batch, bs))
         m = {k: float(v) for k, v in m.items()}
         assert bool(m["finite"]) and np.isfinite(m["grad_norm"]), m
         assert m["loss_weight"] == weight, m
@@ -112,15 +109,15 @@ def test_pipelined_eval_of_a_padded_last_batch_without_weights_equals_unpipeline
     padded last batch's 15 padding rows weigh nothing under the pipeline too (they used to count)."""
     from trainers.recipes import recipe
 
-    def run(sets):
+    def evaluated(sets):
         cfg = override(recipe("gpt-small-pp", tiny=True), ["data.max_tokens=20000", *sets])
-        setup = build(cfg)
-        source = setup.task.eval_source(cfg)
+        run = build(cfg)
+        source = run.task.eval_source(cfg)
         assert len(source) % cfg.data.global_batch, len(source)  # the last batch is padded
-        return evaluate(setup.eval_step, eval_view(setup.sharded.state), source, setup.batch_sharding,
+        return evaluate(run.eval_step, eval_view(run.sharded.state), source, run.batch_sharding,
                         cfg.data.global_batch, -1)
 
-    check_equal(run([]), run(["pipeline.schedule=none", "mesh.axes=data=8"]))
+    check_equal(evaluated([]), evaluated(["pipeline.schedule=none", "mesh.axes=data=8"]))
 
 
 # ----------------------------------------------------------------------------- many processes

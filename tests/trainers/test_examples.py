@@ -119,8 +119,8 @@ def test_single_device_reference_trains(runs, example):
     with nnx.use_eager_sharding(False):
         init = TASKS[example].model(nnx.Rngs(0))  # run.seed 0: the run's initial params
     _, init_params, _ = nnx.split(init, nnx.Param, ...)
-    assert rel_err(result.state["params"], nnx.to_pure_dict(init_params)) > 100 * TOL
-    model_state = result.state["model_state"]
+    assert rel_err(result.state.params, nnx.to_pure_dict(init_params)) > 100 * TOL
+    model_state = result.state.model_state
     if example == "digits":
         stats = model_state["blocks"][0]["channel_norm"]
         assert float(np.max(np.abs(np.asarray(stats["mean"])))) > 1e-2
@@ -140,10 +140,10 @@ def test_layout_matches_single_device(runs, example, layout):
     for key in METRICS[example]:
         np.testing.assert_allclose([r[key] for r in records], [r[key] for r in ref_records], rtol=TOL, atol=1e-7,
                                    err_msg=f"{example} on {layout}: metric {key!r}")
-    assert rel_err(got.state["params"], ref.state["params"]) < TOL
-    assert rel_err(got.state["model_state"], ref.state["model_state"]) < TOL  # batch statistics, RNG streams
-    assert rel_err(got.state["opt_state"], ref.state["opt_state"]) < TOL
-    assert int(got.state["step"]) == STEPS and np.array_equal(got.state["rng"], ref.state["rng"])
+    assert rel_err(got.state.params, ref.state.params) < TOL
+    assert rel_err(got.state.model_state, ref.state.model_state) < TOL  # batch statistics, RNG streams
+    assert rel_err(got.state.opt_state, ref.state.opt_state) < TOL
+    assert int(got.state.step) == STEPS and np.array_equal(got.state.rng, ref.state.rng)
 
 
 def _perturb(example: str):
@@ -171,7 +171,7 @@ def test_negative_control_perturbed_batch_is_caught(runs, example, tmp_path):
     for s in (1, 2):  # before the perturbed batch: the same run
         assert got.losses[s] == pytest.approx(ref.losses[s], rel=TOL)
     assert abs(got.losses[3] - ref.losses[3]) > TOL * abs(ref.losses[3])
-    assert rel_err(got.state["params"], ref.state["params"]) > 10 * TOL
+    assert rel_err(got.state.params, ref.state.params) > 10 * TOL
 
 
 @pytest.mark.parametrize("example", TASKS)
@@ -185,14 +185,14 @@ def test_resume_is_exact_and_restores_onto_another_mesh(runs, example, tmp_path)
     assert [first.losses[s] for s in (1, 2)] == [straight.losses[s] for s in (1, 2)]
     assert [resumed.losses[s] for s in range(3, STEPS + 1)] == [straight.losses[s] for s in range(3, STEPS + 1)]
     for key in ("params", "model_state", "opt_state"):
-        assert rel_err(resumed.state[key], straight.state[key]) == 0.0, key
+        assert rel_err(getattr(resumed.state, key), getattr(straight.state, key)) == 0.0, key
     # the same checkpoint continued on fsdp=8: the continuation of the uninterrupted run, to float tolerance
     other = run(example, tmp_path / "b", "fsdp8", keep_state=True)
     assert other.start_step == 2
     np.testing.assert_allclose([other.losses[s] for s in range(3, STEPS + 1)],
                                [straight.losses[s] for s in range(3, STEPS + 1)], rtol=TOL)
-    assert rel_err(other.state["params"], straight.state["params"]) < TOL
-    assert rel_err(other.state["model_state"], straight.state["model_state"]) < TOL
+    assert rel_err(other.state.params, straight.state.params) < TOL
+    assert rel_err(other.state.model_state, straight.state.model_state) < TOL
 
 
 def test_classifier_eval_accuracy_is_well_above_chance(tmp_path):

@@ -169,7 +169,7 @@ def test_shape_mismatch_lists_paths_stored_vs_expected(tmp_path, reference):
     os.remove(os.path.join(run_dir, "config.json"))  # without it, the checkpoint itself catches the change
     with pytest.raises(ValueError, match=r"(?s)does not match the restore target.*: checkpoint \([^)]*32[^)]*\) float32 vs expected \([^)]*48[^)]*\) float32"):
         train(tiny_config(run_dir, STEPS, "model.d_model=48"))
-    params = reference[1]["params"]
+    params = reference[1].params
     target = _abstract(params)
     with Checkpointer(_ckpt_dir(run_dir), tiny_config(run_dir, 1).checkpoint) as ck:
         assert _equal(ck.restore_params(target)[1], params)  # negative control: the matching target restores
@@ -185,15 +185,15 @@ def test_params_only_restore_starts_at_step_zero_with_a_fresh_optimizer(tmp_path
     run_dir = str(tmp_path / "finetune")
     cfg = tiny_config(run_dir, 1, f"checkpoint.init_from={_ckpt_dir(reference[0])}/{STEPS - 1}")
     result = train(cfg, keep_state=True)
-    assert result.start_step == 0 and int(result.state["step"]) == 1
+    assert result.start_step == 0 and int(result.state.step) == 1
     assert f"initialised params from step {STEPS - 1}" in capsys.readouterr().out
-    counts = [int(v) for p, v in jax.tree_util.tree_flatten_with_path(result.state["opt_state"])[0] if "count" in jax.tree_util.keystr(p)]
+    counts = [int(v) for p, v in jax.tree_util.tree_flatten_with_path(result.state.opt_state)[0] if "count" in jax.tree_util.keystr(p)]
     assert counts and set(counts) == {1}  # the optimizer took one step from fresh (the reference's took 8)
     with Checkpointer(_ckpt_dir(reference[0]), cfg.checkpoint, read_only=True) as src:
-        _, start_params = src.restore_params(_abstract(result.state["params"]), step=STEPS - 1)
+        _, start_params = src.restore_params(_abstract(result.state.params), step=STEPS - 1)
     fresh = train(tiny_config(str(tmp_path / "fresh"), 1), keep_state=True)
     dist = lambda a, b: max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-    assert dist(result.state["params"], start_params) < dist(fresh.state["params"], start_params) / 5
+    assert dist(result.state.params, start_params) < dist(fresh.state.params, start_params) / 5
     # a restarted fine-tuning run resumes its own checkpoint instead of re-initialising
     again = train(tiny_config(run_dir, 2, f"checkpoint.init_from={_ckpt_dir(reference[0])}"))
     assert again.start_step == 1
@@ -231,6 +231,6 @@ def test_no_pickle_is_written_or_read(tmp_path, reference, monkeypatch):
         monkeypatch.setattr(pickle, name, refuse)
     with Checkpointer(_ckpt_dir(run_dir), tiny_config(run_dir, 1).checkpoint) as ck:
         step, state, data_state = ck.restore(_abstract(reference[1]))
-        _, params = ck.restore_params(_abstract(reference[1]["params"]))
-    assert step == STEPS and _equal(state, reference[1]) and _equal(params, reference[1]["params"])
+        _, params = ck.restore_params(_abstract(reference[1].params))
+    assert step == STEPS and _equal(state, reference[1]) and _equal(params, reference[1].params)
     assert data_state["train"]["step"] == STEPS

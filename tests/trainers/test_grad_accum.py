@@ -9,7 +9,7 @@ the accumulation loop's trip count, so a collective in the loop counts k times (
 import jax
 import pytest
 from helpers.accum_util import TX, accum_step, reference
-from helpers.gpt_util import CFG, rel_err
+from helpers.gpt_util import CFG, gpt_config, gpt_task, rel_err
 
 import meshes
 import spmd
@@ -145,11 +145,11 @@ def test_step_logs_when_it_cannot_reduce_once_per_step(caplog):
     batch = {k: jax.ShapeDtypeStruct((8, v.shape[1]), v.dtype, sharding=step.batch_sharding)
              for k, v in step.batch().items()}
     with caplog.at_level("WARNING", logger="trainers.step"):
-        step.step.lower(step.sharded.state, batch)
+        step.step.lower(step.state, batch)
     assert "a microbatch of 4 rows (8 rows / grad_accum=2) does not divide over the batch axes data=8" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="trainers.step"):
-        step.step.lower(step.sharded.state, step.batch())  # 32 rows: 16 per microbatch divide
+        step.step.lower(step.state, step.batch())  # 32 rows: 16 per microbatch divide
     assert "gradient accumulation" not in caplog.text
 
 
@@ -157,16 +157,15 @@ def test_accumulation_note_for_a_layer_with_its_own_shard_map():
     """What the dry run reports (from the abstract state): an MoE model's loop reduces every microbatch."""
     import dataclasses
 
-    from flax import nnx
-
-    from spmd.models import GPT
-    from trainers.state import sharded_state
+    from trainers.setup import build
     from trainers.step import accumulation_note
 
-    mesh = meshes.make_mesh({"data": 2, "expert": 4})
-    moe = dataclasses.replace(CFG, n_experts=4)
-    sharded = sharded_state(lambda: GPT(moe, rngs=nnx.Rngs(0)), TX, "dp_ep", mesh, abstract=True)
-    note = accumulation_note(sharded, "dp_ep", mesh, 32, grad_accum=2)
+    sizes = {"data": 2, "expert": 4}
+    mesh = meshes.make_mesh(sizes)
+
+    def abstract(model):
+        return build(gpt_config(sizes, "dp_ep", model=model), gpt_task(model), mesh, abstract=True, tx=TX).sharded
+
+    note = accumulation_note(abstract(dataclasses.replace(CFG, n_experts=4)), "dp_ep", mesh, 32, grad_accum=2)
     assert "over data=2 every microbatch" in note and "a layer runs its own shard_map (e.g. MoE)" in note
-    dense = sharded_state(lambda: GPT(CFG, rngs=nnx.Rngs(0)), TX, "dp_ep", mesh, abstract=True)
-    assert accumulation_note(dense, "dp_ep", mesh, 32, grad_accum=2) is None
+    assert accumulation_note(abstract(CFG), "dp_ep", mesh, 32, grad_accum=2) is None

@@ -134,7 +134,7 @@ def test_skip_policy_leaves_params_unchanged_and_logs_events(tmp_path, spiky):
     spike = result.guard_events[1]
     assert spike.value > spike.threshold == pytest.approx(10 * spike.median) and 1 < spike.median < 10
     assert math.isnan(result.guard_events[0].threshold)
-    p = _params_at(run_dir, [2, 3, 4, 5, 6], result.state["params"])
+    p = _params_at(run_dir, [2, 3, 4, 5, 6], result.state.params)
     assert _equal(p[2], p[3]) and _equal(p[5], p[6])  # the bad steps' updates were not applied
     assert not _equal(p[3], p[4])  # negative control: a good step moves the params
 

@@ -69,12 +69,12 @@ def test_h1_with_outer_sgd_lr1_equals_data_parallelism(runs):
     assert sorted(h1.losses) == [1, 2, 3, 4, 5]
     assert all(abs(h1.losses[s] - dp.losses[s]) <= 1e-5 * abs(dp.losses[s]) for s in dp.losses), (h1.losses, dp.losses)
     assert abs(h1.eval_losses[5] - dp.eval_losses[5]) <= 1e-5 * dp.eval_losses[5]
-    dp_params = jax.device_get(dp.state["params"])
-    assert _close(jax.device_get(h1.state["outer_params"]), dp_params)
+    dp_params = jax.device_get(dp.state.params)
+    assert _close(jax.device_get(h1.state.outer_params), dp_params)
     for g in range(2):  # every group holds the synchronised params
-        assert _close(jax.tree.map(lambda x: x[g], jax.device_get(h1.state["params"])), dp_params)
+        assert _close(jax.tree.map(lambda x: x[g], jax.device_get(h1.state.params)), dp_params)
     # negative control: H = 2 with Nesterov moves the params away from data parallelism's
-    assert not _close(jax.device_get(h2.state["outer_params"]), dp_params, tol=1e-4)
+    assert not _close(jax.device_get(h2.state.outer_params), dp_params, tol=1e-4)
     assert h2.losses[1] == pytest.approx(dp.losses[1], rel=1e-6)  # the same first step: the same start and data
 
 
@@ -91,7 +91,7 @@ def test_inner_step_sends_nothing_over_data_and_outer_step_one_gradient_sized_al
     assert len(outer) == len(over_data) == 1, spmd.hlo.format_collectives(outer)
     (op,) = over_data
     assert (op.kind, op.axes, op.count) == ("all-reduce", ("data",), 1)
-    assert op.bytes == _param_bytes(h1.state["outer_params"])  # gradient-sized: every parameter shard once
+    assert op.bytes == _param_bytes(h1.state.outer_params)  # gradient-sized: every parameter shard once
     assert local.bytes_per_call["inner"] == 0 and local.bytes_per_call["outer"] == op.bytes
     # the run summary counts them: 5 outer steps, the metrics' few scalars at each fetch
     assert 5 * op.bytes <= h1.summary["data_bytes"] < 5 * op.bytes + 1000
@@ -104,20 +104,20 @@ def test_outer_step_equals_a_host_reference(runs):
     """Groups moved apart by known offsets; the outer step against numpy and optax on one device."""
     local, state = runs["h2_local"], runs["h2"].state
     rng = np.random.default_rng(0)
-    outer = jax.device_get(state["outer_params"])
+    outer = jax.device_get(state.outer_params)
     group_params = jax.tree.map(lambda x: np.stack([x + rng.normal(0, 0.01, x.shape).astype(x.dtype) for _ in range(2)]),
                                 outer)
-    moved = jax.device_put({**jax.device_get(state), "params": group_params}, local.shardings.as_dict())  # donated: a copy
-    opt_host = jax.device_get(state["outer_opt_state"])
+    moved = jax.device_put(jax.device_get(state).replace(params=group_params), local.shardings)  # donated: a copy
+    opt_host = jax.device_get(state.outer_opt_state)
     after = jax.device_get(local.outer_step(moved))
     tx = outer_optimizer(local.cfg)
     pseudo = jax.tree.map(lambda o, g: o - g.mean(0), outer, group_params)
     updates, want_opt = tx.update(pseudo, opt_host, outer)
     want = optax.apply_updates(outer, updates)
-    assert _close(after["outer_params"], want, tol=1e-6) and _close(after["outer_opt_state"], want_opt, tol=1e-6)
-    assert all(np.array_equal(p[0], p[1]) for p in jax.tree.leaves(after["params"]))
-    assert _close(jax.tree.map(lambda x: x[0], after["params"]), want, tol=1e-6)
-    assert not _close(after["outer_params"], outer, tol=1e-4)  # negative control: the update moved them
+    assert _close(after.outer_params, want, tol=1e-6) and _close(after.outer_opt_state, want_opt, tol=1e-6)
+    assert all(np.array_equal(p[0], p[1]) for p in jax.tree.leaves(after.params))
+    assert _close(jax.tree.map(lambda x: x[0], after.params), want, tol=1e-6)
+    assert not _close(after.outer_params, outer, tol=1e-4)  # negative control: the update moved them
 
 
 def test_resume_mid_interval_is_exact(runs):
@@ -226,7 +226,7 @@ def test_compressed_outer_all_reduce_against_a_host_mean(runs, dtype, tol, share
 
     local, state = runs["h2_local"], runs["h2"].state
     rng = np.random.default_rng(1)
-    outer = jax.device_get(state["outer_params"])
+    outer = jax.device_get(state.outer_params)
     group_params = jax.tree.map(lambda x: np.stack([x + rng.normal(0, 0.01, x.shape).astype(x.dtype) for _ in range(2)]),
                                 outer)
     sh = local.shardings

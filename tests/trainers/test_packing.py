@@ -10,13 +10,14 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers.gpt_util import gpt_config, gpt_task
 
 import meshes
 import spmd
 from spmd.models import GPT, GPTConfig
 from spmd.models.segments import document_positions, skipped_fraction
-from trainers.state import sharded_state
-from trainers.step import lm_loss_fn, train_step_fn, normalize_weights
+from trainers.setup import build
+from trainers.step import normalize_weights
 
 CFG = GPTConfig(vocab_size=256,  # 64 trips an XLA partitioner check on data x fsdp x tensor under jax 0.12
                  d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, attention_block=4)
@@ -138,14 +139,15 @@ def test_weighted_loss_sharded_and_accumulated_equals_numpy_over_the_global_batc
     is sum(w * ce) / sum(w) over the global batch, from per-token losses computed alone on one device
     and summed in NumPy; its gradient (SGD, lr 1) is the per-document reference's."""
     docs, rows = corpus()
-    mesh = meshes.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    tx = optax.sgd(1.0)
-    sharded = sharded_state(lambda: GPT(GPTConfig(**{**CFG.__dict__, "attention": "blockwise"}), rngs=nnx.Rngs(0)),
-                           tx, "fsdp_tp", mesh)
-    bs = spmd.batch_sharding(spmd.get_rules("fsdp_tp"), mesh, dims=("batch",))
-    step = train_step_fn(sharded, tx, "fsdp_tp", mesh, bs, grad_accum=4, donate=False, loss_fn=lm_loss_fn())
-    params0 = jax.tree.map(np.asarray, sharded.state["params"])
-    state, metrics = step(sharded.state, {k: jax.device_put(v, bs) for k, v in rows.items()})
+    sizes = {"data": 2, "fsdp": 2, "tensor": 2}
+    mesh = meshes.make_mesh(sizes)
+    model = GPTConfig(**{**CFG.__dict__, "attention": "blockwise"})
+    cfg = gpt_config(sizes, "fsdp_tp", f"data.global_batch={ROWS}", f"data.seq_len={L}", "run.grad_accum=4",
+                     model=model)
+    run = build(cfg, gpt_task(model), mesh, tx=optax.sgd(1.0), donate=False)
+    bs = run.batch_sharding
+    params0 = jax.tree.map(np.asarray, run.stepped.state.params)
+    state, metrics = run.train_step(run.stepped.state, {k: jax.device_put(v, bs) for k, v in rows.items()})
     # NumPy: per-token cross-entropy of each document alone (one device), weighted over the global batch
     num, den = np.zeros(ROWS), np.zeros(ROWS)
     for (_, w), ce, r in zip(docs, alone_ce(), ROW_OF):
@@ -157,7 +159,7 @@ def test_weighted_loss_sharded_and_accumulated_equals_numpy_over_the_global_batc
     # p0 - p1 would cost the gradient ~1e-5, so compare params, relative to the update, as a norm)
     _, ref_grads = reference()
     expected = [p - np.asarray(g) for p, g in zip(jax.tree.leaves(params0), jax.tree.leaves(ref_grads))]
-    diff = sum(float(np.sum((np.asarray(a) - b) ** 2)) for a, b in zip(jax.tree.leaves(state["params"]), expected))
+    diff = sum(float(np.sum((np.asarray(a) - b) ** 2)) for a, b in zip(jax.tree.leaves(state.params), expected))
     norm = sum(float(np.sum(np.asarray(g) ** 2)) for g in jax.tree.leaves(ref_grads))
     assert (diff / norm) ** 0.5 < TOL
 
@@ -202,23 +204,20 @@ def test_context_parallel_packed_rows_equal_each_document_alone(sizes, rules, ex
 def test_pipelined_packed_rows_equal_each_document_alone(schedule, accum):
     """data=4 x pipe=2, 1F1B (with run.grad_accum=2 around it) or ZB-H1 over 2 microbatches: the packed
     train step's loss and gradient (SGD, lr 1) are the per-document reference's."""
-    from spmd.pipeline import PipelineConfig
-
     _, rows = corpus()
-    mesh = meshes.make_mesh({"data": 4, "pipe": 2})
-    tx = optax.sgd(1.0)
-    pipeline = PipelineConfig(schedule, microbatches=2)
-    sharded = sharded_state(lambda: GPT(GPTConfig(**{**CFG.__dict__, "attention": "blockwise"}), rngs=nnx.Rngs(0)),
-                           tx, "dp", mesh, pipeline=pipeline)
-    bs = spmd.batch_sharding(spmd.get_rules("dp"), mesh, dims=("batch",))
-    step = train_step_fn(sharded, tx, "dp", mesh, bs, grad_accum=accum, donate=False,
-                           loss_fn=lm_loss_fn(pipeline=pipeline))
-    params0 = jax.tree.map(np.asarray, sharded.state["params"])
-    state, metrics = step(sharded.state, {k: jax.device_put(v, bs) for k, v in rows.items()})
+    sizes = {"data": 4, "pipe": 2}
+    mesh = meshes.make_mesh(sizes)
+    model = GPTConfig(**{**CFG.__dict__, "attention": "blockwise"})
+    cfg = gpt_config(sizes, "dp", f"data.global_batch={ROWS}", f"data.seq_len={L}", f"run.grad_accum={accum}",
+                     f"pipeline.schedule={schedule}", "pipeline.microbatches=2", model=model)
+    run = build(cfg, gpt_task(model, pipeline=cfg.pipeline), mesh, tx=optax.sgd(1.0), donate=False)
+    bs = run.batch_sharding
+    params0 = jax.tree.map(np.asarray, run.stepped.state.params)
+    state, metrics = run.train_step(run.stepped.state, {k: jax.device_put(v, bs) for k, v in rows.items()})
     ref_loss, ref_grads = reference()
     assert float(metrics["loss"]) == pytest.approx(ref_loss, rel=TOL)
     expected = [p - np.asarray(g) for p, g in zip(jax.tree.leaves(params0), jax.tree.leaves(ref_grads))]
-    diff = sum(float(np.sum((np.asarray(a) - b) ** 2)) for a, b in zip(jax.tree.leaves(state["params"]), expected))
+    diff = sum(float(np.sum((np.asarray(a) - b) ** 2)) for a, b in zip(jax.tree.leaves(state.params), expected))
     norm = sum(float(np.sum(np.asarray(g) ** 2)) for g in jax.tree.leaves(ref_grads))
     assert (diff / norm) ** 0.5 < TOL
 

@@ -9,20 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import meshes
-import spmd
-from spmd.models import GPT
 from trainers.checkpoint import Checkpointer
 from trainers.config import override
 from trainers.launch import cli
 from trainers.loop import train
-from trainers.lr import make_lr_schedule
-from trainers.optim import make_optimizer
 from trainers.recipes import RECIPES, recipe
-from trainers.state import sharded_state
-from trainers.step import train_step_fn
+from trainers.setup import build
 
 
 def tiny(tmp_path, *sets):
@@ -31,11 +25,11 @@ def tiny(tmp_path, *sets):
 
 
 def _state_and_step(cfg, mesh, grad_accum):
-    tx = make_optimizer(cfg.optimizer, make_lr_schedule(cfg.lr, cfg.run.steps))
-    sharded = sharded_state(lambda: GPT(cfg.model, rngs=nnx.Rngs(0)), tx, cfg.rules, mesh)
-    bs = spmd.batch_sharding(cfg.rules, mesh)
-    step = train_step_fn(sharded, tx, cfg.rules, mesh, bs, grad_accum=grad_accum, donate=False)
-    return sharded, step, bs
+    """(the state at step 0, the run's train step, the batch sharding); spike and update checks off."""
+    cfg = override(cfg, [f"run.grad_accum={grad_accum}", "run.spike_factor=0", "run.max_update_ratio=0",
+                         "run.max_param_growth=0"])
+    run = build(cfg, mesh=mesh, donate=False)
+    return run.stepped.state, run.train_step, run.batch_sharding
 
 
 def _batch(bs, n=16, length=16, seed=0, bad=False):
@@ -51,36 +45,36 @@ def test_accumulation_equals_one_big_batch(tmp_path):
     cfg = tiny(tmp_path, "data.global_batch=16", "optimizer.name=sgd", "optimizer.momentum=0", "optimizer.clip_norm=none",
                "lr.kind=constant", "lr.warmup_steps=0", "lr.peak_lr=1.0")
     mesh = meshes.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    sharded, step1, bs = _state_and_step(cfg, mesh, 1)
+    state0, step1, bs = _state_and_step(cfg, mesh, 1)
     _, step4, _ = _state_and_step(cfg, mesh, 4)
     batch = _batch(bs)
-    s1, m1 = step1(sharded.state, batch)
-    s4, m4 = step4(sharded.state, batch)
-    diff = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), s1["params"], s4["params"])
+    s1, m1 = step1(state0, batch)
+    s4, m4 = step4(state0, batch)
+    diff = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), s1.params, s4.params)
     assert max(jax.tree.leaves(diff)) < 1e-6
     assert float(m1["loss"]) == pytest.approx(float(m4["loss"]), rel=1e-6)
     assert float(m1["grad_norm"]) == pytest.approx(float(m4["grad_norm"]), rel=1e-5)
     # the accumulator is sharded like the params: same output shardings, and the update really moved params
-    moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), s4["params"], sharded.state["params"])
+    moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), s4.params, state0.params)
     assert max(jax.tree.leaves(moved)) > 1e-4
     # negative control: a different batch gives visibly different params
-    s_other, _ = step4(sharded.state, _batch(bs, seed=1))
-    other = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), s_other["params"], s1["params"])
+    s_other, _ = step4(state0, _batch(bs, seed=1))
+    other = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), s_other.params, s1.params)
     assert max(jax.tree.leaves(other)) > 1e-5
 
 
 def test_nan_batch_is_skipped_and_counted(tmp_path):
     cfg = tiny(tmp_path, "lr.kind=constant", "lr.warmup_steps=0")
     mesh = meshes.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    sharded, step, bs = _state_and_step(cfg, mesh, 1)
-    state, m = step(sharded.state, _batch(bs, bad=True))
+    state0, step, bs = _state_and_step(cfg, mesh, 1)
+    state, m = step(state0, _batch(bs, bad=True))
     assert not bool(m["finite"]) and not np.isfinite(float(m["loss"]))
-    assert int(state["skipped"]) == 1 and int(state["bad_streak"]) == 1 and int(state["step"]) == 1
-    same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), state["params"], sharded.state["params"])
+    assert int(state.skipped) == 1 and int(state.bad_streak) == 1 and int(state.step) == 1
+    same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), state.params, state0.params)
     assert all(jax.tree.leaves(same))
     state, m = step(state, _batch(bs))
-    assert bool(m["finite"]) and int(state["skipped"]) == 1 and int(state["bad_streak"]) == 0
-    moved = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), state["params"], sharded.state["params"])
+    assert bool(m["finite"]) and int(state.skipped) == 1 and int(state.bad_streak) == 0
+    moved = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), state.params, state0.params)
     assert not all(jax.tree.leaves(moved))
 
 
@@ -103,14 +97,12 @@ def test_resume_onto_another_mesh(tmp_path):
     # the checkpoint restores bit-equal onto DP=2 x TP=4
     cfg = tiny(tmp_path, *common, "mesh.axes=data=2,tensor=4", "rules=dp_tp")
     mesh = meshes.make_mesh({"data": 2, "tensor": 4})
-    tx = make_optimizer(cfg.optimizer, make_lr_schedule(cfg.lr, cfg.run.steps))
-    sharded = sharded_state(lambda: GPT(cfg.model, rngs=nnx.Rngs(0)), tx, "dp_tp", mesh)
     with Checkpointer(os.path.join(tmp_path, "checkpoints"), cfg.checkpoint) as ckpt:
-        step, restored, _ = ckpt.restore(sharded.abstract)
+        step, restored, _ = ckpt.restore(build(cfg, mesh=mesh).sharded.abstract)
     assert step == 2
     equal = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), restored, saved.state)
     assert all(jax.tree.leaves(equal))
-    assert restored["params"]["blocks"]["block"]["mlp"]["w_gate_up"].sharding.spec == jax.sharding.PartitionSpec(None, None, None, "tensor")
+    assert restored.params["blocks"]["block"]["mlp"]["w_gate_up"].sharding.spec == jax.sharding.PartitionSpec(None, None, None, "tensor")
     # and training continues there with the losses of the same-mesh continuation
     resumed = train(cfg)
     same_mesh = train(tiny(tmp_path / "ref", *common, "mesh.axes=fsdp=8", "rules=fsdp"))

@@ -15,8 +15,10 @@ from jax.sharding import PartitionSpec as P
 import meshes
 import spmd
 from spmd.variables import decide, format_decisions, init_model
-from trainers.state import sharded_state
-from trainers.step import eval_step_fn, train_step_fn
+from trainers.config import Config, override
+from trainers.setup import build
+from trainers.step import eval_view
+from trainers.task import Task
 
 
 class Annotated(nnx.Module):
@@ -110,16 +112,25 @@ def _loss(model, batch, rngs):
     return loss, {"accuracy": jnp.mean(logits.argmax(-1) == batch["y"])}
 
 
+def _build(mesh, rules, task, *sets):
+    """The run of ``task`` on ``mesh`` under ``rules``: SGD at lr 0.1 (Adam would amplify float-level
+    differences of near-zero gradients), 16 rows a batch, the spike and update checks off."""
+    cfg = override(Config(), [f"rules={rules}", "data.global_batch=16", "run.spike_factor=0", "run.max_update_ratio=0",
+                              "run.max_param_growth=0", *sets])
+    return build(cfg, task, mesh, tx=optax.sgd(0.1), donate=False)
+
+
+def _task(rate=0.5, loss=_loss, **kw):
+    return Task(model=lambda rngs: Plain(rngs, rate), loss=loss, data=(), **kw)
+
+
 def _run(mesh, rules, steps=3, rate=0.5, loss=_loss):
-    tx = optax.sgd(0.1)  # Adam would amplify float-level differences of near-zero gradients
-    sharded = sharded_state(lambda: Plain(nnx.Rngs(0), rate), tx, rules, mesh)
-    bs = spmd.batch_sharding(rules, mesh, dims=("batch",))
-    step = train_step_fn(sharded, tx, rules, mesh, bs, loss_fn=loss, donate=False)
-    state, out = sharded.state, []
+    run = _build(mesh, rules, _task(rate, loss))
+    state, out = run.stepped.state, []
     for i in range(steps):
-        state, m = step(state, jax.device_put(_batch(i), bs))
+        state, m = run.train_step(state, jax.device_put(_batch(i), run.batch_sharding))
         out.append(float(m["loss"]))
-    return sharded, state, out
+    return run.sharded, state, out
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +140,7 @@ def reference():
 
 def test_batch_stats_and_rng_streams_are_state(reference):
     sharded, state, losses = reference
-    other = state["model_state"]
+    other = state.model_state
     assert other["drop"]["rngs"]["key"].dtype == jnp.uint32  # stored as key data: checkpoints hold plain arrays
     assert int(other["drop"]["rngs"]["count"]) == 3  # one dropout mask per step
     assert not np.allclose(np.asarray(other["bn"]["mean"]), 0.0)  # running statistics moved
@@ -141,9 +152,9 @@ def test_batch_stats_and_dropout_equal_one_device(reference, sizes, rules):
     _, ref_state, ref_losses = reference
     _, state, losses = _run(_mesh(**sizes), rules)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(ref_state["model_state"]), jax.tree.leaves(state["model_state"])):
+    for a, b in zip(jax.tree.leaves(ref_state.model_state), jax.tree.leaves(state.model_state)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
-    for a, b in zip(jax.tree.leaves(ref_state["params"]), jax.tree.leaves(state["params"])):
+    for a, b in zip(jax.tree.leaves(ref_state.params), jax.tree.leaves(state.params)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
 
 
@@ -165,16 +176,16 @@ def test_loss_contract_errors(bad, match):
 
 
 def test_scalar_loss_and_eval_metric_contract(reference):
-    sharded, state, _ = reference
+    _, state, _ = reference
     mesh = _mesh(data=1)
-    bs = spmd.batch_sharding("dp", mesh, dims=("batch",))
     acc = lambda m, b: m(b["x"]).argmax(-1) == b["y"]
-    ev = eval_step_fn(sharded, "dp", mesh, bs, loss_fn=lambda m, b, r: _loss(m, b, r)[0], metrics={"accuracy": acc})
-    view = {"params": state["params"], "model_state": state["model_state"]}
+    run = _build(mesh, "dp", _task(loss=lambda m, b, r: _loss(m, b, r)[0], eval_metrics={"accuracy": acc}))
+    ev, bs = run.eval_step, run.batch_sharding
+    view = eval_view(state)
     mask = np.asarray([1.0] * 12 + [0.0] * 4, np.float32)
     out = jax.device_get(ev(view, jax.device_put(_batch(7), bs), jax.device_put(mask, bs)))
     assert out["count"] == 12 and 0 <= out["accuracy"] <= 12
-    bad = eval_step_fn(sharded, "dp", mesh, bs, loss_fn=_loss, metrics={"mean_acc": lambda m, b: jnp.mean(acc(m, b))})
+    bad = _build(mesh, "dp", _task(eval_metrics={"mean_acc": lambda m, b: jnp.mean(acc(m, b))})).eval_step
     with pytest.raises(TypeError, match="one value per example"):
         bad(view, jax.device_put(_batch(7), bs), jax.device_put(mask, bs))
 
@@ -202,13 +213,11 @@ def test_a_loss_may_draw_keys_from_rngs_with_accumulation():
         keep = jax.random.bernoulli(rngs.dropout(), 0.5, batch["x"].shape)
         return _loss(model, {**batch, "x": batch["x"] * keep}, rngs)
 
-    tx = optax.sgd(0.1)
-    sharded = sharded_state(lambda: Plain(nnx.Rngs(0), 0.0), tx, "dp", mesh)
-    bs = spmd.batch_sharding("dp", mesh, dims=("batch",))
-    step = train_step_fn(sharded, tx, "dp", mesh, bs, loss_fn=noisy, grad_accum=2, donate=False)
-    batch = jax.device_put(_batch(0), bs)
-    s1, m1 = step(sharded.state, batch)
-    _, m2 = step(sharded.state, batch)
+    run = _build(mesh, "dp", _task(0.0, noisy), "run.grad_accum=2")
+    step, state0 = run.train_step, run.stepped.state
+    batch = jax.device_put(_batch(0), run.batch_sharding)
+    s1, m1 = step(state0, batch)
+    _, m2 = step(state0, batch)
     _, m3 = step(s1, batch)
     assert float(m1["loss"]) == float(m2["loss"])  # same state, same keys: reproducible
     assert float(m3["loss"]) != float(m1["loss"])  # the next step draws other keys

@@ -125,8 +125,8 @@ def test_every_schedule_and_layout_is_deterministic(sizes, schedule, m):
 def test_trainer_step_with_accumulation_and_a_pipeline_is_deterministic(name):
     step = accum_step(name, 2)
     batch = step.batch()
-    run = loaded_back(step.step.lower(step.sharded.state, batch), step.sharded.state, batch)
-    outs = repeat(lambda: run()[0]["params"], 10)
+    run = loaded_back(step.step.lower(step.state, batch), step.state, batch)
+    outs = repeat(lambda: run()[0].params, 10)
     assert_deterministic(outs, accum_reference()[0])
 
 

@@ -3,6 +3,7 @@ per-step regrouping over ``pipe``, sends at the table's minimum, and checkpoints
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -10,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers.gpt_util import gpt_config, gpt_task
 from test_pipeline import BATCH, CFG, LENGTH, TOL, mesh_of, reference, rel_errs, tokens
 
 import meshes
@@ -19,7 +21,7 @@ from spmd.pipeline import LayerOrder, PipelineConfig, get_schedule
 from spmd.pipeline.sends import hlo_sent_bytes, send_plan
 from spmd.stack import reorder_stacks
 from trainers.checkpoint import CheckpointConfig, Checkpointer
-from trainers.state import sharded_state
+from trainers.setup import build
 
 M = 4
 
@@ -119,14 +121,16 @@ def test_chunk_ordered_step_sends_only_the_table_minimum(sizes, rules, S, V):
 
 
 def _state(sizes: dict[str, int], pipeline: PipelineConfig | None, seed: int):
+    """The state as a run of the GPT on a mesh of ``sizes`` with ``pipeline`` creates it (its layer order)."""
     mesh = meshes.make_mesh(sizes, devices=jax.devices()[:int(np.prod(list(sizes.values())))])
-    return sharded_state(lambda: GPT(CFG, rngs=nnx.Rngs(seed)), optax.adamw(1e-3), "dp", mesh, seed=seed,
-                        pipeline=pipeline)
+    cfg = gpt_config(sizes, "dp", f"run.seed={seed}", f"data.global_batch={BATCH}", model=CFG)
+    cfg = dataclasses.replace(cfg, pipeline=pipeline or PipelineConfig())
+    return build(cfg, gpt_task(CFG, pipeline), mesh, tx=optax.adamw(1e-3)).sharded
 
 
 def _blocks_equal(a, b, order: LayerOrder) -> bool:
     return all(jax.tree.leaves(jax.tree.map(lambda x, y: bool(np.array_equal(np.asarray(x), order.to_natural(
-        np.asarray(y)))), a["params"]["blocks"], b["params"]["blocks"])))
+        np.asarray(y)))), a.params["blocks"], b.params["blocks"])))
 
 
 def test_checkpoints_hold_natural_order_and_restore_across_orders(tmp_path):
@@ -142,12 +146,12 @@ def test_checkpoints_hold_natural_order_and_restore_across_orders(tmp_path):
         _, restored, _ = ckpt.restore(interleaved.abstract)
     assert _blocks_equal(natural.state, restored, order)
     assert not _blocks_equal(natural.state, interleaved.state, order)  # control: seed 1 differs
-    mu = restored["opt_state"][0].mu["blocks"]["block"]["attn_norm"]["scale"]
-    assert mu.sharding == interleaved.shardings["opt_state"][0].mu["blocks"]["block"]["attn_norm"]["scale"]
+    mu = restored.opt_state[0].mu["blocks"]["block"]["attn_norm"]["scale"]
+    assert mu.sharding == interleaved.shardings.opt_state[0].mu["blocks"]["block"]["attn_norm"]["scale"]
     # and an interleaved run's checkpoint restores onto the plain mesh in natural order
     with Checkpointer(tmp_path / "interleaved", config, layer_orders=interleaved.layer_orders) as ckpt:
         ckpt.save(1, restored, {}, force=True)
     with Checkpointer(tmp_path / "interleaved", config) as ckpt:
         _, back, _ = ckpt.restore(natural.abstract)
     assert all(jax.tree.leaves(jax.tree.map(lambda x, y: bool(np.array_equal(np.asarray(x), np.asarray(y))),
-                                            back["params"], natural.state["params"])))
+                                            back.params, natural.state.params)))

@@ -9,17 +9,13 @@ import os
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 import meshes
-from spmd.models import GPT
 from trainers.checkpoint import Checkpointer
 from trainers.config import override
 from trainers.loop import train
-from trainers.lr import make_lr_schedule
-from trainers.optim import make_optimizer
 from trainers.recipes import recipe
-from trainers.state import sharded_state
+from trainers.setup import build
 
 STEPS = 4
 COMMON = [f"run.steps={STEPS}", "checkpoint.every_steps=2", f"run.eval_every={STEPS}",
@@ -53,20 +49,18 @@ def test_pipelined_training_matches_unpipelined(both):
     # evaluation runs the forward-only pipeline (the custom_vjp's primal): same validation loss
     assert p4.eval_losses[STEPS] == pytest.approx(p1.eval_losses[STEPS], rel=1e-4)
     # and the trained parameters agree
-    for a, b in zip(jax.tree.leaves(p4.state["params"]), jax.tree.leaves(p1.state["params"])):
+    for a, b in zip(jax.tree.leaves(p4.state.params), jax.tree.leaves(p1.state.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-5)
     # the pipelined run really stored the block stack split over pipe
-    w = p4.state["params"]["blocks"]["block"]["mlp"]["w_gate_up"]
+    w = p4.state.params["blocks"]["block"]["mlp"]["w_gate_up"]
     assert tuple(w.sharding.spec)[:1] == ("pipe",)
 
 
 def _restore(run_dir, sizes, *sets):
     cfg = cfg_for(run_dir, *sets)
     mesh = meshes.make_mesh(sizes)
-    tx = make_optimizer(cfg.optimizer, make_lr_schedule(cfg.lr, cfg.run.steps))
-    sharded = sharded_state(lambda: GPT(cfg.model, rngs=nnx.Rngs(0)), tx, cfg.rules, mesh)
     with Checkpointer(os.path.join(run_dir, "checkpoints"), cfg.checkpoint) as ckpt:
-        step, restored, _ = ckpt.restore(sharded.abstract)
+        step, restored, _ = ckpt.restore(build(cfg, mesh=mesh).sharded.abstract)
     return step, restored
 
 
@@ -78,12 +72,12 @@ def test_checkpoint_moves_between_pipe4_and_pipe1(both, tmp_path_factory, src, d
     step, restored = _restore(saved.run_dir, sizes, *sets)
     assert step == STEPS
     equal = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))),
-                         restored["params"], saved.state["params"])
+                         restored.params, saved.state.params)
     assert all(jax.tree.leaves(equal))
-    spec = restored["params"]["blocks"]["block"]["mlp"]["w_gate_up"].sharding.spec
+    spec = restored.params["blocks"]["block"]["mlp"]["w_gate_up"].sharding.spec
     assert (tuple(spec)[:1] == ("pipe",)) == (dst == "p4")
     # negative control: the other run's params differ (the equality above is not vacuous)
     other = {"p4": p1, "p1": p4}[src]
     diff = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
-                        restored["params"], other.state["params"])
+                        restored.params, other.state.params)
     assert max(jax.tree.leaves(diff)) > 0
