@@ -9,46 +9,34 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from flax import nnx
 from jax.sharding import Mesh
 
 import meshes
-import spmd
 from spmd.rules import Rules
-from trainers import pretrained
+from trainers import checks, pretrained
 from trainers.checkpoint import Checkpointer, NoUsableCheckpointError, resolve_init_from
 from trainers.config import Config
 from trainers.local_sgd import check_resume
 from trainers.state import ShardedState, TrainState
 from trainers.strategy import LocalSteps, Plain
 from trainers.task import Task
-from trainers.validate import check_batch
 
 log = logging.getLogger(__name__)
 
+# the rules a run checks before it builds (the rest of the layout stage is the dry run's and the planner's report)
+RUN_RULES = ("pipelined_task", "task", "batch")
+
 
 def check_run(cfg: Config, task: Task, mesh: Mesh, rules: Rules) -> None:
-    """Refuse, before any state is built or compiled: a pipelined config for a task that does not
-    pipeline, processes that disagree on the config or mesh, the task's own layout checks, a batch
-    that does not split over the batch axes and accumulation."""
-    check_pipelined(cfg, task)
+    """Refuse, before any state is built or compiled: processes that disagree on the config or mesh,
+    then the checks pass (:mod:`trainers.checks`) on this mesh: a pipelined config for a task that does
+    not pipeline, the task's own layout checks, a batch that does not split over the batch axes and
+    accumulation. Every issue found raises (the first)."""
     meshes.distributed.check_consistent(meshes.distributed.fingerprint(mesh, cfg.to_dict()))  # no-op on one process
-    layout = task.checks(cfg, rules, dict(mesh.shape)) if task.checks is not None else []
-    for issue in layout + check_batch(cfg.data.global_batch, cfg.run.grad_accum, rules, dict(mesh.shape)):
+    issues = checks.check(cfg, stages=("config", "layout"), select=RUN_RULES, mesh_shape=dict(mesh.shape), task=task,
+                          rules=rules)
+    for issue in issues:
         raise ValueError(str(issue))
-
-
-def check_pipelined(cfg: Config, task: Task) -> None:
-    """A pipelined config needs a task whose loss pipelines its ``spmd.Stack``: say what is missing."""
-    if not cfg.pipeline.enabled or task.pipelined:
-        return
-    model = spmd.sharding.abstract_module(lambda: task.model(nnx.Rngs(cfg.run.seed)))
-    stacks = ["/".join(map(str, path)) or "<root>" for path, node in nnx.iter_graph(model) if isinstance(node, spmd.Stack)]
-    found = (f"its model has spmd.Stack blocks at {stacks}: run them in the loss with "
-             "spmd.pipeline.pipelined_loss(cfg.pipeline, stage_fn, head_fn, stack_state, head_state, x, targets) "
-             "(see spmd.models.GPT.loss) and set Task(pipelined=True)") if stacks else \
-        "its model has no spmd.Stack: put the repeated blocks in one, pipeline them in the loss, and set Task(pipelined=True)"
-    raise ValueError(f"pipeline.schedule={cfg.pipeline.schedule!r} cannot run task {task.name!r}: {found}")
 
 
 def resume(cfg: Config, ckpt: Checkpointer, strategy: Plain,

@@ -23,10 +23,10 @@ from spmd.models.packed import PACKED_KEYS
 from spmd.pipeline import PipelineConfig
 from trainers import accumulate
 from trainers.blame import ContractError
+from trainers.checks.config import check_fsdp_gather
 from trainers.faults import guard
 from trainers.optim import global_norm
 from trainers.state import ShardedState, TrainState
-from trainers.validate import check_fsdp_gather
 
 Batch = Any  # a pytree of arrays with a leading batch dim
 LossFn = Callable[[nnx.Module, Batch, nnx.Rngs], "jax.Array | tuple[jax.Array, dict[str, jax.Array]]"]

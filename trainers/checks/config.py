@@ -70,9 +70,19 @@ def check_pipeline_on_mesh(cfg: Any) -> list[Issue]:
 
 
 def check_pipelined_task(cfg: Any, task: Any) -> list[Issue]:
-    """A pipelined config needs a task whose loss pipelines its ``spmd.Stack`` (``Task.pipelined``)."""
+    """A pipelined config needs a task whose loss pipelines its ``spmd.Stack`` (``Task.pipelined``):
+    say where its model's stacks are, or that it has none."""
     if not cfg.pipeline.enabled or task.pipelined:
         return []
-    return [_config("pipeline", f"pipeline.schedule={cfg.pipeline.schedule!r} needs a task whose loss runs its "
-                    f"spmd.Stack through spmd.pipeline.pipelined_loss; task {task.name!r} does not (Task.pipelined=False)",
-                    "set pipeline.schedule=none", "pipeline.schedule")]
+    from flax import nnx
+
+    import spmd
+
+    model = spmd.sharding.abstract_module(lambda: task.model(nnx.Rngs(cfg.run.seed)))
+    stacks = ["/".join(map(str, path)) or "<root>" for path, node in nnx.iter_graph(model) if isinstance(node, spmd.Stack)]
+    found = (f"its model has spmd.Stack blocks at {stacks}: run them in the loss with "
+             "spmd.pipeline.pipelined_loss(cfg.pipeline, stage_fn, head_fn, stack_state, head_state, x, targets) "
+             "(see spmd.models.GPT.loss) and set Task(pipelined=True)") if stacks else \
+        "its model has no spmd.Stack: put the repeated blocks in one, pipeline them in the loss, and set Task(pipelined=True)"
+    return [_config("pipeline", f"pipeline.schedule={cfg.pipeline.schedule!r} cannot run task {task.name!r} "
+                    f"(Task.pipelined=False): {found}", "or set pipeline.schedule=none to train it unpipelined", "pipeline.schedule")]
