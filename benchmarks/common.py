@@ -270,10 +270,11 @@ def gpt_config(quick: bool) -> tuple[GPTConfig, int, int]:
 
 def run_config(model: GPTConfig, rules: str, batch: int, length: int, *sets: str) -> Any:
     """The gpt-small recipe's run ``Config`` with this model, rule set, batch and length (and ``sets``):
-    what :func:`trainers.setup.build` assembles the run's own step from."""
+    what :func:`trainers.setup.build` assembles the run's own step from (on the synthetic corpus: the benchmarks
+    feed their own batches)."""
     from trainers import override, recipe
 
-    cfg = override(recipe("gpt-small", tiny=True), [f"rules={rules}", f"data.global_batch={batch}",
+    cfg = override(recipe("gpt-small", tiny=True), [f"rules={rules}", "data.corpus=synthetic", f"data.global_batch={batch}",
                                                      f"data.seq_len={length}", f"data.vocab_size={model.vocab_size}",
                                                      *sets])
     return dataclasses.replace(cfg, model=model)
