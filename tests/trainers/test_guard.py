@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from helpers.fault_worker import last_train_losses, tiny_config
 
-from trainers import loop
+from trainers import setup as setup_lib
 from trainers.checkpoint import Checkpointer
 from trainers.config import RunConfig
 from trainers.faults import guard
@@ -49,9 +49,9 @@ def plant(nan=(), spike=()):
 
 @pytest.fixture(name="spiky")
 def spiky_task(monkeypatch):
-    """The run's built-in LM task with the spiky loss, through the task seam."""
-    real = loop.lm_task
-    monkeypatch.setattr(loop, "lm_task", lambda cfg: dataclasses.replace(real(cfg), loss=spiky(real(cfg).loss)))
+    """The run's built-in LM task with the spiky loss, through the task seam (``build`` makes it)."""
+    real = setup_lib.lm_task
+    monkeypatch.setattr(setup_lib, "lm_task", lambda cfg: dataclasses.replace(real(cfg), loss=spiky(real(cfg).loss)))
 
 
 def _params_at(run_dir, steps, like):
