@@ -194,7 +194,7 @@ FIXED_ON_RESUME: tuple[str, ...] = ("model.", "data.corpus", "data.path", "data.
                    "data.seed", "data.validation_fraction", "data.max_tokens", "data.synthetic_tokens",
                    "data.tokenizer", "data.separator", "data.text_field", "data.fields", "data.packing", "data.truncate",
                    "optimizer.name", "run.objective", "dpo.pairs_per_row")
-FIXED_ON_RESUME += ("lora.rank", "lora.targets")  # the adapters' shapes
+FIXED_ON_RESUME += ("lora.rank", "lora.targets", "lora.dropout")  # the adapters' shapes; dropout adds mask keys
 # ...except these model keys, which change how the step runs, not what the checkpoint holds
 FREE_ON_RESUME = ("model.scan_layers",)
 

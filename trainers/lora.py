@@ -116,7 +116,7 @@ def frozen_base_loss(loss_fn: Callable) -> Callable:
         nnx.update(model, state)
         return loss_fn(model, batch, rngs)
 
-    for attr in ("pipelined", "weighted"):
+    for attr in ("pipelined", "weighted", "manual_unsafe"):
         if hasattr(loss_fn, attr):
             setattr(loss, attr, getattr(loss_fn, attr))
     return loss
@@ -326,7 +326,7 @@ def resolve(cfg: Any) -> Any:
     return dataclasses.replace(cfg, lora=lora)
 
 
-def init_params(cfg: Any, abstract_params: Any, read_base: Callable[[Any], Any]) -> Any:
+def read_with_adapters(cfg: Any, abstract_params: Any, read_base: Callable[[Any], Any]) -> Any:
     """A LoRA run's start from ``checkpoint.init_from=hf:PATH``: the base read by ``read_base(abstract base)``,
     the adapters from ``lora.init_from=peft:DIR`` or as the model draws them (seed ``run.seed``)."""
     from spmd.models import GPT

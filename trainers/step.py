@@ -137,7 +137,7 @@ def train_step_fn(
         batch = normalize_weights(batch)
         with spmd.use_rules(rules, mesh):
             axes = accumulate.reduction_axes(mesh, rules, batch, grad_accum, fsdp_gather)
-            why = None if grad_accum == 1 else _loop_under_gspmd(model_vars, params, other, pipelined)
+            why = None if grad_accum == 1 else _loop_under_gspmd(model_vars, params, other, pipelined, loss_fn)
             note = accumulate.per_microbatch_note(mesh, rules, jax.tree.leaves(batch)[0].shape[0], grad_accum,
                                                   fsdp_gather, why)
             if note:  # at trace time: once per compiled step
@@ -204,12 +204,15 @@ def accumulation_note(sharded: ShardedState, rules: spmd.Rules | str, mesh: Mesh
     cannot reduce once per step, naming the rows, axes and reason; None when it can."""
     state = sharded.abstract
     why = _loop_under_gspmd(sharded.model, state.params, state.model_state or {},
-                            getattr(loss_fn, "pipelined", False))
+                            getattr(loss_fn, "pipelined", False), loss_fn)
     return accumulate.per_microbatch_note(mesh, spmd.get_rules(rules), rows, grad_accum, fsdp_gather, why)
 
 
-def _loop_under_gspmd(model_vars: Any, params: Any, other: Any, pipelined: bool) -> str | None:
-    """Why the accumulation loop must stay under GSPMD whatever the batch (None: it need not)."""
+def _loop_under_gspmd(model_vars: Any, params: Any, other: Any, pipelined: bool, loss_fn: Any = None) -> str | None:
+    """Why the accumulation loop must stay under GSPMD whatever the batch (None: it need not). A loss
+    says so itself with a ``manual_unsafe`` attribute naming why (e.g. the DPO loss)."""
+    if getattr(loss_fn, "manual_unsafe", None):
+        return str(loss_fn.manual_unsafe)
     if jax.tree.leaves(other):
         return "the model carries state besides its parameters (batch statistics, RNG streams)"
     if pipelined:

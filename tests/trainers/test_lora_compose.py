@@ -2,7 +2,7 @@
 1F1B pipeline with accumulation, context parallelism (ring, with dropout), MoE over ``expert``, bf16 under
 sequence parallelism, and FSDP with accumulation (with dropout), a LoRA run equals the same run on one device
 (1e-5 in f32, 1e-3 / 2e-2 in bf16); dropout under a pipeline is refused before compiling. DPO with LoRA and
-accumulation on a sharded mesh aborts XLA today (skipped; docs/post-training.md)."""
+accumulation on a sharded mesh equals one device (its loop runs under GSPMD)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,6 @@ def test_lora_cell(name, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skip(reason="XLA (CPU, jax 0.10) aborts compiling DPO + LoRA + run.grad_accum=2 on data=2,fsdp=2,tensor=2: "
-                  "without a reference in the model state the loop runs manual over the batch axes; not refused yet")
 def test_dpo_with_lora_and_accumulation_equals_one_device(tmp_path):
     import jax
     import numpy as np

@@ -46,6 +46,8 @@ def dpo_loss_fn(cfg: DPOConfig, reference: ReferenceFn | None = None) -> Callabl
         return dpo_objective(policy_BL, ref_BL, batch, cfg)
 
     loss_fn.weighted = True  # type: ignore[attr-defined]  # eval folds its row mask into the weights
+    # two passes' log-probability gathers in the accumulation loop's manual region abort XLA's partitioner
+    loss_fn.manual_unsafe = "the DPO loss (its log-probability gathers do not partition in a manual region)"  # type: ignore[attr-defined]
     return loss_fn
 
 
