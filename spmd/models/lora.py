@@ -1,21 +1,13 @@
 """LoRA adapters: a low-rank update ``scale * (x @ A) @ B`` beside a frozen projection, with logical dims.
 
 A projection ``W[in..., out...]`` (e.g. ``w_q[D, H, K]``) gains ``A[in..., r]`` and ``B[r, out...]``; the
-rank dim ``r`` is replicated (``None``) and every other dim names the base weight's logical dim, so the
-adapter shards wherever its base shards: ``A[D_fsdp, r]`` and ``B[r, H_tensor, K]`` under ``fsdp_tp``,
-gathered at use as the base weight is (:func:`spmd.models.layers.weight`). Under TP the ``[B, L, r]``
-activation of a row-parallel input (``o_proj``, ``down_proj``) is all-reduced over ``tensor`` (r wide, not D).
-
-Projections are named as PEFT names Llama's (``attn/q_proj`` ... ``mlp/down_proj``); ``LoRASpec.targets`` is
-a regex searched in those names. ``A`` starts as PEFT's (uniform in ``+-1/sqrt(fan_in)``), ``B`` at zero, so
-an adapted model starts equal to its base; ``scale = alpha / rank``.
-
-``dropout = p > 0`` is PEFT's: on the adapter's input only, ``y = base(x) + scale * B(A(dropout(x)))``, in
-training (``model.train()``; off after ``model.eval()``, the default, so in eval, generation and export). Each
-adapter keeps its mask's key as a :class:`DropoutKey` variable (not a parameter; ``[layers, key]`` in a stack),
-which :func:`draw_dropout` sets from the loss's key before the forward pass: the masks depend on the step's key
-only, and, drawn over the whole ``[B, L, in...]`` input in natural token order, not on the layout. See
-docs/post-training.md.
+rank dim ``r`` is replicated and every other dim names the base weight's logical dim, so the adapter shards
+wherever its base shards (``A[D_fsdp, r]``, ``B[r, H_tensor, K]`` under ``fsdp_tp``), gathered at use as the
+base weight is. Projections are named as PEFT names Llama's (``attn/q_proj`` ... ``mlp/down_proj``);
+``LoRASpec.targets`` is a regex searched in those names. ``A`` starts as PEFT's, ``B`` at zero, so an adapted
+model starts equal to its base; ``scale = alpha / rank``. ``dropout = p > 0`` is PEFT's, on the adapter's
+input in training only; each adapter keeps its mask's key as a :class:`DropoutKey` variable that
+:func:`draw_dropout` sets from the loss's key. See docs/post-training.md.
 """
 
 from __future__ import annotations
