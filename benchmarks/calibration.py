@@ -31,11 +31,11 @@ from collections.abc import Sequence
 from benchmarks import common
 from benchmarks.common import Row
 from trainers import override, recipe
-from trainers.hardware import get_hardware
 from trainers.planning import calibration as cal
 from trainers.planning import holdout
 from trainers.planning.costs import layout_costs
 from trainers.planning.dryrun import dry_run
+from trainers.planning.hardware import get_hardware
 from trainers.planning.planner import plan
 
 RANK_GOAL = (5, 1.10)  # within the planner's top 5, or within 10% of its best step

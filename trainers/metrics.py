@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainers.hardware import PEAK_FLOPS, SUPPORTED_DTYPES, lookup_peak
+from trainers.peaks import PEAK_FLOPS, SUPPORTED_DTYPES, lookup_peak
 
 
 class UnknownAcceleratorWarning(UserWarning):

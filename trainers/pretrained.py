@@ -97,13 +97,16 @@ def check_overrides(cfg: Config, sets: list[str]) -> None:
                          f"{', '.join(wrong)}; leave them unset")
 
 
-def init_params(cfg: Config, abstract_params: Any) -> Any:
+def read_hf_params(cfg: Config, abstract_params: Any) -> Any:
     """The ``hf:PATH`` checkpoint's parameters, each device's shard read from the files (with LoRA: the
-    base's, and the adapters of ``lora.init_from`` or as drawn: :func:`trainers.lora.init_params`)."""
+    base's, and the adapters of ``lora.init_from`` or as drawn: :func:`trainers.lora.read_with_adapters`)."""
     path = hf_path(cfg.checkpoint.init_from)
     if cfg.lora.enabled:
-        return lora.init_params(cfg, abstract_params, lambda base: read_params(path, cfg.model, base))
+        return lora.read_with_adapters(cfg, abstract_params, lambda base: read_params(path, cfg.model, base))
     return read_params(path, cfg.model, abstract_params)
+
+
+init_params = read_hf_params  # the former name, still called by trainers.startup.loaded_params
 
 
 def run_config(run_dir: str) -> Config:

@@ -1,6 +1,6 @@
 """Hugging Face safetensors straight into the sharded parameters, and back out.
 
-:func:`load_params` builds every parameter with ``jax.make_array_from_callback``: each device's
+:func:`read_tensors` builds every parameter with ``jax.make_array_from_callback``: each device's
 shard is read from the files as the slices of the Hugging Face tensors it covers (a layer's
 ``q_proj`` rows for this device's heads, ...), so a process reads only what its devices hold
 and never the whole model. Everything is checked first (:func:`plan`): a missing, extra or
@@ -144,7 +144,7 @@ def _assign(dst: np.ndarray, src: np.ndarray, chunk: int = 1 << 18) -> None:
         dst[piece] = src[piece]
 
 
-def load_params(folder: SafetensorsFolder, family: Family, cfg: GPTConfig, targets: Mapping[str, Any]) -> dict:
+def read_tensors(folder: SafetensorsFolder, family: Family, cfg: GPTConfig, targets: Mapping[str, Any]) -> dict:
     """Parameters (path -> ``jax.Array``) for ``targets`` (path -> ``ShapeDtypeStruct`` with a sharding),
     each of this process's device shards read from ``folder``. Call :func:`plan` first.
 

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 import meshes
 from spmd.interchange.families import Family, family_for, family_of
 from spmd.interchange.hf_config import checkpoint_dtype, gpt_config, read_config, to_hf_config
-from spmd.interchange.loading import hf_tensors, load_params, plan
+from spmd.interchange.loading import hf_tensors, plan, read_tensors
 from spmd.interchange.safetensors_io import SafetensorsFolder, write_folder
 from spmd.models.gpt import GPT, GPTConfig
 from spmd.rules import Rules
@@ -51,7 +51,7 @@ def read_params(path: str, cfg: GPTConfig, abstract_params: Any, *, folder: Safe
     flat = _flat(abstract_params)
     plan(folder, family, cfg, {k: tuple(v.shape) for k, v in flat.items()})
     try:
-        loaded = load_params(folder, family, cfg, flat)
+        loaded = read_tensors(folder, family, cfg, flat)
     finally:
         folder.close()
     leaves = jax.tree_util.tree_flatten_with_path(abstract_params)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from spmd.pipeline import zero_bubble
 from spmd.pipeline.schedules import BACKWARD, FORWARD, NAMES, Op, Schedule, _simulate
-from spmd.pipeline.simulate import _check_sizes
+from spmd.pipeline.timeline import _check_sizes
 
 
 def gpipe(S: int, M: int) -> Schedule:

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from spmd.pipeline.simulate import (
+from spmd.pipeline.timeline import (
     BACKWARD,
     FORWARD,
     IDLE,

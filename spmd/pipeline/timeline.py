@@ -1,7 +1,7 @@
-"""Op kinds, where each chunk runs (its placement) and the op-order simulator the schedule builders share.
+"""A schedule's timeline: op kinds, where each chunk runs, and the op placer the schedule builders share.
 
 :func:`_simulate` places each stage's ops, in order, on the first tick whose inputs exist; the
-result is the ``actions`` table of a :class:`spmd.pipeline.schedules.Schedule`.
+result, ``actions[tick, stage]``, is the table of a :class:`spmd.pipeline.schedules.Schedule`.
 """
 
 from __future__ import annotations

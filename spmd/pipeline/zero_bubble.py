@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from spmd.pipeline.schedules import BACKWARD, FORWARD, IDLE, WEIGHT, Op, Schedule, _simulate
-from spmd.pipeline.simulate import _check_sizes
+from spmd.pipeline.timeline import _check_sizes
 
 
 def _zb_h1_order(S: int, M: int, s: int) -> list[Op]:

@@ -14,9 +14,9 @@ import math
 import pytest
 from helpers.paths import ROOT
 
-from trainers.hardware import axis_levels, collective_seconds, get_hardware
 from trainers.planning import calibration as cal
 from trainers.planning import holdout
+from trainers.planning.hardware import axis_levels, collective_seconds, get_hardware
 from trainers.planning.perf import Work, step_time
 from trainers.planning.traffic import Traffic
 

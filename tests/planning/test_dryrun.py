@@ -21,8 +21,8 @@ import pytest
 import meshes
 import spmd
 from trainers import override, recipe
-from trainers.hardware import HARDWARE, Hardware, custom, get_hardware, networks, wire_factor
 from trainers.planning.dryrun import dry_run
+from trainers.planning.hardware import HARDWARE, Hardware, custom, get_hardware, networks, wire_factor
 from trainers.planning.report import DryRunReport
 from trainers.setup import build
 

@@ -28,12 +28,12 @@ from trainers import override, recipe
 from trainers.checks import Issue
 from trainers.checks.compiled import check_collectives, parse_remat_warnings
 from trainers.checks.params import check_divisibility, check_replicated
-from trainers.hardware import custom, get_hardware
 from trainers.launch.plan import main
 from trainers.model_variables import param_infos
 from trainers.planning.blockers import blockers, group_reasons, workable_counts
 from trainers.planning.costs import gpt_work, memory_estimate
 from trainers.planning.dryrun import dry_run
+from trainers.planning.hardware import custom, get_hardware
 from trainers.planning.planner import REMAT_LADDER, Layout, candidates, estimate_layout, plan
 
 SMALL_HBM = custom("h100", hbm_bytes=1.4e9, name="h100-1.4gb")

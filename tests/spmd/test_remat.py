@@ -243,8 +243,8 @@ def test_estimate_and_planner_read_the_policy():
     executed FLOPs: full > save_dots = offload > none; ``remat=True`` is ``full`` and a policy wins
     over it; a Layout may name a policy, and a bool Layout clears a policy set in the base config."""
     from trainers import override, recipe
-    from trainers.hardware import get_hardware
     from trainers.planning.costs import comm_estimate, memory_estimate, roofline
+    from trainers.planning.hardware import get_hardware
     from trainers.planning.planner import Layout
 
     hw, sizes = get_hardware("h100"), {"fsdp": 8}

@@ -19,7 +19,7 @@ from spmd.models import GPT, GPTConfig
 from spmd.stack import UNROLL_UP_TO, stack_form
 from trainers import override, recipe
 from trainers.config import fixed_on_resume
-from trainers.hardware import get_hardware
+from trainers.planning.hardware import get_hardware
 from trainers.planning.planner import plan
 from trainers.planning.report import layer_stack
 

@@ -28,12 +28,12 @@ from helpers.paths import REPO
 
 from tests.helpers.byom_task import big, task
 from trainers import override
-from trainers.hardware import custom
 from trainers.launch import cli, command
 from trainers.launch.local import launch
 from trainers.launch.plan import main as plan_main
 from trainers.logger import read_metrics
 from trainers.planning.dryrun import dry_run
+from trainers.planning.hardware import custom
 from trainers.planning.planner import plan
 
 TARGET = "tests.helpers.byom_task:task"

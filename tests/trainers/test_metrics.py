@@ -17,7 +17,6 @@ from tensorboardX.proto.event_pb2 import Event
 
 from trainers import logger as logger_lib
 from trainers import metrics as metrics_lib
-from trainers.hardware import PEAK_FLOPS, lookup_peak
 from trainers.logger import RunLogger, read_metrics, write_config
 from trainers.metrics import (
     StepMeter,
@@ -26,6 +25,7 @@ from trainers.metrics import (
     mfu,
     peak_flops_per_device,
 )
+from trainers.peaks import PEAK_FLOPS, lookup_peak
 
 
 @dataclasses.dataclass

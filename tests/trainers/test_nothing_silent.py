@@ -300,9 +300,9 @@ def test_ctrl_c_inside_native_code_is_answered_within_a_second(tmp_path):
 
 
 def test_out_of_memory_gives_the_estimate_and_the_nearest_layout_that_fits(monkeypatch, capsys, tmp_path):
-    from trainers.hardware import custom
     from trainers.launch import command
     from trainers.planning import oom
+    from trainers.planning.hardware import custom
 
     cfg = override(recipe("gpt-125m"), ["mesh.axes=data=8", "rules=dp"])
     text = oom.explain(cfg, 8, "NVIDIA H100 80GB HBM3", "RESOURCE_EXHAUSTED: Out of memory allocating 12.5GiB",

@@ -18,14 +18,14 @@ import jax
 
 from spmd.units import fmt_bytes, fmt_seconds
 from trainers.config import AUTO, Config
-from trainers.hardware import HARDWARE, get_hardware
 from trainers.logger import read_config
 from trainers.planning.confirm import confirm_picks
+from trainers.planning.hardware import HARDWARE, get_hardware
 from trainers.planning.planner import Estimate, Plan, plan
 
 
 def detect_hardware(device: jax.Device | None = None) -> str:
-    """The :data:`trainers.hardware.HARDWARE` name of ``device`` (default: this backend's first), by its kind."""
+    """The :data:`trainers.planning.hardware.HARDWARE` name of ``device`` (default: this backend's first), by its kind."""
     device = device or jax.devices()[0]
     if device.platform == "cpu":
         return "cpu"

@@ -16,8 +16,8 @@ import math
 from spmd.models import GPTConfig, flops_per_token
 from trainers.config import Config
 from trainers.data.config import DataConfig
-from trainers.hardware import get_hardware
 from trainers.planning.costs import Costs, layout_costs
+from trainers.planning.hardware import get_hardware
 
 RATIO_BOUNDS = (0.8, 1.25)  # estimated / published tokens/s per device
 # runs whose published per-device batch is the largest that fit (the config lowered it when the model grew):

@@ -23,9 +23,9 @@ import jax
 
 import meshes
 from trainers.config import Config
-from trainers.hardware import Hardware, get_hardware
 from trainers.planning.dryrun import dry_run
 from trainers.planning.fresh_process import call_with_devices, check_simulated, decode, encode, import_root
+from trainers.planning.hardware import Hardware, get_hardware
 from trainers.planning.report import DryRunReport
 from trainers.task import Task
 

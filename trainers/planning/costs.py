@@ -3,8 +3,8 @@
 No compile, milliseconds per layout: what :mod:`trainers.planning.planner` ranks layouts by and what
 :mod:`trainers.planning.dryrun` prints beside the compiled numbers. The formulas (parameters and optimizer
 state exactly from the rule set's shard shapes; gradients, activations under each remat policy,
-pipeline stashes, context and expert parallelism; collectives in :mod:`trainers.planning.traffic`;
-max(compute, memory) + communication) are described in docs/planning.md.
+pipeline stashes (:mod:`trainers.planning.pipeline_costs`), context and expert parallelism; collectives
+in :mod:`trainers.planning.traffic`; max(compute, memory) + communication) are described in docs/planning.md.
 
 The built-in GPT (a ``Config`` alone) is estimated from its config with the formulas below; any
 other task from its :class:`trainers.planning.profile.TaskProfile` (``task_memory_estimate``,
@@ -28,19 +28,18 @@ from spmd.rules import axes_of
 from trainers.checks import Issue, batch_axes, check
 from trainers.config import Config
 from trainers.faults.guard import window_bytes
-from trainers.hardware import Hardware
 from trainers.model_variables import ParamInfo, shard_divisors
 from trainers.optim import make_optimizer
+from trainers.planning.hardware import Hardware
 from trainers.planning.perf import Work, step_time
+from trainers.planning.pipeline_costs import pipeline_schedule, stash_sizes
 from trainers.planning.profile import TaskProfile, at
 from trainers.planning.traffic import DTYPE_BYTES as _DTYPE_BYTES
 from trainers.planning.traffic import (
     RECOMPUTES_BLOCK,
     Traffic,
     comm_estimate,
-    pipeline_schedule,
     sharded_params,
-    stash_sizes,
     token_axes,
 )
 

@@ -20,13 +20,13 @@ import spmd
 from spmd.models import flops_per_step, param_count
 from trainers.checks import Compiled, Issue, batch_axes, check
 from trainers.config import Config
-from trainers.hardware import Hardware, get_hardware
 from trainers.planning.costs import Traffic, layout_costs, layout_roofline, rows_per_device
 from trainers.planning.diagnose import capture_stderr
 from trainers.planning.fresh_process import call_with_devices, check_simulated, import_root
-from trainers.planning.profile import abstract_batch, profile_task
+from trainers.planning.hardware import Hardware, get_hardware
+from trainers.planning.pipeline_costs import pipeline_schedule
+from trainers.planning.profile import batch_shapes, profile_task
 from trainers.planning.report import DryRunReport, is_cpu_target, layer_stack, target_platform
-from trainers.planning.traffic import pipeline_schedule
 from trainers.setup import build
 from trainers.step import accumulation_note
 from trainers.task import Task, lm_task, load_task
@@ -106,7 +106,7 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
     if profile is None:
         batch = setup.abstract_batch()
     else:
-        batch = abstract_batch(profile.example, cfg.data.global_batch, setup.batch_sharding)
+        batch = batch_shapes(profile.example, cfg.data.global_batch, setup.batch_sharding)
     t0 = time.perf_counter()
     with capture_stderr() as log:
         compiled = step.lower(state, batch).compile()

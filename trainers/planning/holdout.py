@@ -14,9 +14,9 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from trainers.hardware import Hardware, get_hardware
 from trainers.planning.calibration import RATIO_BOUNDS, RUNS, PublishedRun
 from trainers.planning.costs import layout_costs
+from trainers.planning.hardware import Hardware, get_hardware
 
 GRID = tuple(round(0.70 + 0.02 * i, 2) for i in range(31))  # candidate scales, 0.70 ... 1.30
 

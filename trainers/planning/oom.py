@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from spmd.units import fmt_bytes
 from trainers.config import Config
-from trainers.hardware import HARDWARE, Hardware
 from trainers.planning.costs import memory_estimate
+from trainers.planning.hardware import HARDWARE, Hardware
 from trainers.planning.planner import plan
 
 # device_kind substrings -> HARDWARE names, most specific first
@@ -31,7 +31,7 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def hardware_of(device_kind: str) -> Hardware | None:
-    """The :data:`trainers.hardware.HARDWARE` entry of a ``jax.Device.device_kind`` (None: unknown or CPU)."""
+    """The :data:`trainers.planning.hardware.HARDWARE` entry of a ``jax.Device.device_kind`` (None: unknown or CPU)."""
     kind = device_kind.lower()
     return next((HARDWARE[name] for key, name in _KINDS if key in kind), None)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from trainers.hardware import Hardware
+from trainers.planning.hardware import Hardware
 
 OVERLAPPED_AXES = ("data", "fsdp")  # collectives over only these axes move weights or gradients: overlappable
 

@@ -25,10 +25,10 @@ from spmd.pipeline import PipelineConfig
 from spmd.units import fmt_bytes
 from trainers.checks import Issue, buildable, check, first_fatal
 from trainers.config import Config
-from trainers.hardware import Hardware, get_hardware
 from trainers.planning.blockers import blockers, device_splits, workable_counts
 from trainers.planning.confirm import confirm_picks
 from trainers.planning.costs import MemoryEstimate, Roofline, Traffic, layout_costs
+from trainers.planning.hardware import Hardware, get_hardware
 from trainers.planning.profile import TaskProfile, profile_task
 from trainers.planning.report import DryRunReport, counts_text, format_plan, layer_stack
 from trainers.task import Task, load_task
@@ -321,7 +321,7 @@ def plan(cfg: Config, devices: int, hardware: str | Hardware, *, headroom: float
     compiles; a task is compiled from ``task_name``, or ``task`` when it is a Task or a name).
     With no valid layout (the built-in GPT): ``blockers`` and the ``nearest`` workable device
     counts below and above whose analytic plan has a fitting layout. ``headroom``: the share of HBM a
-    layout may use (default the hardware's :attr:`~trainers.hardware.Hardware.headroom`)."""
+    layout may use (default the hardware's :attr:`~trainers.planning.hardware.Hardware.headroom`)."""
     hw = get_hardware(hardware)
     headroom = hw.headroom if headroom is None else headroom
     if not 0 < headroom <= 1:

@@ -99,7 +99,7 @@ def example_of(source: Any) -> Any:
                         row)
 
 
-def abstract_batch(example: Any, rows: int, sharding: Any = None) -> Any:
+def batch_shapes(example: Any, rows: int, sharding: Any = None) -> Any:
     """``[rows, ...]`` of one example's shapes, as ``ShapeDtypeStruct`` (with ``sharding`` when given)."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *x.shape), x.dtype, sharding=sharding), example)
 
@@ -141,7 +141,7 @@ def _model_vars(variables: ModelVariables) -> ModelVars:
 def _trace(task: Task, variables: ModelVariables, example: Any, rows: int) -> tuple[float, float, list[Matmul]]:
     """Forward FLOPs, bytes saved for the backward and the matmuls of the loss at ``rows`` rows."""
     mv = _model_vars(variables)
-    batch = abstract_batch(example, rows)
+    batch = batch_shapes(example, rows)
 
     def forward(params, other, batch):
         model = mv.merge(params, other)

@@ -8,13 +8,13 @@ from spmd.hlo import Collective, format_collectives
 from spmd.inspection import Memory
 from spmd.units import fmt_bytes, fmt_count, fmt_seconds, format_table
 from trainers.checks import Issue
-from trainers.hardware import HARDWARE, Hardware
 from trainers.planning.blockers import group_reasons
 from trainers.planning.costs import MemoryEstimate, Roofline, Traffic
+from trainers.planning.hardware import HARDWARE, Hardware
 
 
 def is_cpu_target(hw: Hardware) -> bool:
-    """Whether ``hw`` is the CPU stand-in (or a :func:`trainers.hardware.custom` copy of it): the one target
+    """Whether ``hw`` is the CPU stand-in (or a :func:`trainers.planning.hardware.custom` copy of it): the one target
     whose memory the CPU compile itself measures."""
     return getattr(hw, "platform", "") == "cpu" or hw.name == "cpu" or hw.source == HARDWARE["cpu"].source
 

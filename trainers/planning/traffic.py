@@ -18,13 +18,13 @@ import math
 import spmd
 from meshes import AXES
 from spmd.models.router import capacity
-from spmd.pipeline import Schedule, get_schedule
 from spmd.rules import axes_of
 from spmd.sharding import fit_spec
 from trainers.checks import batch_axes
 from trainers.config import Config
-from trainers.hardware import Hardware, axis_levels, collective_seconds, networks
 from trainers.model_variables import ParamInfo, param_infos, shard_divisors
+from trainers.planning.hardware import Hardware, axis_levels, collective_seconds, networks
+from trainers.planning.pipeline_costs import pipeline_sends
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 RECOMPUTES_BLOCK = ("full", "save_block_input")  # spmd.remat policies that run each block's forward twice
@@ -45,50 +45,12 @@ class Traffic:
     def timed(cls, kind: str, axes: tuple[str, ...], count: float, nbytes: float, sizes: dict[str, int], hw: Hardware,
               dcn_axes: tuple[str, ...] = ()) -> Traffic:
         """``count`` collectives of ``nbytes`` in all over ``axes``, timed as hierarchical rings over the
-        network levels they cross (:func:`trainers.hardware.axis_levels`; "dcn" when one leaves the fast network)."""
+        network levels they cross (:func:`trainers.planning.hardware.axis_levels`; "dcn" when one leaves the fast network)."""
         dcn = any(networks(sizes, hw, dcn_axes).get(a) == "dcn" for a in axes)
         levels = axis_levels(sizes, axes, hw, dcn_axes)
         return cls(kind, axes, int(count), int(nbytes), "dcn" if dcn else "ici",
                    collective_seconds(hw, kind, nbytes, math.prod(sizes.get(a, 1) for a in axes), dcn=dcn,
                                       levels=levels, count=count))
-
-
-def pipeline_schedule(cfg: Config, pipe: int) -> Schedule:
-    """The schedule table ``cfg.pipeline`` runs on a pipe axis of this size (built once per shape)."""
-    p = cfg.pipeline
-    return _schedule(p.schedule, pipe, p.microbatches, p.virtual_stages)
-
-
-@functools.lru_cache(maxsize=1024)
-def _schedule(name: str, pipe: int, microbatches: int, virtual_stages: int) -> Schedule:
-    return get_schedule(name, pipe, microbatches, virtual_stages)
-
-
-def pipeline_sends(cfg: Config, pipe: int) -> int:
-    """Activations ``x[B/M, L, D]`` the busiest stage sends over ``pipe`` per pipeline run: the table
-    engine's sends (:meth:`spmd.pipeline.Schedule.sent_bytes` per stage); GPipe: ``2 (M + S - 1)``, what
-    its scans sent when they permuted on every tick (they now send ``2 M``; kept as an upper bound)."""
-    p = cfg.pipeline
-    return _sends(p.schedule, pipe, p.microbatches, p.virtual_stages)
-
-
-@functools.lru_cache(maxsize=1024)
-def _sends(name: str, pipe: int, microbatches: int, virtual_stages: int) -> int:
-    schedule = _schedule(name, pipe, microbatches, virtual_stages)
-    if schedule.name == "gpipe":
-        return 2 * (schedule.n_microbatches + pipe - 1)
-    return max(schedule.sent_bytes(1).per_stage)
-
-
-def stash_sizes(cfg: Config, pipe: int) -> tuple[int, int]:
-    """The schedule table's stash and gradient slots per stage (:meth:`spmd.pipeline.Schedule.stash_sizes`)."""
-    p = cfg.pipeline
-    return _stash(p.schedule, pipe, p.microbatches, p.virtual_stages)
-
-
-@functools.lru_cache(maxsize=1024)
-def _stash(name: str, pipe: int, microbatches: int, virtual_stages: int) -> tuple[int, int]:
-    return _schedule(name, pipe, microbatches, virtual_stages).stash_sizes()
 
 
 def token_axes(rules: spmd.Rules, sizes: dict[str, int]) -> tuple[str, ...]:
