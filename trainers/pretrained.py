@@ -106,7 +106,6 @@ def read_hf_params(cfg: Config, abstract_params: Any) -> Any:
     return read_params(path, cfg.model, abstract_params)
 
 
-init_params = read_hf_params  # the former name, still called by trainers.startup.loaded_params
 
 
 def run_config(run_dir: str) -> Config:

@@ -69,7 +69,7 @@ def loaded_params(cfg: Config, sharded: ShardedState, say: Callable[[str], None]
     """The params ``checkpoint.init_from`` names (a Hugging Face folder read shard by shard, or a step
     of another run), sharded as ``sharded``'s; None without it."""
     if pretrained.hf_path(cfg.checkpoint.init_from) is not None:
-        params = pretrained.init_params(cfg, sharded.abstract.params)
+        params = pretrained.read_hf_params(cfg, sharded.abstract.params)
         say(f"initialised params from {cfg.checkpoint.init_from}; fresh optimizer, step 0")
         return params
     if not cfg.checkpoint.init_from:
