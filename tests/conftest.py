@@ -3,6 +3,10 @@
 import os
 
 _flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+# The tests check numbers and programs, not speed: LLVM's optimisation of the CPU code is skipped (about
+# half of a compile-bound test's time), unless XLA_FLAGS sets a level itself. Subprocesses inherit it.
+if not any(f.startswith("--xla_backend_optimization_level") for f in _flags):
+    _flags.append("--xla_backend_optimization_level=0")
 os.environ["XLA_FLAGS"] = " ".join([*_flags, "--xla_force_host_platform_device_count=8"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

@@ -48,8 +48,14 @@ def tiny_config(run_dir: str, steps: int, *sets: str):
 def worker_env(devices: int = 8) -> dict[str, str]:
     """Environment for a worker subprocess: CPU devices, the repo importable, the shared compile cache."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = xla_flags(devices)
     return env
+
+
+def xla_flags(devices: int) -> str:
+    """XLA_FLAGS with ``devices`` CPU devices, keeping the others set (the test setup's optimisation level)."""
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
 
 
 def default_signals() -> None:
@@ -118,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--digest", action="store_true", help="report a SHA-256 of the final state (one process only)")
     args = p.parse_args(argv)
 
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+    os.environ["XLA_FLAGS"] = xla_flags(args.devices)
     import jax
 
     if args.num_processes > 1:
