@@ -107,6 +107,7 @@ def test_barrier_validates_and_is_free_on_one_process():
 
 
 # ----------------------------------------------------------------------------- in-process trials
+@pytest.mark.slow  # repeated preemptions; the fast tier keeps one signal to a subprocess
 def test_sigterm_at_random_steps_resumes_exactly(tmp_path, reference):
     """Ten preemptions at random steps of one run (each resume is the next trial); the stitched
     run's losses equal the uninterrupted run's, step for step, bit for bit."""
@@ -152,7 +153,7 @@ def _run_worker(run_dir, *args, send=None, at_step=None):
     return proc.returncode, out, results[0] if results else None
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)], ids=["SIGTERM", "SIGINT"])
 def test_signal_to_a_subprocess_exits_zero_with_a_checkpoint(tmp_path, reference, sig):
     run_dir = str(tmp_path / "run")
     at = {signal.SIGTERM: 4, signal.SIGINT: 7}[sig]

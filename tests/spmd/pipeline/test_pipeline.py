@@ -218,7 +218,7 @@ def test_fsdp_weights_gathered_and_gradients_reduced_once_per_step():
     assert permutes and all(x.count == ticks > 1 and x.trip_count_known for x in permutes)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.slow)])  # one schedule in the fast tier
 def test_fsdp_gathers_move_the_compute_dtype(schedule, monkeypatch):
     """bf16 compute, fsdp=2 x pipe=2 x tensor=2: the stage weight matrices are gathered over fsdp in bf16
     (half the bytes of f32), with the same loss and gradients as gathering them in f32 (the blocks cast

@@ -268,7 +268,7 @@ def test_engine_b_w_split_matches_one_device(name, S, M):
                            ref_grads[0]) > 100 * TOL
 
 
-@pytest.mark.parametrize("schedule", [*ZB, pytest.param("zb-v", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("schedule", [ZB[0], *(pytest.param(s, marks=pytest.mark.slow) for s in (*ZB[1:], "zb-v"))])
 def test_gpt_data_pipe_tensor_matches_one_device(schedule):
     """data=2 x pipe=2 x tensor=2 (dp_tp), M=4: the GPT's loss and every gradient equal one device's."""
     V = 2 if schedule == "zb-v" else 1
