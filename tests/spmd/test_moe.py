@@ -142,7 +142,8 @@ def test_grouped_mlp_matches_a_per_row_reference():
         np.testing.assert_allclose(run(x, w_gu, w_d), reference(x, w_gu, w_d), rtol=1e-5, atol=1e-5)
         grads = jax.grad(lambda *a: jnp.sum(jnp.sin(run(*a))), argnums=(0, 1, 2))(x, w_gu, w_d)
         ref_grads = jax.grad(lambda *a: jnp.sum(jnp.sin(reference(*a))), argnums=(0, 1, 2))(x, w_gu, w_d)
-        assert rel_err(grads, ref_grads) < 1e-5, impl
+        # two algorithms, two f32 summation orders (ragged_dot's differs again without LLVM's optimisation): 3e-5
+        assert rel_err(grads, ref_grads) < 3e-5, impl
     assert np.abs(np.asarray(reference(x, w_gu, w_d))).max() > 0 and np.sum(np.asarray(group) == g) > 0
     n_present = int(np.sum(np.asarray(group) < g))
     assert int(grouped.grouped_mlp(x, group, w_gu, w_d, max_rows=n_present, impl="ragged")[1]) == n_present
