@@ -131,9 +131,6 @@ class LocalSteps(Plain):
         [x.delete() for x in jax.tree.leaves(self.stepped.state) if id(x) not in kept]
 
 
-Strategy = Plain  # the interface: Plain, or a subclass of it
-
-
 def _loaded(state: TrainState, params: Any, start: Callable[[TrainState], TrainState] | None) -> TrainState:
     """A fresh state with loaded params (``checkpoint.init_from``), completed by the task's ``start`` (DPO: its reference)."""
     state = state.replace(params=params)
