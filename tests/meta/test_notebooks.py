@@ -166,13 +166,14 @@ def _text(out) -> str:
 
 
 def kinds(cells) -> list[list[str]]:
-    """Per code cell, the kinds of its outputs (stream names, result MIME types), in order; consecutive
-    outputs of one stream count once (how the kernel's flushes split a stream varies from run to run)."""
+    """Per code cell, the kinds of its outputs: the result MIME types in order, then the stream names
+    present, each once. stdout and stderr are two channels that the kernel flushes on its own timing,
+    so how they split and interleave varies from run to run; which streams a cell writes does not."""
     out = []
     for c in cells:
-        names = [o.get("name") if o.output_type == "stream" else o.output_type + ":" + ",".join(
-            sorted(k for k in o.get("data", {}) if k != "text/plain")) for o in c.outputs]
-        out.append([n for i, n in enumerate(names) if i == 0 or n != names[i - 1] or n not in ("stdout", "stderr")])
+        results = [o.output_type + ":" + ",".join(sorted(k for k in o.get("data", {}) if k != "text/plain"))
+                   for o in c.outputs if o.output_type != "stream"]
+        out.append(results + sorted({o.get("name") for o in c.outputs if o.output_type == "stream"}))
     return out
 
 
