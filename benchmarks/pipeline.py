@@ -25,6 +25,9 @@ Runs only if ``spmd.pipeline`` exists (otherwise the section says "pipeline: not
 5. **FSDP gathers under bf16** (fsdp=2 x pipe=2 x tensor=2): the stage weight matrices' all-gathers over ``fsdp``
    in bf16 against the same step gathering them in f32, compiled in the same run.
 
+``--quick``: M in {S, 2S} for the tables; the steps at M = S only: 1F1B alone for the step-time
+rows, ZB-H1 against it, ZB-V's sends, and the FSDP gathers under 1F1B (not GPipe) with one layer per stage.
+
     python -m benchmarks.pipeline [--quick] [--output PATH]
 """
 
@@ -226,7 +229,7 @@ def fsdp_gather_rows(quick: bool, schedule: str = "1f1b") -> list[Row]:
 
     S = 2
     cfg, _, length = common.gpt_config(quick=True)
-    cfg = dataclasses.replace(cfg, n_layers=2 * S, dtype="bfloat16")
+    cfg = dataclasses.replace(cfg, n_layers=S if quick else 2 * S, dtype="bfloat16")
     mesh = meshes.make_mesh({"fsdp": 2, "pipe": S, "tensor": 2}, devices=jax.devices()[:8])
     pipeline = PipelineConfig(schedule, microbatches=4)
 
@@ -316,9 +319,10 @@ def run(options: common.Options, command: str = "python -m benchmarks.pipeline")
         try:
             rows += step_rows(options.quick)
             rows += zero_bubble_step_rows(options.quick)
-            rows.append(comms_row("zb-v", 2 * STAGES, pipeline_setup("zb-v", 2 * STAGES, options.quick)))
-            if len(jax.devices()) >= 8:
-                rows += fsdp_gather_rows(options.quick) + fsdp_gather_rows(options.quick, "gpipe")
+            zb_v = STAGES if options.quick else 2 * STAGES
+            rows.append(comms_row("zb-v", zb_v, pipeline_setup("zb-v", zb_v, options.quick)))
+            if len(jax.devices()) >= 8:  # quick: 1f1b's gathers only (gpipe's compile the same rows again)
+                rows += fsdp_gather_rows(options.quick) + ([] if options.quick else fsdp_gather_rows(False, "gpipe"))
         except Exception as exc:  # report the engine's failure next to the schedule rows
             after.append(f"steps: failed: {type(exc).__name__}: {str(exc)[:300]}")
     cfg, batch, length = common.gpt_config(quick=True)
