@@ -13,7 +13,8 @@ gathers the lines into rows:
 - **state bytes per device** (params + AdamW state, ``spmd.inspection.tree_bytes_per_device``) against the
   ideal: unchanged for DP, the 1-device bytes / N for FSDP. Goal <= 1.05.
 
-``--quick`` runs the counts 1 and 2 only.
+``--quick`` runs the counts 1 and 2 only, and hands the workers the caller's ``XLA_FLAGS`` but the device count
+(the test suite's ``--xla_backend_optimization_level=0``: the compile times are then not LLVM's full ones).
 
     python -m benchmarks.scaling [--quick] [--output PATH]
 """
@@ -67,6 +68,9 @@ def gather(counts: Sequence[int], quick: bool) -> list[dict]:
     results = []
     for n in counts:
         env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+        flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not common._COUNT_FLAG.match(f)]
+        if quick and flags:  # the smoke test keeps the caller's other XLA flags (the tests skip LLVM's optimisation)
+            env["XLA_FLAGS"] = " ".join(flags)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
         cmd = [sys.executable, "-m", "benchmarks.scaling", "--worker", str(n)] + (["--quick"] if quick else [])
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
