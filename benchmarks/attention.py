@@ -17,6 +17,9 @@ run, so lengths whose temporaries exceed this machine's memory still compile. Ro
   blockwise: <= 4.5, linear is 4; naive is shown for contrast, ~16 when quadratic);
 - **blockwise vs naive** at the longest length.
 
+``--quick``: a tiny model with attention block 64 at L = 128 and 512; naive and xla at L = 512 only
+(no growth rows for them).
+
     python -m benchmarks.attention [--quick] [--output PATH]
 """
 
@@ -58,9 +61,11 @@ def run(options: common.Options, command: str = "python -m benchmarks.attention"
     mid, longest = lengths[-2], lengths[-1]
     temps: dict[tuple[str, int], int] = {}
     rows: list[Row] = []
+    # quick (the test suite's smoke run): the growth of blockwise only; naive and xla at the longest length
+    grown = ("blockwise",) if options.quick else PATHS
     for path in PATHS:
         cfg = dataclasses.replace(base, attention=path)
-        for length in lengths:
+        for length in lengths if path in grown else lengths[-1:]:
             temp, seconds = temp_bytes(cfg, length)
             temps[path, length] = temp
             scores = 4 * base.n_heads * length * length  # one layer's [B=1, H, L, L] f32 scores
@@ -68,7 +73,7 @@ def run(options: common.Options, command: str = "python -m benchmarks.attention"
                             f"{fmt_bytes(scores)} = one layer's [1, {base.n_heads}, L, L] f32 scores",
                             temp / scores, "reported", None, f"set up and compiled in {seconds:.1f} s"))
             print(f"{path} L={length}: {fmt_bytes(temp)}", flush=True)
-    for path in PATHS:
+    for path in grown:
         growth = temps[path, longest] / temps[path, mid]
         linear, quadratic = longest / mid, (longest / mid) ** 2
         goal, bound = path == "blockwise", SLACK * linear

@@ -33,7 +33,8 @@ apart, and which mode a round gets, not the code, decides a ratio.
 
 Goals: save() blocks <= 1.5 x the bare copy (both states) and <= 5 % of the main job's step; the
 large state's save reaches >= 0.5 x the raw write + fsync of a new file. The bare copy and the
-save are timed in pairs (three pairs per round for the small main state).
+save are timed in pairs (three pairs per round for the small main state). ``--quick``: the tiny model, a
+smaller large state, 1 round of 2 train steps and one pair per round (a smoke test, not a measurement).
 
     python -m benchmarks.checkpoint [--quick] [--output PATH]
 """
@@ -138,7 +139,8 @@ def run(options: common.Options, command: str = "python -m benchmarks.checkpoint
     from trainers.checkpoint import CheckpointConfig, Checkpointer
 
     cfg, batch, length = common.gpt_config(options.quick)
-    rounds, steps = (2, 2) if options.quick else (9, 5)
+    rounds, steps = (1, 2) if options.quick else (9, 5)
+    pairs = 1 if options.quick else 3  # bare copy + save pairs per round for the main state
     layout = LAYOUT if len(jax.devices()) >= 8 else "single"
     setup = common.gpt_setup(cfg, common.layout_mesh(layout), common.LAYOUTS.get(layout, ({}, "none"))[1],
                              batch, length)
@@ -279,7 +281,7 @@ def run(options: common.Options, command: str = "python -m benchmarks.checkpoint
             return timed
 
         rounds_of = {
-            "train": train_round, "main copy and save": copy_and_save_round("main", 3),
+            "train": train_round, "main copy and save": copy_and_save_round("main", pairs),
             "main step after save": step_after_save_round, "main orbax": orbax_round("main"),
             "main restore": restore_round, "main disk": disk_round("main"),
             "large copy and save": copy_and_save_round("large", 1), "large orbax": orbax_round("large"),
@@ -350,7 +352,7 @@ def run(options: common.Options, command: str = "python -m benchmarks.checkpoint
               f"updated by its train step; large state: {large_desc}, params + AdamW moments, random values, {large_b}, "
               f"updated by a donated elementwise step; layout {layout}; directories under {tempfile.gettempdir()}",
               f"- {rounds} interleaved rounds (order reversed every other round), medians: {steps} train steps; per state: "
-              "bare copy and Checkpointer save + wait in pairs (3 pairs per round for the main state), default orbax "
+              f"bare copy and Checkpointer save + wait in pairs ({pairs} per round for the main state), default orbax "
               "save + wait, raw write + fsync (new file; in place); main state: a step right after save(), restore. "
               "The host (2 cores) is shared with other jobs: single figures are noisy, ratios come from the same rounds",
               "- before every timed write (saves and raw writes alike), a scratch file of the same size is written and "
