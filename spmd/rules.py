@@ -12,6 +12,7 @@ Table and what communicates: docs/sharding.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 
 from jax.sharding import PartitionSpec as P
@@ -90,8 +91,14 @@ class Rules:
         the rule of the dim it :data:`FOLLOWS`, if any. A rule set that would use one mesh axis for
         two dims of the same array raises, naming both dims.
         """
+        sizes = None if mesh_sizes is None else tuple(sorted(mesh_sizes.items()))
+        return _spec(self, tuple(dims), kind, sizes, what)  # the planner asks for the same specs many times
+
+    def _spec(self, dims: tuple[str | None, ...], kind: str, sizes: tuple[tuple[str, int], ...] | None,
+              what: str) -> P:
         if kind not in ("params", "activations"):
             raise RulesError(f"kind must be 'params' or 'activations', got {kind!r}")
+        mesh_sizes = None if sizes is None else dict(sizes)
         table = dict(self.params if kind == "params" else self.activations)
         known = self.known_dims()
         used: dict[str, str] = {}
@@ -189,3 +196,9 @@ def get_rules(name: str | Rules) -> Rules:
         return RULE_SETS[name]
     except KeyError:
         raise RulesError(f"unknown rule set {name!r}; valid presets: {', '.join(RULE_SETS)}") from None
+
+
+@functools.lru_cache(maxsize=65536)
+def _spec(rules: Rules, dims: tuple[str | None, ...], kind: str, sizes: tuple[tuple[str, int], ...] | None,
+          what: str) -> P:
+    return rules._spec(dims, kind, sizes, what)

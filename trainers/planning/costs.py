@@ -32,7 +32,7 @@ from trainers.model_variables import ParamInfo, shard_divisors
 from trainers.optim import make_optimizer
 from trainers.planning.hardware import Hardware
 from trainers.planning.perf import Work, step_time
-from trainers.planning.pipeline_costs import pipeline_schedule, stash_sizes
+from trainers.planning.pipeline_costs import pipeline_schedule, stash_sizes, weight_stash_size
 from trainers.planning.profile import TaskProfile, at
 from trainers.planning.traffic import DTYPE_BYTES as _DTYPE_BYTES
 from trainers.planning.traffic import (
@@ -141,7 +141,7 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
             n_x, n_g = stash_sizes(cfg, S)
             chunk = m.n_layers // (S * pipe.virtual_stages)
             acts = (n_x + n_g + 2 + M) * x_in + kept(b / M, chunk) + logits(b / M)
-            acts += pipeline_schedule(cfg, S).weight_stash_size() * chunk * (b / M * L * per_token_layer + x_in)  # W reads ~ acts + dy
+            acts += weight_stash_size(cfg, S) * chunk * (b / M * L * per_token_layer + x_in)  # W reads ~ acts + dy
     else:
         acts = kept(b, m.n_layers) + logits(b)
     # FSDP/TP: one layer's weights gathered in the compute dtype (two in flight when prefetched); gradient

@@ -49,3 +49,14 @@ def stash_sizes(cfg: Config, pipe: int) -> tuple[int, int]:
 @functools.lru_cache(maxsize=1024)
 def _stash(name: str, pipe: int, microbatches: int, virtual_stages: int) -> tuple[int, int]:
     return _schedule(name, pipe, microbatches, virtual_stages).stash_sizes()
+
+
+def weight_stash_size(cfg: Config, pipe: int) -> int:
+    """Split schedules' B-to-W slots per stage (:meth:`spmd.pipeline.Schedule.weight_stash_size`); 0 without W."""
+    p = cfg.pipeline
+    return _weight_stash(p.schedule, pipe, p.microbatches, p.virtual_stages)
+
+
+@functools.lru_cache(maxsize=1024)
+def _weight_stash(name: str, pipe: int, microbatches: int, virtual_stages: int) -> int:
+    return _schedule(name, pipe, microbatches, virtual_stages).weight_stash_size()
