@@ -166,7 +166,7 @@ def names_both(cell: dict, message: str) -> bool:
 
 
 def overrides(cell: dict, *, one_device: bool = False) -> list[str]:
-    sets = ["run.steps=1", "run.eval_every=100", "run.progress=false", "run.tensorboard=false", "run.log_every=1",
+    sets = ["run.steps=1", "run.eval_batches=0", "run.progress=false", "run.tensorboard=false", "run.log_every=1",
             "checkpoint.every_steps=1", "optimizer.name=sgd", "optimizer.clip_norm=null", "optimizer.weight_decay=0",
             "lr.kind=constant", "lr.peak_lr=0.1", "lr.warmup_steps=0", "data.global_batch=16",
             f"run.grad_accum={cell['grad_accum']}", f"run.fsdp_gather={cell['fsdp_gather']}"]
@@ -217,7 +217,8 @@ def _params(result):
 
 def run_cell(cell: dict, reference, workdir: str) -> Outcome:
     """Run ``cell`` (two steps, or one plus one resumed on another mesh) and compare it with ``reference``:
-    ``(losses, params before, params after)`` of the same run on one device."""
+    ``(losses, params before, params after)`` of the same run on one device, or a function that computes
+    it, called only when the cell ran (a refused cell needs no reference)."""
     import jax
     import numpy as np
 
@@ -232,7 +233,7 @@ def run_cell(cell: dict, reference, workdir: str) -> Outcome:
         return Outcome(cell, "refused", str(e).splitlines()[0][:300])
     except Exception as e:  # noqa: BLE001 - a crash is this cell's result
         return Outcome(cell, "crashed", f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
-    losses, p0, p1 = reference
+    losses, p0, p1 = reference() if callable(reference) else reference
     tol_loss, tol_update = TOL[cell["dtype"]]
     if cell["model"] == "moe" and cell["dtype"] == "bfloat16":
         tol_update = MOE_BF16_UPDATE

@@ -112,7 +112,7 @@ def test_generation_sharded_equals_transformers_and_sampling_is_layout_free(fami
     for layout in ("single", "dp2_fsdp2_tp2"):
         mesh, rules = mesh_of(layout)
         model = load_pretrained(os.path.join(FIXTURES, family), mesh, rules)
-        for loop in ("scan", "unrolled"):
+        for loop in ("scan", "unrolled") if layout != "single" else ("scan",):  # both, one device: a fast test
             greedy = np.asarray(generate(model, prompt, 32, mesh=mesh, rules=rules, loop=loop))
             np.testing.assert_array_equal(greedy, np.tile(ref["generated"], (2, 1)))
         samples.append(np.asarray(generate(model, prompt, 16, 1.0, 8, 0.9, seed=7, mesh=mesh, rules=rules)))

@@ -85,7 +85,7 @@ def test_representative_cells(name, tmp_path):
     base = dict(layout="dp", model="gpt", length="short", grad_accum=1, fsdp_gather="per_microbatch", remat="none",
                 dtype="float32", loss_chunk=0, local_sgd=0, resume="no")
     cell = {**base, **REPRESENTATIVE[name]}
-    outcome = matrix.run_cell(cell, matrix.run_reference(cell, str(tmp_path / "ref")), str(tmp_path / "cell"))
+    outcome = matrix.run_cell(cell, lambda: matrix.run_reference(cell, str(tmp_path / "ref")), str(tmp_path / "cell"))
     assert outcome.ok, (outcome.status, outcome.detail)
 
 

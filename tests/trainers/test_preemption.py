@@ -109,10 +109,10 @@ def test_barrier_validates_and_is_free_on_one_process():
 # ----------------------------------------------------------------------------- in-process trials
 @pytest.mark.slow  # repeated preemptions; the fast tier keeps one signal to a subprocess
 def test_sigterm_at_random_steps_resumes_exactly(tmp_path, reference):
-    """Ten preemptions at random steps of one run (each resume is the next trial); the stitched
+    """Four preemptions at random steps of one run (each resume is the next trial); the stitched
     run's losses equal the uninterrupted run's, step for step, bit for bit."""
     run_dir = str(tmp_path / "run")
-    stops = sorted(random.Random(0).sample(range(1, STEPS), 10))
+    stops = sorted(random.Random(0).sample(range(1, STEPS), 4))
     start = 0
     for stop in stops:
         hook = lambda step, stop=stop: signal.raise_signal(signal.SIGTERM) if step == stop else None
