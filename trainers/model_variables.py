@@ -21,6 +21,7 @@ from flax import nnx
 import spmd
 from meshes import AXES
 from spmd.models import GPTConfig
+from spmd.models.lora import LoRASpec
 from spmd.rules import axes_of
 from spmd.sharding import abstract_module, fit_spec
 from spmd.variables import Decision, PathRules, decide
@@ -108,16 +109,17 @@ def model_variables(make, path_rules: PathRules = ()) -> ModelVariables:
 
 
 @functools.lru_cache(maxsize=32)
-def _gpt_variables(model: GPTConfig) -> ModelVariables:
-    from spmd.models import GPT  # as trainers.task.lm_model builds it (no LoRA adapters)
+def _gpt_variables(model: GPTConfig, lora: LoRASpec | None = None) -> ModelVariables:
+    from spmd.models import GPT  # as trainers.task.lm_model builds it
 
-    return model_variables(lambda: GPT(model, rngs=nnx.Rngs(0)))
+    return model_variables(lambda: GPT(model, rngs=nnx.Rngs(0), lora=lora))
 
 
-def param_infos(model: GPTConfig | ModelVariables) -> tuple[ParamInfo, ...]:
+def param_infos(model: GPTConfig | ModelVariables, lora: LoRASpec | None = None) -> tuple[ParamInfo, ...]:
     """Path, shape, logical dims and item size of every parameter of the built-in GPT of a
-    ``GPTConfig``, or of any model's :class:`ModelVariables` (from an abstract model, no allocation)."""
-    return (_gpt_variables(model) if isinstance(model, GPTConfig) else model).infos
+    ``GPTConfig`` (with ``lora``'s adapters), or of any model's :class:`ModelVariables` (from an abstract
+    model, no allocation)."""
+    return (_gpt_variables(model, lora) if isinstance(model, GPTConfig) else model).infos
 
 
 def shard_divisors(info: ParamInfo, rules: spmd.Rules, sizes: Mapping[str, int], kind: str = "params") -> list[int]:

@@ -41,6 +41,7 @@ from trainers.planning.traffic import (
     comm_estimate,
     sharded_params,
     token_axes,
+    trained,
 )
 
 # spmd.remat policies by what a block keeps on the device for the backward pass (else: its input only)
@@ -86,12 +87,14 @@ class Roofline:
 def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
     """Analytic per-device bytes of ``cfg``'s train step on a mesh of these axis sizes."""
     m, rules, data = cfg.model, spmd.get_rules(cfg.rules), cfg.data
-    shards = sharded_params(m, cfg.rules, sizes)
+    shards = sharded_params(m, cfg.rules, sizes, cfg.lora.spec)
     infos = [x.info for x in shards]
     local = sum(x.local_ceil * x.info.itemsize for x in shards)
-    f32 = {p.path: jax.ShapeDtypeStruct(p.shape, "float32") for p in infos}
-    optimizer = int(round(_optimizer_copies(cfg.optimizer, f32) * local))
-    grads = local  # one f32 copy, with accumulation too: the accumulator (docs/planning.md)
+    train = trained(shards, cfg.lora.spec)  # LoRA: the adapters alone have gradients and optimizer state
+    local_trained = sum(x.local_ceil * x.info.itemsize for x in train)
+    f32 = {x.info.path: jax.ShapeDtypeStruct(x.info.shape, "float32") for x in train}
+    optimizer = int(round(_optimizer_copies(cfg.optimizer, f32) * local_trained))
+    grads = local_trained  # one f32 copy, with accumulation too: the accumulator (docs/planning.md)
     dt = _DTYPE_BYTES[m.dtype]
     t = sizes.get("tensor", 1) if any(a == "mlp" for a, _ in rules.activations) else 1
     b = rows_per_device(cfg, sizes)
@@ -150,7 +153,7 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
     if sizes.get("fsdp", 1) > 1 and cfg.run.grad_accum > 1 and cfg.run.fsdp_gather == "per_step":
         unsharded = [p.size // math.prod(shard_divisors(p, rules, {**sizes, "fsdp": 1})) for p in infos]
         gathered = sum(n * dt for n in unsharded)
-        grads = local + sum(n * p.itemsize for n, p in zip(unsharded, infos))
+        grads = local_trained + sum(n * x.info.itemsize for n, x in zip(unsharded, shards) if x in train)
     elif sizes.get("fsdp", 1) > 1 and S > 1 and pipe.enabled:  # the stage's layers gathered once before the
         # tick loop in their own dtype, and their gradient accumulated unsharded until after it (spmd/pipeline/layout.py)
         gathered = 2 * sum(x.info.size // S * x.info.itemsize // x.compute_divisor for x in shards if x.info.dims and x.info.dims[0] == "layers")
@@ -222,7 +225,7 @@ def gpt_work(cfg: Config, sizes: dict[str, int]) -> Work:
     vt = t if any(a == "vocab" for a, _ in rules.activations) else 1
     layers = m.n_layers // (S if piped else 1)
     hbm = local_tokens * (layers * fwd * (3 + recompute) + 6 * 4 * m.vocab_size / vt)
-    local_params = sum(x.local for x in sharded_params(m, cfg.rules, sizes))
+    local_params = sum(x.local for x in trained(sharded_params(m, cfg.rules, sizes, cfg.lora.spec), cfg.lora.spec))
     hbm += local_params * (32 + 8 * (run.grad_accum - 1))  # AdamW update; accumulator reads and writes
     once = run.grad_accum > 1 and run.fsdp_gather == "per_step"
     passes = 1 if once or piped else (2 if m.policy == "none" else 3)  # as comm_estimate counts the gathers

@@ -17,6 +17,7 @@ import math
 
 import spmd
 from meshes import AXES
+from spmd.models.lora import LoRASpec, is_adapter
 from spmd.models.router import capacity
 from spmd.rules import axes_of
 from spmd.sharding import fit_spec
@@ -79,17 +80,24 @@ class Sharded:
     compute_divisor: int  # the activations rule set's split (the weight as a layer's compute lays it out)
 
 
-def sharded_params(model, rules_name: str, sizes: dict[str, int]) -> tuple[Sharded, ...]:
-    """:class:`Sharded` for every parameter of ``model`` (a GPTConfig) under rule set ``rules_name`` (cached:
-    the planner asks for the same layout's parameters from the memory, traffic and time models)."""
-    return _sharded(model, rules_name, tuple(sizes.items()))
+def sharded_params(model, rules_name: str, sizes: dict[str, int], lora: LoRASpec | None = None) -> tuple[Sharded, ...]:
+    """:class:`Sharded` for every parameter of ``model`` (a GPTConfig, with ``lora``'s adapters) under rule set
+    ``rules_name`` (cached: the planner asks for the same layout's parameters from the memory, traffic and
+    time models)."""
+    return _sharded(model, rules_name, tuple(sizes.items()), lora)
+
+
+def trained(shards: tuple[Sharded, ...], lora: LoRASpec | None) -> tuple[Sharded, ...]:
+    """The parameters a step updates: all of them, or with LoRA only the adapters (the base is frozen: XLA
+    drops its zero gradients, accumulator included, and it has no optimizer state)."""
+    return shards if lora is None else tuple(x for x in shards if is_adapter(x.info.path))
 
 
 @functools.lru_cache(maxsize=256)
-def _sharded(model, rules_name: str, items: tuple[tuple[str, int], ...]) -> tuple[Sharded, ...]:
+def _sharded(model, rules_name: str, items: tuple[tuple[str, int], ...], lora: LoRASpec | None) -> tuple[Sharded, ...]:
     rules, sizes = spmd.get_rules(rules_name), dict(items)
     out = []
-    for p in param_infos(model):
+    for p in param_infos(model, lora):
         div = math.prod(shard_divisors(p, rules, sizes))
         compute = math.prod(shard_divisors(p, rules, sizes, "activations")) if p.dims else 1
         out.append(Sharded(p, p.size // div, math.ceil(p.size / div), param_axes(p, rules, sizes), compute))
@@ -116,15 +124,19 @@ def comm_estimate(cfg: Config, sizes: dict[str, int], hw: Hardware, dcn_axes: tu
     passes = 1 if once or piped else (2 if m.policy == "none" else 3)  # the pipeline gathers before its loop
     micro = 1 if once else k
     grads: dict[tuple[str, tuple[str, ...]], list[float]] = {}  # all parameters' bytes per collective, as XLA combines them
-    for x in sharded_params(m, cfg.rules, sizes):
+    lora = cfg.lora.spec
+    for x in sharded_params(m, cfg.rules, sizes, lora):
         p, on, local = x.info, x.axes, x.local
+        reduced = lora is None or is_adapter(p.path)  # a frozen base weight is gathered, never reduced
         gather = tuple(a for a in tokens if a in on and a != "expert")  # experts stay put: tokens travel
         if gather:
             full = local * math.prod(sizes[a] for a in gather)
             matrix = len(p.shape) - (p.dims[0] == "layers") >= 2  # matrices are gathered in the compute dtype
             grads.setdefault(("all-gather", gather), [passes * micro, 0])[1] += full * (dt if matrix else p.itemsize)
-            grads.setdefault(("reduce-scatter", gather), [micro, 0])[1] += full * p.itemsize
-        grads.setdefault(("all-reduce", tuple(a for a in tokens if a not in on)), [1, 0])[1] += local * p.itemsize
+            if reduced:
+                grads.setdefault(("reduce-scatter", gather), [micro, 0])[1] += full * p.itemsize
+        if reduced:
+            grads.setdefault(("all-reduce", tuple(a for a in tokens if a not in on)), [1, 0])[1] += local * p.itemsize
         # (an expert's gradient is whole on its shard: every token routed to it arrived by the all-to-all)
     for (kind, axes), (count, nbytes) in grads.items():
         add(kind, axes, count, nbytes)
