@@ -18,7 +18,7 @@ run, so lengths whose temporaries exceed this machine's memory still compile. Ro
 - **blockwise vs naive** at the longest length.
 
 ``--quick``: a tiny model with attention block 64 at L = 128 and 512; naive and xla at L = 512 only
-(no growth rows for them).
+(no growth rows for them); the state set up abstract (the "set up and compiled" seconds then exclude its init).
 
     python -m benchmarks.attention [--quick] [--output PATH]
 """
@@ -47,10 +47,10 @@ def setting(quick: bool) -> tuple[GPTConfig, tuple[int, ...]]:
     return cfg, (512, 2048, 8192)
 
 
-def temp_bytes(cfg: GPTConfig, length: int) -> tuple[int, float]:
+def temp_bytes(cfg: GPTConfig, length: int, abstract: bool = False) -> tuple[int, float]:
     """(temp bytes per device, compile seconds) of the training step at ``length`` on one device."""
     start = time.perf_counter()
-    setup = common.gpt_setup(cfg, common.layout_mesh("single"), "none", 1, length)
+    setup = common.gpt_setup(cfg, common.layout_mesh("single"), "none", 1, length, abstract=abstract)
     return spmd.inspection.memory(setup.compiled).temp, time.perf_counter() - start
 
 
@@ -66,7 +66,7 @@ def run(options: common.Options, command: str = "python -m benchmarks.attention"
     for path in PATHS:
         cfg = dataclasses.replace(base, attention=path)
         for length in lengths if path in grown else lengths[-1:]:
-            temp, seconds = temp_bytes(cfg, length)
+            temp, seconds = temp_bytes(cfg, length, abstract=options.quick)
             temps[path, length] = temp
             scores = 4 * base.n_heads * length * length  # one layer's [B=1, H, L, L] f32 scores
             rows.append(Row(f"{path}: step temporaries, L={length}", fmt_bytes(temp),

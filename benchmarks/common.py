@@ -261,10 +261,13 @@ def report(name: str, title: str, rows: Sequence[Row], options: Options, command
 
 
 # ------------------------------------------------------------------------------------ GPT step
-def gpt_config(quick: bool) -> tuple[GPTConfig, int, int]:
-    """(model, global batch, sequence length): the gpt-small recipe's shape, or a tiny one when quick."""
+def gpt_config(quick: bool, *, one_block: bool = False) -> tuple[GPTConfig, int, int]:
+    """(model, global batch, sequence length): the gpt-small recipe's shape, or a tiny one when quick
+    (``one_block``: with one block instead of two; the CPU backend unrolls short stacks, so a step's
+    compile time follows the depth: a benchmark's ``--quick`` smoke run asks for it)."""
     if quick:
-        return GPTConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, d_ff=128), 8, 16
+        return GPTConfig(vocab_size=256, d_model=64, n_layers=1 if one_block else 2, n_heads=8, n_kv_heads=4,
+                         d_ff=128), 8, 16
     return GPTConfig(vocab_size=256, d_model=128, n_layers=4, n_heads=4, d_ff=512), 16, 128
 
 
@@ -333,35 +336,39 @@ class GPTSetup:
     cfg: GPTConfig
     mesh: jax.sharding.Mesh
     rules: spmd.Rules
-    sharded: Any  # trainers.state.ShardedState
+    sharded: Any  # trainers.state.ShardedState (its leaves ShapeDtypeStructs when set up abstract)
     batch: dict[str, jax.Array]
     step: Callable
     compiled: Any
     compile_s: float  # wall seconds of lower + compile
     compile_cpu_s: float  # CPU seconds of this process (all threads) for the same: less sensitive to load
+    abstract: bool = False  # set up abstract: ``state`` is shapes, dtypes and shardings only
 
     @property
     def state(self) -> tuple[Any, Any]:
-        return self.sharded.state.params, self.sharded.state.opt_state
+        state = self.sharded.abstract if self.abstract else self.sharded.state
+        return state.params, state.opt_state
 
 
 def gpt_setup(cfg: GPTConfig, mesh: jax.sharding.Mesh, rules: str, batch: int, length: int, *,
-              tx: optax.GradientTransformation | None = None, donate: bool = True, pipeline: Any = None) -> GPTSetup:
+              tx: optax.GradientTransformation | None = None, donate: bool = True, pipeline: Any = None,
+              abstract: bool = False) -> GPTSetup:
     """Create the sharded state (f32 AdamW) with :func:`trainers.setup.build`, the batch and the compiled
-    minimal step for one layout."""
+    minimal step for one layout. ``abstract``: the state as shapes and shardings only (``build(abstract=True)``,
+    no init program compiled or run), for the quick mode of a benchmark that only compiles the step."""
     from trainers.setup import build  # trainers sits above spmd; only the benchmarks join them
 
     tx = tx or optax.adamw(1e-3, b1=0.9, b2=0.95, weight_decay=0.1)
     run_cfg = run_config(cfg, rules, batch, length)
     if pipeline is not None:
         run_cfg = dataclasses.replace(run_cfg, pipeline=pipeline)
-    run = build(run_cfg, mesh=mesh, tx=tx, donate=donate)  # the state in the pipeline's layer order
+    run = build(run_cfg, mesh=mesh, tx=tx, donate=donate, abstract=abstract)  # the state in the pipeline's layer order
     sharded = run.sharded
     batch_sharding = spmd.batch_sharding(run.rules, mesh)
     data = make_batch(cfg.vocab_size, batch, length, batch_sharding)
     step = minimal_step(sharded, tx, run.rules, mesh, batch_sharding, donate=donate, pipeline=pipeline)
-    abstract = (sharded.abstract.params, sharded.abstract.opt_state)
+    shapes = (sharded.abstract.params, sharded.abstract.opt_state)
     start, cpu = time.perf_counter(), time.process_time()
-    compiled = step.lower(abstract, data).compile()
+    compiled = step.lower(shapes, data).compile()
     return GPTSetup(cfg, mesh, run.rules, sharded, data, step, compiled, time.perf_counter() - start,
-                    time.process_time() - cpu)
+                    time.process_time() - cpu, abstract)

@@ -20,6 +20,10 @@ all-reduce. Each row's limit column carries the one-line formula for its minimum
 - gradient accumulation (trainer step, k microbatches): DP one reduction of W per step whatever
   k; FSDP per-microbatch (ZeRO-3: k reduce-scatters and k gathers) and per-step (one of each).
 
+``--quick``: the tiny model (one block) on dp8 and fsdp_tp only, the interleaved pipeline at M = 4 only
+(``benchmarks.pipeline --quick`` has 1F1B's sends), no accumulation rows; the states set up abstract (only the
+steps are compiled).
+
     python -m benchmarks.comms [--quick] [--output PATH]
 """
 
@@ -104,11 +108,11 @@ def failed_row(what: str, goal: str, exc: BaseException) -> Row:
 
 
 def layout_rows(name: str, cfg, batch: int, length: int, *, rules: str | None = None, mesh_of: str | None = None,
-                reference: dict | None = None) -> list[Row]:
+                reference: dict | None = None, abstract: bool = False) -> list[Row]:
     """Compile the step of one layout and compare each role's collective bytes with its minimum."""
     rules = rules or common.LAYOUTS[name][1]
-    setup = common.gpt_setup(cfg, common.layout_mesh(mesh_of or name), rules, batch, length)
-    mesh, params = setup.mesh, setup.sharded.state.params
+    setup = common.gpt_setup(cfg, common.layout_mesh(mesh_of or name), rules, batch, length, abstract=abstract)
+    mesh, params = setup.mesh, setup.state[0]
     ops = spmd.hlo.collectives(setup.compiled, mesh)
     axis = dict(zip(mesh.axis_names, mesh.devices.shape))
     fsdp, tensor, data = axis.get("fsdp", 1), axis.get("tensor", 1), axis.get("data", 1)
@@ -160,19 +164,20 @@ def layout_rows(name: str, cfg, batch: int, length: int, *, rules: str | None = 
     return rows
 
 
-def pipeline_rows(Ms: Sequence[int] = (4, 8, 16)) -> list[Row]:
+def pipeline_rows(Ms: Sequence[int] = (4, 8, 16), names: Sequence[str] = ("1f1b", "interleaved"),
+                  abstract: bool = False) -> list[Row]:
     """Sends over ``pipe`` of the pipelined step (4 stages) against ``spmd.pipeline.sent_bytes``'s minimum."""
     from benchmarks import pipeline
 
     rows = []
-    for name in ("1f1b", "interleaved"):
+    for name in names:
         for M in Ms:
             what = f"pp{pipeline.STAGES} {name} M={M}: sends over pipe"
             try:
                 from spmd.pipeline import get_schedule
                 from spmd.pipeline.sends import hlo_sent_bytes
 
-                setup = pipeline.pipeline_setup(name, M, quick=True)
+                setup = pipeline.pipeline_setup(name, M, quick=True, abstract=abstract)
                 V = 2 if name == "interleaved" else 1
                 sched = get_schedule(name, pipeline.STAGES, M, V)
                 cfg, (batch, length) = setup.cfg, setup.batch["inputs"].shape
@@ -229,7 +234,7 @@ def accumulation_rows(cfg, batch: int, length: int) -> list[Row]:
 def run(options: common.Options, command: str = "python -m benchmarks.comms") -> list[Row]:
     common.setup_devices(options.real_devices)
     started = common.load()
-    cfg, batch, length = common.gpt_config(options.quick)
+    cfg, batch, length = common.gpt_config(options.quick, one_block=True)
     need = max(int(np.prod(list(s.values()))) for s, _ in common.LAYOUTS.values())
     rows: list[Row] = []
     after = []
@@ -239,7 +244,7 @@ def run(options: common.Options, command: str = "python -m benchmarks.comms") ->
         reference: dict[str, float] = {}
         # quick (the test suite's smoke run): data parallelism and the layout that has every role (fsdp, tensor)
         for name in ("dp8", "fsdp_tp") if options.quick else common.LAYOUTS:
-            rows += layout_rows(name, cfg, batch, length, reference=reference)
+            rows += layout_rows(name, cfg, batch, length, reference=reference, abstract=options.quick)
             print(f"{name}: done", flush=True)
         for name, (mesh_of, rules, dtype) in ({} if options.quick else EXTRA).items():  # quick: the base layouts
             if rules not in spmd.rules.RULE_SETS:
@@ -252,7 +257,7 @@ def run(options: common.Options, command: str = "python -m benchmarks.comms") ->
             except Exception as exc:
                 rows.append(failed_row(f"{name}: {rules}", "<= 1.05", exc))
             print(f"{name}: done", flush=True)
-        rows += pipeline_rows((4,) if options.quick else (4, 8, 16))
+        rows += pipeline_rows((4,), ("interleaved",), abstract=True) if options.quick else pipeline_rows((4, 8, 16))
         print("pipeline: done", flush=True)
         if not options.quick:  # quick mode (the test suite's) leaves out the accumulation steps' compiles
             # 32 rows: 4 microbatches of 8, one row per device each (the once-per-step loop needs the rows of a

@@ -52,7 +52,7 @@ def setting(quick: bool) -> tuple[GPTConfig, int, tuple[int, ...], tuple[int, ..
     return cfg, 8192, (1, 2, 4, 8), (512, 128)
 
 
-def compile_step(cfg: GPTConfig, length: int, n: int) -> tuple[common.GPTSetup, float]:
+def compile_step(cfg: GPTConfig, length: int, n: int, abstract: bool = False) -> tuple[common.GPTSetup, float]:
     """The training step on a ``seq = n`` mesh (n devices), compiled only; and its wall seconds.
 
     A pipeline config with schedule ``none`` makes :func:`common.minimal_step` call ``GPT.loss``,
@@ -60,7 +60,7 @@ def compile_step(cfg: GPTConfig, length: int, n: int) -> tuple[common.GPTSetup, 
     gather of the whole ``[B, L, V]`` over ``seq``)."""
     start = time.perf_counter()
     mesh = meshes.make_mesh({"seq": n}, devices=jax.devices()[:n])
-    setup = common.gpt_setup(cfg, mesh, "none", 1, length, pipeline=PipelineConfig())
+    setup = common.gpt_setup(cfg, mesh, "none", 1, length, pipeline=PipelineConfig(), abstract=abstract)
     return setup, time.perf_counter() - start
 
 
@@ -101,7 +101,7 @@ def run(options: common.Options, command: str = "python -m benchmarks.context") 
         cfg = dataclasses.replace(base, attention_block=block)
         temps: dict[int, int] = {}
         for n in seqs:
-            setup, seconds = compile_step(cfg, length, n)
+            setup, seconds = compile_step(cfg, length, n, abstract=options.quick)
             temps[n] = spmd.inspection.memory(setup.compiled).temp
             if n == seqs[-1] and block == blocks[0]:
                 ring_at_max = setup
@@ -122,7 +122,7 @@ def run(options: common.Options, command: str = "python -m benchmarks.context") 
         notes.append(f"block {block}: at seq={seqs[-1]} the temporaries exceed (seq=1)/{seqs[-1]} by "
                      f"{fmt_bytes(excess)}")
     cfg = dataclasses.replace(base, attention_block=blocks[0])
-    gather, _ = compile_step(dataclasses.replace(cfg, context_exchange="allgather"), length, seqs[-1])
+    gather, _ = compile_step(dataclasses.replace(cfg, context_exchange="allgather"), length, seqs[-1], options.quick)
     rows += exchange_rows(cfg, length, seqs[-1], ring_at_max, gather)
     before = [f"- model: GPT d_model={base.d_model}, n_layers={base.n_layers}, n_heads={base.n_heads} (G = "
               f"{base.kv_heads} KV heads), d_ff={base.ff}, vocab={base.vocab_size}, {param_count(base):,} params, f32, "

@@ -19,6 +19,9 @@ For each layout (dp8, fsdp8, dp2_tp4, fsdp_tp) the minimal GPT train step is com
 - **activations**: XLA's temp bytes (activations, gradients, gathered weights and scratch),
   reported with the gradient bytes inside them.
 
+``--quick``: the tiny model (one block) on dp8 and fsdp_tp only, the state set up abstract (shapes and shardings: the
+step is only compiled).
+
     python -m benchmarks.memory [--quick] [--output PATH]
 """
 
@@ -45,8 +48,9 @@ def shards(name: str) -> int:
     return sizes.get("fsdp", 1) * sizes.get("tensor", 1)
 
 
-def layout_rows(name: str, cfg, batch: int, length: int) -> list[Row]:
-    setup = common.gpt_setup(cfg, common.layout_mesh(name), common.LAYOUTS[name][1], batch, length, donate=False)
+def layout_rows(name: str, cfg, batch: int, length: int, abstract: bool = False) -> list[Row]:
+    setup = common.gpt_setup(cfg, common.layout_mesh(name), common.LAYOUTS[name][1], batch, length, donate=False,
+                             abstract=abstract)
     params, opt_state = setup.state
     n_params = param_count(cfg)
     param_b = spmd.inspection.tree_bytes_per_device(params)
@@ -85,15 +89,16 @@ def layout_rows(name: str, cfg, batch: int, length: int) -> list[Row]:
 def run(options: common.Options, command: str = "python -m benchmarks.memory") -> list[Row]:
     common.setup_devices(options.real_devices)
     started = common.load()
-    cfg, batch, length = common.gpt_config(options.quick)
+    cfg, batch, length = common.gpt_config(options.quick, one_block=True)
     need = max(math.prod(s.values()) for s, _ in common.LAYOUTS.values())
     rows: list[Row] = []
     after = []
     if len(jax.devices()) < need:
         after.append(f"skipped: the layouts need {need} devices, {len(jax.devices())} present")
     else:
-        for name in common.LAYOUTS:
-            rows += layout_rows(name, cfg, batch, length)
+        # quick (the test suite's smoke run): no split, and the layout that splits over fsdp and tensor
+        for name in ("dp8", "fsdp_tp") if options.quick else common.LAYOUTS:
+            rows += layout_rows(name, cfg, batch, length, abstract=options.quick)
             print(f"{name}: done", flush=True)
     before = [f"- model: GPT d_model={cfg.d_model}, n_layers={cfg.n_layers}, d_ff={cfg.ff}, vocab={cfg.vocab_size}, "
               f"{param_count(cfg):,} params, f32, AdamW; batch {batch} x {length}",

@@ -26,7 +26,8 @@ Runs only if ``spmd.pipeline`` exists (otherwise the section says "pipeline: not
    in bf16 against the same step gathering them in f32, compiled in the same run.
 
 ``--quick``: M in {S, 2S} for the tables; the steps at M = S only: 1F1B alone for the step-time
-rows, ZB-H1 against it, ZB-V's sends, and the FSDP gathers under 1F1B (not GPipe) with one layer per stage.
+rows, ZB-H1 against it, ZB-V's sends, and the FSDP gathers under 1F1B (not GPipe) with one layer per stage;
+the steps that are only compiled (sends, gathers) on a state set up abstract (shapes and shardings).
 
     python -m benchmarks.pipeline [--quick] [--output PATH]
 """
@@ -180,8 +181,9 @@ def executed_dot_flops(compiled, schedule) -> np.ndarray:
     return out
 
 
-def pipeline_setup(name: str, M: int, quick: bool) -> common.GPTSetup:
-    """The compiled GPT step with its stack pipelined over ``pipe`` = STAGES devices."""
+def pipeline_setup(name: str, M: int, quick: bool, abstract: bool = False) -> common.GPTSetup:
+    """The compiled GPT step with its stack pipelined over ``pipe`` = STAGES devices (``abstract``: the state
+    as shapes and shardings, for a step that is only compiled)."""
     import dataclasses
 
     from spmd.pipeline import PipelineConfig
@@ -192,7 +194,7 @@ def pipeline_setup(name: str, M: int, quick: bool) -> common.GPTSetup:
     mesh = meshes.make_mesh({"pipe": STAGES}, devices=jax.devices()[:STAGES])
     batch = 4 * STAGES  # the same global batch for every M (M <= 4 S: at least one row per microbatch)
     return common.gpt_setup(cfg, mesh, "dp", batch, length,
-                            pipeline=PipelineConfig(name, microbatches=M, virtual_stages=V))
+                            pipeline=PipelineConfig(name, microbatches=M, virtual_stages=V), abstract=abstract)
 
 
 def comms_row(name: str, M: int, setup: common.GPTSetup) -> Row:
@@ -234,7 +236,7 @@ def fsdp_gather_rows(quick: bool, schedule: str = "1f1b") -> list[Row]:
     pipeline = PipelineConfig(schedule, microbatches=4)
 
     def gathered() -> tuple[int, common.GPTSetup]:
-        setup = common.gpt_setup(cfg, mesh, "fsdp_tp", 16, length, pipeline=pipeline)
+        setup = common.gpt_setup(cfg, mesh, "fsdp_tp", 16, length, pipeline=pipeline, abstract=quick)
         ops = spmd.hlo.collectives(setup.compiled, setup.mesh)
         return sum(o.bytes * o.count for o in ops if o.kind == "all-gather" and "fsdp" in o.axes), setup
 
@@ -320,7 +322,7 @@ def run(options: common.Options, command: str = "python -m benchmarks.pipeline")
             rows += step_rows(options.quick)
             rows += zero_bubble_step_rows(options.quick)
             zb_v = STAGES if options.quick else 2 * STAGES
-            rows.append(comms_row("zb-v", zb_v, pipeline_setup("zb-v", zb_v, options.quick)))
+            rows.append(comms_row("zb-v", zb_v, pipeline_setup("zb-v", zb_v, options.quick, abstract=options.quick)))
             if len(jax.devices()) >= 8:  # quick: 1f1b's gathers only (gpipe's compile the same rows again)
                 rows += fsdp_gather_rows(options.quick) + ([] if options.quick else fsdp_gather_rows(False, "gpipe"))
         except Exception as exc:  # report the engine's failure next to the schedule rows

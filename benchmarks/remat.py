@@ -19,8 +19,8 @@ can live in its output buffers (the new parameters and moments, full size under 
 under fsdp8), which XLA does not count as temporaries: the rows marked "not donated" show that
 effect for ``none`` and ``full``.
 
-``--quick``: the tiny model, the policies ``none`` and ``save_all_but_gathered`` only, and the "not donated"
-row for ``none`` only.
+``--quick``: the tiny model with one block, the policies ``none`` and ``save_all_but_gathered`` only, and the "not donated"
+row for ``none`` only; the state set up abstract (shapes and shardings: only the steps are compiled).
 
     python -m benchmarks.remat [--quick] [--output PATH]
 """
@@ -85,8 +85,9 @@ class Measured:
     xla_flops: float  # XLA's cost analysis (scan bodies once)
 
 
-def measure(cfg: GPTConfig, layout: str, batch: int, length: int, donate: bool = True) -> Measured:
-    setup = common.gpt_setup(cfg, common.layout_mesh(layout), common.LAYOUTS[layout][1], batch, length, donate=donate)
+def measure(cfg: GPTConfig, layout: str, batch: int, length: int, donate: bool = True, abstract: bool = False) -> Measured:
+    setup = common.gpt_setup(cfg, common.layout_mesh(layout), common.LAYOUTS[layout][1], batch, length, donate=donate,
+                             abstract=abstract)
     mem = spmd.inspection.memory(setup.compiled)
     return Measured(mem.temp, mem.output - mem.alias, dot_flops(setup.compiled.as_text())[0], spmd.inspection.compiled_flops(setup.compiled))
 
@@ -124,8 +125,8 @@ def kept_row(policy: str, kept: list[tuple[str, int]]) -> Row:
                f"{len(kept)} stacked [layers, ...] weights" if kept else "the parameter shards only")
 
 
-def not_donated_row(cfg: GPTConfig, batch: int, length: int) -> Row:
-    fsdp, dp = (measure(cfg, layout, batch, length, donate=False) for layout in ("fsdp8", "dp8"))
+def not_donated_row(cfg: GPTConfig, batch: int, length: int, abstract: bool = False) -> Row:
+    fsdp, dp = (measure(cfg, layout, batch, length, donate=False, abstract=abstract) for layout in ("fsdp8", "dp8"))
     return Row(f"not donated: fsdp8 temp vs dp8 temp under {cfg.policy}", fmt_bytes(fsdp.temp),
                f"{fmt_bytes(dp.temp)} (dp8)", fsdp.temp / dp.temp, "reported", None,
                f"temp + outputs: fsdp8 {fmt_bytes(fsdp.temp + fsdp.output)}, dp8 {fmt_bytes(dp.temp + dp.output)}; "
@@ -135,7 +136,7 @@ def not_donated_row(cfg: GPTConfig, batch: int, length: int) -> Row:
 def run(options: common.Options, command: str = "python -m benchmarks.remat") -> list[Row]:
     common.setup_devices(options.real_devices)
     started = common.load()
-    base, batch, length = common.gpt_config(options.quick)
+    base, batch, length = common.gpt_config(options.quick, one_block=True)
     rows: list[Row] = []
     after: list[str] = []
     if len(jax.devices()) < 8:
@@ -146,7 +147,8 @@ def run(options: common.Options, command: str = "python -m benchmarks.remat") ->
         policies = ("none", "save_all_but_gathered") if options.quick else remat_lib.POLICIES
         for policy in policies:
             for layout in LAYOUTS:
-                got[layout, policy] = measure(dataclasses.replace(base, remat_policy=policy), layout, batch, length)
+                got[layout, policy] = measure(dataclasses.replace(base, remat_policy=policy), layout, batch, length,
+                                              abstract=options.quick)
             print(f"{policy}: done", flush=True)
         for policy in policies:
             rows += policy_rows(got, policy)
@@ -155,7 +157,7 @@ def run(options: common.Options, command: str = "python -m benchmarks.remat") ->
         kept = {p: kept_weights(dataclasses.replace(base, remat_policy=p), mesh, "fsdp", batch, length)
                 for p in policies}
         rows += [kept_row(policy, kept[policy]) for policy in policies]
-        rows += [not_donated_row(dataclasses.replace(base, remat_policy=p), batch, length)
+        rows += [not_donated_row(dataclasses.replace(base, remat_policy=p), batch, length, options.quick)
                  for p in (("none",) if options.quick else ("none", "full"))]
         drop = {lay: got[lay, "none"].temp - got[lay, "save_all_but_gathered"].temp for lay in LAYOUTS}
         after += [f"- `none` keeps every layer's weights as the block used them "

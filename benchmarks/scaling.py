@@ -13,8 +13,9 @@ gathers the lines into rows:
 - **state bytes per device** (params + AdamW state, ``spmd.inspection.tree_bytes_per_device``) against the
   ideal: unchanged for DP, the 1-device bytes / N for FSDP. Goal <= 1.05.
 
-``--quick`` runs the counts 1 and 2 only, and hands the workers the caller's ``XLA_FLAGS`` but the device count
-(the test suite's ``--xla_backend_optimization_level=0``: the compile times are then not LLVM's full ones).
+``--quick`` runs the counts 1 and 2 only, with one block, and hands the workers the caller's ``XLA_FLAGS`` but the device count
+(the test suite's ``--xla_backend_optimization_level=0``: the compile times are then not LLVM's full ones); there
+the state is set up abstract (shapes and shardings: its bytes per device are the same, no init program compiled).
 
     python -m benchmarks.scaling [--quick] [--output PATH]
 """
@@ -48,11 +49,11 @@ def worker(n: int, quick: bool) -> dict:
     import spmd
 
     jax.config.update("jax_enable_compilation_cache", False)
-    cfg, batch, length = common.gpt_config(quick=True)  # small: the suite runs 4 workers x 2 compiles
+    cfg, batch, length = common.gpt_config(quick=True, one_block=quick)  # small: the suite runs 4 workers x 2 compiles
     out = {"devices": n, "layouts": {}}
     for name, axis, rules in (("dp", "data", "dp"), ("fsdp", "fsdp", "fsdp")):
         mesh = meshes.make_mesh({axis: n}) if n > 1 else meshes.single_device_mesh()
-        setup = common.gpt_setup(cfg, mesh, rules, batch, length)
+        setup = common.gpt_setup(cfg, mesh, rules, batch, length, abstract=quick)  # quick: no state materialised
         mem = spmd.inspection.memory(setup.compiled)
         params, opt_state = setup.state
         out["layouts"][name] = {
@@ -107,7 +108,7 @@ def run(options: common.Options, command: str = "python -m benchmarks.scaling") 
     started = common.load()
     counts = QUICK_COUNTS if options.quick else COUNTS
     rows = rows_of(gather(counts, options.quick))
-    cfg, batch, length = common.gpt_config(quick=True)
+    cfg, batch, length = common.gpt_config(quick=True, one_block=options.quick)
     before = [f"- model: GPT d_model={cfg.d_model}, n_layers={cfg.n_layers}, f32, AdamW; batch {batch} x {length}; "
               f"device counts {', '.join(map(str, counts))}, one subprocess each, compilation cache off"]
     common.setup_devices(options.real_devices)  # the machine description starts this process's backend
