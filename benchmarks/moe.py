@@ -11,7 +11,7 @@
 - **step time**: the GPT train step (:func:`benchmarks.common.gpt_setup`, MoE blocks) dropless
   grouped vs dense dispatch on the same layout, interleaved in the same run (median of rounds).
 
-``--quick``: a tiny shape, the FLOP rows on data2_expert4 only and the step time on dp8 only.
+``--quick``: a tiny shape (one block in the step), the FLOP rows on data2_expert4 only and the step time on dp8 only.
 
     python -m benchmarks.moe [--quick] [--output PATH]
 """
@@ -110,7 +110,7 @@ def flops_rows(layout: str, quick: bool) -> list[Row]:
 
 def step_rows(layout: str, quick: bool, rounds: int, steps: int) -> list[Row]:
     d, f, e, k, batch, length = shape(quick)
-    base, _, _ = common.gpt_config(quick)
+    base, _, _ = common.gpt_config(quick, one_block=True)
     cfg = dataclasses.replace(base, d_model=d, n_experts=e, experts_per_token=k, moe_d_ff=f)
     sizes, rules = LAYOUTS[layout]
     mesh = meshes.make_mesh(sizes)
