@@ -160,7 +160,7 @@ def lm_task(cfg: Config) -> Task:
         data=data,
         eval_data=eval_data,
         eval_metrics=eval_metrics,
-        flops_per_example=flops_per_step(model_cfg, 1, cfg.data.seq_len),
+        flops_per_example=flops_per_step(model_cfg, 1, cfg.data.seq_len, lora=cfg.lora.spec),
         tokens_per_example=cfg.data.seq_len,
         config=cfg,
         name="lm",
@@ -192,7 +192,7 @@ def dpo_task(cfg: Config) -> Task:
         loss=loss,
         data=lambda c: dpo.pair_data(c, "train"),
         eval_data=lambda c: dpo.pair_data(c, "validation"),
-        flops_per_example=4 * flops_per_step(model_cfg, 1, cfg.data.seq_len) / 3,  # + the reference's forward
+        flops_per_example=flops_per_step(model_cfg, 1, cfg.data.seq_len, lora=cfg.lora.spec, reference=True),
         tokens_per_example=cfg.data.seq_len,
         config=cfg,
         name="dpo",

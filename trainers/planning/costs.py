@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import spmd
 from spmd.models import flops_per_step
+from spmd.models.counts import adapter_params, matmul_params
 from spmd.models.moe import expert_rows
 from spmd.rules import axes_of
 from trainers.checks import Issue, batch_axes, check
@@ -160,7 +161,9 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
     elif sizes.get("fsdp", 1) > 1:
         gathered = 2 * sum(x.info.size // x.info.shape[0] * dt // x.compute_divisor for x in shards if x.info.dims and x.info.dims[0] == "layers")
     batch = 2 * b * cfg.run.grad_accum * data.seq_len * 4
-    return MemoryEstimate(local, optimizer, grads, int(acts + gathered), batch, guard=window_bytes(cfg.run.spike_window))
+    reference = local if cfg.run.objective == "dpo" and not cfg.lora.enabled else 0  # DPO's frozen copy (LoRA: none)
+    return MemoryEstimate(local, optimizer, grads, int(acts + gathered), batch, other=reference,
+                          guard=window_bytes(cfg.run.spike_window))
 
 
 def pipeline_bubble(cfg: Config, pipe: int) -> float:
@@ -199,6 +202,13 @@ def _optimizer_copies_traced(opt_cfg, params) -> float:
     return big / max(sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params)), 1)
 
 
+def model_flops(cfg: Config) -> float:
+    """Model FLOPs of one step of the built-in GPT (:func:`spmd.models.flops_per_step`): with LoRA the base
+    computes no weight gradients; DPO adds the reference's forward (as :func:`trainers.task.lm_task` counts)."""
+    return flops_per_step(cfg.model, cfg.data.global_batch, cfg.data.seq_len, lora=cfg.lora.spec,
+                          reference=cfg.run.objective == "dpo")
+
+
 def gpt_work(cfg: Config, sizes: dict[str, int]) -> Work:
     """What one device of this layout executes per step (:class:`trainers.planning.perf.Work`): matmul
     FLOPs (x (1 + 1/3) per recomputed forward), causal fused attention (forward 2, backward 5 matmuls of
@@ -211,11 +221,13 @@ def gpt_work(cfg: Config, sizes: dict[str, int]) -> Work:
     table = pipeline_schedule(cfg, S) if piped else None  # the table engine recomputes in its backward (B, split)
     recompute = (1 if whole else 0) + (0 if table is None or table.name == "gpipe" else 1)
     tokens = data.global_batch * data.seq_len
-    model_flops = flops_per_step(m, data.global_batch, data.seq_len)
+    model = model_flops(cfg)  # LoRA: no weight gradients of the base; DPO: + the reference's forward
     attn_model = 12 * m.n_layers * m.n_heads * m.k * data.seq_len * tokens
-    matmul = (model_flops - attn_model) / n * (1 + recompute / 3)
+    forward = 2 * (matmul_params(m) + (adapter_params(m, cfg.lora.spec) if cfg.lora.enabled else 0)) * tokens
+    reference = 2 if cfg.run.objective == "dpo" else 0  # its attention forward, fused: 2 of the 12
+    matmul = (model - attn_model * (12 + 2 * reference) / 12 + recompute * forward) / n
     again = 2 * (recompute + (1 if not whole and m.policy in RECOMPUTES_ATTENTION else 0))
-    attention = (7 + again) / 12 * attn_model / n
+    attention = (7 + again + reference) / 12 * attn_model / n
     # memory-bound bytes per token per layer, forward: 2 norms and 2 residual adds over D, RoPE on q and k,
     # SwiGLU over F (columns split over tensor); the backward twice that, a recomputed forward once more
     s = sizes.get("seq", 1) if "seq" in token_axes(rules, sizes) else 1
@@ -229,7 +241,7 @@ def gpt_work(cfg: Config, sizes: dict[str, int]) -> Work:
     hbm += local_params * (32 + 8 * (run.grad_accum - 1))  # AdamW update; accumulator reads and writes
     once = run.grad_accum > 1 and run.fsdp_gather == "per_step"
     passes = 1 if once or piped else (2 if m.policy == "none" else 3)  # as comm_estimate counts the gathers
-    return Work(matmul, attention, hbm, model_flops, layers, passes, 1 if once else run.grad_accum, pipeline_bubble(cfg, S))
+    return Work(matmul, attention, hbm, model, layers, passes, 1 if once else run.grad_accum, pipeline_bubble(cfg, S))
 
 
 def roofline(cfg: Config, n_devices: int, hw: Hardware, mem: MemoryEstimate, traffic: list[Traffic], *,

@@ -17,10 +17,10 @@ import jax
 
 import meshes
 import spmd
-from spmd.models import flops_per_step, param_count
+from spmd.models import param_count
 from trainers.checks import Compiled, Issue, batch_axes, check
 from trainers.config import Config
-from trainers.planning.costs import Traffic, layout_costs, layout_roofline, rows_per_device
+from trainers.planning.costs import Traffic, layout_costs, layout_roofline, model_flops, rows_per_device
 from trainers.planning.diagnose import capture_stderr
 from trainers.planning.fresh_process import call_with_devices, check_simulated, import_root
 from trainers.planning.hardware import Hardware, get_hardware
@@ -77,7 +77,7 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
     costs = layout_costs(cfg, sizes, hw, profile=profile, dcn_axes=dcn_axes)
     issues = list(costs.issues)
     if profile is None:
-        n_params, flops = param_count(cfg.model), flops_per_step(cfg.model, cfg.data.global_batch, cfg.data.seq_len)
+        n_params, flops = param_count(cfg.model), model_flops(cfg)
         name = cfg.run.name
     else:
         issues += check(cfg, stages=("config",), task=task, select=("pipelined_task",))

@@ -1,24 +1,28 @@
-"""LoRA in the memory model: only the adapters have gradients and optimizer state, the frozen base is
-held (and gathered) but never reduced. A Llama-3-8B fine-tune on one 80 GB H100 fits with rank-16
-adapters where the full fine-tune does not, and the analytic state equals the compiled step's on a tiny
-model (the compiled program drops the base's zero gradients, accumulator included)."""
+"""LoRA and DPO in the cost model. LoRA: only the adapters have gradients and optimizer state, the frozen
+base is held (and gathered) but never reduced, and its backward computes no weight gradient. A Llama-3-8B
+fine-tune on one 80 GB H100 fits with rank-16 adapters where the full fine-tune does not, and the analytic
+state equals the compiled step's on a tiny model (the compiled program drops the base's zero gradients,
+accumulator included). DPO: the frozen reference copy is state, its forward is model FLOPs."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import jax
+import pytest
 
 import meshes
 import spmd
-from spmd.models import GPTConfig
+from spmd.models import GPTConfig, flops_per_step
 from trainers.config import Config, DataConfig, override
+from trainers.examples import dpo as dpo_example
 from trainers.planning.calibration import LLAMA3_8B
-from trainers.planning.costs import memory_estimate
+from trainers.planning.costs import memory_estimate, model_flops
 from trainers.planning.hardware import get_hardware
 from trainers.planning.traffic import comm_estimate
 from trainers.recipes import recipe
 from trainers.setup import build
+from trainers.task import lm_task
 
 
 def llama3_8b(*sets: str) -> Config:
@@ -72,3 +76,27 @@ def test_analytic_state_and_gradients_match_the_compiled_lora_step():
     # the full fine-tune's accumulator is a base-sized buffer (the negative control); the compiled LoRA step
     # drops the base's zero gradients, accumulator included, as the memory model counts them
     assert added[False] > 0.5 * base and added[True] < 0.05 * base, (added, base)
+
+
+def test_llama3_8b_lora_flops_skip_the_base_weight_gradients():
+    full, lora = (model_flops(cfg) for cfg in (llama3_8b(), llama3_8b("lora.rank=16")))
+    # the base's backward computes the input gradient only: 4 of 6 per weight, attention unchanged
+    assert 0.6 < lora / full < 0.75, lora / full
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["copy", "lora"])
+def test_dpo_reference_is_state_and_its_forward_is_counted(lora, tmp_path):
+    pairs = dpo_example.write_pairs(tmp_path / "pairs.jsonl", n=40)
+    cfg = override(dpo_example.config(pairs, tmp_path / "run", steps=2, tiny=True),
+                   ["mesh.axes=data=1", "rules=none", "run.spike_factor=0", "model.n_layers=1",
+                    *(["lora.rank=4"] if lora else [])])
+    assert lm_task(cfg).flops_per_example * cfg.data.global_batch == pytest.approx(model_flops(cfg))
+    plain = flops_per_step(cfg.model, cfg.data.global_batch, cfg.data.seq_len, lora=cfg.lora.spec)
+    assert model_flops(cfg) > 1.3 * plain  # + the reference's forward (2 per weight, attention's forward)
+    run = build(cfg, mesh=meshes.single_device_mesh(), abstract=True)
+    batch = run.abstract_batch()
+    memory = spmd.inspection.memory(run.train_step.lower(run.stepped.abstract, batch).compile())
+    state = memory.argument - spmd.inspection.tree_bytes_per_device(batch)
+    analytic = memory_estimate(cfg, {"data": 1})
+    assert abs(analytic.state - state) <= 0.05 * state, (analytic.state, state)
+    assert (analytic.other == 0) if lora else (analytic.other == analytic.params)
