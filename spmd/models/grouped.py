@@ -13,6 +13,8 @@ group). Under expert parallelism it runs inside the MoE layer's shard_map.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,46 +38,51 @@ def n_blocks(max_rows: int, n_groups: int, block: int) -> int:
     return max(1, (max_rows + n_groups * (block - 1)) // block)
 
 
-def _per_block(x_NBD: jax.Array, w_GDF: jax.Array, group_N: jax.Array, used: jax.Array, spec: str) -> jax.Array:
+def _per_block(x_NB: jax.Array, w_G: jax.Array, group_N: jax.Array, used: jax.Array, spec: str) -> jax.Array:
     """``einsum(spec)(x[n], w[group[n]])`` for the ``used`` first blocks n (the rest: 0), in a loop that
     slices one expert's weights at a time (a gather of every block's weights is slow on CPU and holds
     N copies) and runs ``used`` times (a traced trip count: the work follows the rows present)."""
-    def body(n, y_NBF):
-        w_DF = jax.lax.dynamic_index_in_dim(w_GDF, group_N[n], keepdims=False)
-        blk = jnp.einsum(spec, jax.lax.dynamic_index_in_dim(x_NBD, n, keepdims=False), w_DF)
-        return jax.lax.dynamic_update_index_in_dim(y_NBF, blk.astype(y_NBF.dtype), n, 0)
+    def body(n, y_NB):
+        w_blk = jax.lax.dynamic_index_in_dim(w_G, group_N[n], keepdims=False)
+        blk = jnp.einsum(spec, jax.lax.dynamic_index_in_dim(x_NB, n, keepdims=False), w_blk)
+        return jax.lax.dynamic_update_index_in_dim(y_NB, blk.astype(y_NB.dtype), n, 0)
 
-    f = w_GDF.shape[-1] if spec.endswith("bf") else w_GDF.shape[-2]
-    y_NBF = collectives.varying_like(jnp.zeros((*x_NBD.shape[:2], f), jnp.result_type(x_NBD, w_GDF)), x_NBD, w_GDF)
-    return jax.lax.fori_loop(0, used, body, y_NBF)
-
-
-@jax.custom_vjp
-def _gathered_matmul(x_NBD: jax.Array, w_GDF: jax.Array, group_N: jax.Array, used: jax.Array) -> jax.Array:
-    """``y[n] = x[n] @ w[group[n]]`` for the ``used`` first blocks n (the rest 0): ``y[N, B, F]``."""
-    return _per_block(x_NBD, w_GDF, group_N, used, "bd,df->bf")
+    blk = jax.eval_shape(functools.partial(jnp.einsum, spec), *(jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
+                                                                 for a in (x_NB, w_G)))
+    y_NB = collectives.varying_like(jnp.zeros((x_NB.shape[0], *blk.shape), blk.dtype), x_NB, w_G)
+    return jax.lax.fori_loop(0, used, body, y_NB)
 
 
-def _gathered_fwd(x_NBD, w_GDF, group_N, used):
-    return _gathered_matmul(x_NBD, w_GDF, group_N, used), (x_NBD, w_GDF, group_N, used)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _gathered_matmul(x_NB: jax.Array, w_G: jax.Array, group_N: jax.Array, used: jax.Array, spec: str) -> jax.Array:
+    """``y[n] = einsum(spec)(x[n], w[group[n]])`` for the ``used`` first blocks n (the rest 0); ``spec``
+    contracts one dim, e.g. ``"bd,dtf->btf"`` (the weights' trailing dims stay apart: a reshape of
+    ``[2, F_tensor]`` into ``[2F]`` is no tiling of the merged dim, and XLA moves it with an all-to-all)."""
+    return _per_block(x_NB, w_G, group_N, used, spec)
 
 
-def _gathered_bwd(res, dy_NBF):
-    """``dx[n] = dy[n] @ w[group[n]]^T``; ``dw[g] = sum over g's blocks of x[n]^T @ dy[n]``, added in
-    place; both over the used blocks only."""
-    x_NBD, w_GDF, group_N, used = res
-    dx_NBD = _per_block(dy_NBF, w_GDF, group_N, used, "bf,df->bd")
+def _gathered_fwd(x_NB, w_G, group_N, used, spec):
+    return _gathered_matmul(x_NB, w_G, group_N, used, spec), (x_NB, w_G, group_N, used)
 
-    def add(n, dw_GDF):
+
+def _gathered_bwd(spec, res, dy_NB):
+    """For ``spec = "x,w->y"``: ``dx[n] = einsum("y,w->x")(dy[n], w[group[n]])``; ``dw[g] = sum over g's
+    blocks of einsum("x,y->w")(x[n], dy[n])``, added in place; both over the used blocks only."""
+    x_NB, w_G, group_N, used = res
+    operands, ys = spec.split("->")
+    xs, ws = operands.split(",")
+    dx_NB = _per_block(dy_NB, w_G, group_N, used, f"{ys},{ws}->{xs}")
+
+    def add(n, dw_G):
         g = group_N[n]
-        x_BD, dy_BF = (jax.lax.dynamic_index_in_dim(a, n, keepdims=False) for a in (x_NBD, dy_NBF))
-        part_DF = jax.lax.dynamic_index_in_dim(dw_GDF, g, keepdims=False) + jnp.einsum("bd,bf->df", x_BD, dy_BF)
-        return jax.lax.dynamic_update_index_in_dim(dw_GDF, part_DF.astype(dw_GDF.dtype), g, 0)
+        x_blk, dy_blk = (jax.lax.dynamic_index_in_dim(a, n, keepdims=False) for a in (x_NB, dy_NB))
+        part = jax.lax.dynamic_index_in_dim(dw_G, g, keepdims=False) + jnp.einsum(f"{xs},{ys}->{ws}", x_blk, dy_blk)
+        return jax.lax.dynamic_update_index_in_dim(dw_G, part.astype(dw_G.dtype), g, 0)
 
-    dw_GDF = collectives.varying_like(jnp.zeros(w_GDF.shape, w_GDF.dtype), w_GDF, x_NBD, dy_NBF)
-    dw_GDF = jax.lax.fori_loop(0, used, add, dw_GDF)
+    dw_G = collectives.varying_like(jnp.zeros(w_G.shape, w_G.dtype), w_G, x_NB, dy_NB)
+    dw_G = jax.lax.fori_loop(0, used, add, dw_G)
     zero = np.zeros((), jax.dtypes.float0)
-    return dx_NBD, dw_GDF, np.zeros(group_N.shape, jax.dtypes.float0), zero
+    return dx_NB, dw_G, np.zeros(group_N.shape, jax.dtypes.float0), zero
 
 
 _gathered_matmul.defvjp(_gathered_fwd, _gathered_bwd)
@@ -97,7 +104,6 @@ def grouped_mlp(x_RD: jax.Array, group_R: jax.Array, w_gate_up_GDTF: jax.Array, 
     """
     r, d = x_RD.shape
     g = w_gate_up_GDTF.shape[0]
-    f = w_down_GFD.shape[1]
     if max_rows < 1:
         raise ValueError(f"grouped_mlp needs max_rows >= 1 (a bound on the present rows), got {max_rows}")
     impl = impl or ("loop" if jax.default_backend() == "cpu" else "ragged")
@@ -115,11 +121,11 @@ def grouped_mlp(x_RD: jax.Array, group_R: jax.Array, w_gate_up_GDTF: jax.Array, 
     dest_R = jnp.where(group_R < g, first_row_R + rank_R, nb * b)  # absent rows fall outside: dropped
     x_ND = jnp.zeros((nb * b, d), x_RD.dtype).at[dest_R].set(x_RD, mode="drop")
     if impl == "ragged":  # rows grouped by expert in order, count_G each: what ragged_dot's group sizes say
-        h_NTF = jax.lax.ragged_dot(x_ND, w_gate_up_GDTF.reshape(g, d, 2 * f), count_G)
-        y_ND = jax.lax.ragged_dot(jax.nn.silu(h_NTF[:, :f]) * h_NTF[:, f:], w_down_GFD, count_G)
+        gate_NF, up_NF = (jax.lax.ragged_dot(x_ND, w_gate_up_GDTF[:, :, i], count_G) for i in range(2))
+        y_ND = jax.lax.ragged_dot(jax.nn.silu(gate_NF) * up_NF, w_down_GFD, count_G)
         return y_ND.at[dest_R].get(mode="fill", fill_value=0), jnp.sum(count_G)
     group_N = jnp.minimum(jnp.sum(end_G[None, :] <= jnp.arange(nb)[:, None], axis=1), g - 1)  # the block's expert
-    h_NBTF = _gathered_matmul(x_ND.reshape(nb, b, d), w_gate_up_GDTF.reshape(g, d, 2 * f), group_N, used)
-    h_NBF = jax.nn.silu(h_NBTF[..., :f]) * h_NBTF[..., f:]
-    y_NBD = _gathered_matmul(h_NBF, w_down_GFD, group_N, used)
+    h_NBTF = _gathered_matmul(x_ND.reshape(nb, b, d), w_gate_up_GDTF, group_N, used, "bd,dtf->btf")
+    h_NBF = jax.nn.silu(h_NBTF[..., 0, :]) * h_NBTF[..., 1, :]
+    y_NBD = _gathered_matmul(h_NBF, w_down_GFD, group_N, used, "bf,fd->bd")
     return y_NBD.reshape(nb * b, d).at[dest_R].get(mode="fill", fill_value=0), used * b

@@ -284,6 +284,48 @@ def test_layer_all_to_all_bytes_at_a_capacity():
         [(False, 1, ("expert",), E * c * D * 4)] * 2 + [(True, 1, ("expert",), E * c * D * 4)])
 
 
+# Every collective of the dropless layer step (loss and parameter gradients) on each expert-parallel layout,
+# as (kind, axes) -> why the layout needs it. Nothing moves routed rows over ``tensor``: the grouped experts keep
+# ``w_gate_up[E, D, 2, F_tensor]``'s ``2`` and ``F`` apart (merged into ``2F`` they made XLA reshard the weights
+# with an all-to-all over tensor, and the gate/up halves with collective-permutes, each way).
+A2A = "dispatch and combine forward, the combine's transpose backward (the x gradient is not taken here)"
+ROUTER = "router: its stats' means over every token, and w_router's gradient summed over the token axes"
+TOP_K = ("NOT needed: XLA's partitioner gathers the router's scores [T, E] before top_k (its custom call is not "
+         "partitioned along the tokens); it goes when routing moves inside the shard_map")
+REPLICAS = "the experts' gradients summed over the token axes the experts are replicated on (shard_map transpose)"
+FSDP = "w_router, w_gate_up and w_down gathered over fsdp (D_fsdp) before use"
+TP = "w_down is row-parallel (F_tensor): the experts' partial sums, once per block of rows in the grouped loop"
+EP_COLLECTIVES = {
+    "expert2": {("all-to-all", ("expert",)): A2A, ("all-reduce", ("expert",)): ROUTER, ("all-gather", ("expert",)): TOP_K},
+    "expert4": {("all-to-all", ("expert",)): A2A, ("all-reduce", ("expert",)): ROUTER, ("all-gather", ("expert",)): TOP_K},
+    "expert8": {("all-to-all", ("expert",)): A2A, ("all-reduce", ("expert",)): ROUTER, ("all-gather", ("expert",)): TOP_K},
+    "data2_expert4": {("all-to-all", ("expert",)): A2A, ("all-reduce", ("data", "expert")): ROUTER,
+                      ("all-gather", ("data", "expert")): TOP_K, ("all-reduce", ("data",)): REPLICAS},
+    "fsdp2_expert4": {("all-to-all", ("expert",)): A2A, ("all-reduce", ("fsdp", "expert")): ROUTER,
+                      ("all-gather", ("fsdp", "expert")): TOP_K, ("all-reduce", ("fsdp",)): REPLICAS,
+                      ("all-gather", ("fsdp",)): FSDP},
+    "fsdp4_expert2": {("all-to-all", ("expert",)): A2A, ("all-reduce", ("fsdp", "expert")): ROUTER,
+                      ("all-gather", ("fsdp", "expert")): TOP_K, ("all-reduce", ("fsdp",)): REPLICAS,
+                      ("all-gather", ("fsdp",)): FSDP},
+    "fsdp2_expert2_tensor2": {("all-to-all", ("expert",)): A2A, ("all-reduce", ("fsdp", "expert")): ROUTER,
+                              ("all-gather", ("fsdp", "expert")): TOP_K, ("all-reduce", ("fsdp",)): REPLICAS,
+                              ("all-gather", ("fsdp",)): FSDP, ("all-reduce", ("tensor",)): TP},
+}
+
+
+@pytest.mark.parametrize("name", list(EP_COLLECTIVES))
+def test_dropless_layer_collectives_per_layout(name):
+    """The dropless layer step runs exactly the collectives of EP_COLLECTIVES (the compile test_layer_matches_
+    single_device made: a persistent-cache hit after it); the all-to-alls are over expert only."""
+    assert set(EP_COLLECTIVES) == set(LAYOUTS) - {"single"}  # every expert-parallel layout has its table
+    mesh, rules, params, step = layer_step(name)
+    tokens = spmd.batch_sharding(rules, mesh)
+    abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=tokens) for a in layer_inputs()]
+    ops = spmd.hlo.collectives(step.lower(params, *abstract).compile(), mesh)
+    assert sorted(spmd.hlo.summarize(ops)) == sorted(EP_COLLECTIVES[name])
+    assert sum(op.count for op in ops if op.kind == "all-to-all") == 3
+
+
 def trace_layer(sizes, rules, n_experts=E):
     layer = MoE(D, F, n_experts, K, rngs=nnx.Rngs(0))
     mesh = mesh_of(sizes)
