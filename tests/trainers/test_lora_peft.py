@@ -24,6 +24,13 @@ BASE = os.path.join(HERE, "..", "fixtures", "hf", "llama")
 TOL = 1e-5
 
 
+def assert_logits(ours, theirs) -> None:
+    """Logits equal to TOL of the largest one: two f32 programs (torch, XLA) sum in their own orders. Our
+    export's logits against PEFT's: 1.26e-5 apart at most (3.0e-6 of the largest) on jax 0.12, 6.6e-6 on 0.10."""
+    theirs = np.asarray(theirs)
+    np.testing.assert_allclose(np.asarray(ours), theirs, atol=TOL * np.abs(theirs).max(), rtol=0)
+
+
 @functools.cache
 def reference() -> dict:
     return dict(np.load(os.path.join(FIX, "reference.npz")))
@@ -53,7 +60,7 @@ def test_forward_and_adapter_gradients_equal_peft():
     model, params = adapted_model(os.path.join(FIX, "theirs"))
     ref = reference()
     tokens = jnp.asarray(ref["tokens"], jnp.int32)
-    np.testing.assert_allclose(logits_of(model, tokens), ref["logits"], atol=TOL, rtol=0)
+    assert_logits(logits_of(model, tokens), ref["logits"])
     base, adapters = lora.split(params)
 
     def loss(adapters):
@@ -88,7 +95,7 @@ def test_peft_loads_our_export(tmp_path):
         assert json.load(f) == json.load(g)
     tokens = jnp.asarray(reference()["tokens"], jnp.int32)
     logits = logits_of(with_params(model, params), tokens)
-    np.testing.assert_allclose(logits, reference()["ours_logits"], atol=TOL, rtol=0)
+    assert_logits(logits, reference()["ours_logits"])
     # our import of our export is the identity
     back, _ = adapted_model(str(tmp_path))
     np.testing.assert_allclose(logits_of(back, tokens), logits, atol=0, rtol=0)
@@ -99,7 +106,7 @@ def test_merged_weights_compute_the_adapted_model():
     tokens = jnp.asarray(reference()["tokens"], jnp.int32)
     plain = load_pretrained(BASE)
     merged = with_params(plain, lora.merged(params, model.lora))
-    np.testing.assert_allclose(logits_of(merged, tokens), reference()["logits"], atol=TOL, rtol=0)
+    assert_logits(logits_of(merged, tokens), reference()["logits"])
 
 
 def test_bad_peft_settings_are_named(tmp_path):
