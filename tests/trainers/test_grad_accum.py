@@ -104,7 +104,7 @@ def test_train_loop_passes_fsdp_gather(tmp_path):
 
     def cfg(where, *sets):
         return override(recipe("gpt-small", tiny=True), [
-            f"run.run_dir={tmp_path / where}", "run.progress=false", "run.tensorboard=false", "run.eval_every=100",
+            f"run.run_dir={tmp_path / where}", "run.progress=false", "run.tensorboard=false", "run.eval_batches=0",
             "mesh.axes=data=2,fsdp=2,tensor=2", "rules=fsdp_tp", "data.global_batch=16", "run.grad_accum=2",
             "checkpoint.every_steps=1", *sets])
 

@@ -79,7 +79,7 @@ def test_nan_batch_is_skipped_and_counted(tmp_path):
 
 
 def test_resume_gives_identical_losses(tmp_path):
-    common = ["run.steps=4", "checkpoint.every_steps=2", "run.eval_every=100"]
+    common = ["run.steps=4", "checkpoint.every_steps=2", "run.eval_batches=0"]
     straight = train(tiny(tmp_path / "a", *common))
     first = train(tiny(tmp_path / "b", *common, "run.steps=2"))
     resumed = train(tiny(tmp_path / "b", *common))
@@ -92,7 +92,7 @@ def test_resume_gives_identical_losses(tmp_path):
 
 
 def test_resume_onto_another_mesh(tmp_path):
-    common = ["run.steps=4", "checkpoint.every_steps=2", "run.eval_every=100"]
+    common = ["run.steps=4", "checkpoint.every_steps=2", "run.eval_batches=0"]
     saved = train(tiny(tmp_path, *common, "run.steps=2", "mesh.axes=fsdp=8", "rules=fsdp"), keep_state=True)
     # the checkpoint restores bit-equal onto DP=2 x TP=4
     cfg = tiny(tmp_path, *common, "mesh.axes=data=2,tensor=4", "rules=dp_tp")
@@ -112,7 +112,7 @@ def test_resume_onto_another_mesh(tmp_path):
 
 
 def test_corrupt_latest_checkpoint_falls_back(tmp_path, caplog):
-    common = ["run.steps=4", "checkpoint.every_steps=2", "run.eval_every=100"]
+    common = ["run.steps=4", "checkpoint.every_steps=2", "run.eval_batches=0"]
     train(tiny(tmp_path, *common))
     (tmp_path / "checkpoints" / "6").mkdir()  # an empty (partial) newer step
     for f in (tmp_path / "checkpoints" / "4" / "state").rglob("*"):
