@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 
 import spmd
 from spmd.models import lm_loss
+from spmd.models.moe import NESTED_REGION
 from spmd.models.packed import PACKED_KEYS
 from spmd.pipeline import PipelineConfig
 from trainers import accumulate
@@ -137,7 +138,8 @@ def train_step_fn(
         batch = normalize_weights(batch)
         with spmd.use_rules(rules, mesh):
             axes = accumulate.reduction_axes(mesh, rules, batch, grad_accum, fsdp_gather)
-            why = None if grad_accum == 1 else _loop_under_gspmd(model_vars, params, other, pipelined, loss_fn)
+            why = None if grad_accum == 1 else _loop_under_gspmd(model_vars, params, other, pipelined, loss_fn,
+                                                                 _layer_axes(mesh, rules), axes)
             note = accumulate.per_microbatch_note(mesh, rules, jax.tree.leaves(batch)[0].shape[0], grad_accum,
                                                   fsdp_gather, why)
             if note:  # at trace time: once per compiled step
@@ -202,30 +204,42 @@ def accumulation_note(sharded: ShardedState, rules: spmd.Rules | str, mesh: Mesh
                       fsdp_gather: str = "per_microbatch", loss_fn: LossFn | None = None) -> str | None:
     """What the train step logs (at trace time) when its gradient accumulation over a batch of ``rows``
     cannot reduce once per step, naming the rows, axes and reason; None when it can."""
-    state = sharded.abstract
+    state, rules = sharded.abstract, spmd.get_rules(rules)
+    axes = accumulate.reduction_axes(mesh, rules, jax.ShapeDtypeStruct((rows,), jnp.int32), grad_accum, fsdp_gather)
     why = _loop_under_gspmd(sharded.model, state.params, state.model_state or {},
-                            getattr(loss_fn, "pipelined", False), loss_fn)
-    return accumulate.per_microbatch_note(mesh, spmd.get_rules(rules), rows, grad_accum, fsdp_gather, why)
+                            getattr(loss_fn, "pipelined", False), loss_fn, _layer_axes(mesh, rules), axes)
+    return accumulate.per_microbatch_note(mesh, rules, rows, grad_accum, fsdp_gather, why)
 
 
-def _loop_under_gspmd(model_vars: Any, params: Any, other: Any, pipelined: bool, loss_fn: Any = None) -> str | None:
-    """Why the accumulation loop must stay under GSPMD whatever the batch (None: it need not). A loss
-    says so itself with a ``manual_unsafe`` attribute naming why (e.g. the DPO loss)."""
+def _layer_axes(mesh: Mesh, rules: spmd.Rules) -> tuple[str, ...]:
+    """The axes (size > 1) a layer with its own ``shard_map`` runs manual over: those of ``batch`` and ``length``."""
+    acts, sizes = dict(rules.activations), dict(mesh.shape)
+    return tuple(a for d in ("batch", "length") for a in spmd.rules.axes_of(acts.get(d)) if sizes.get(a, 1) > 1)
+
+
+def _loop_under_gspmd(model_vars: Any, params: Any, other: Any, pipelined: bool, loss_fn: Any = None,
+                      layer_axes: tuple[str, ...] = (), axes: tuple[str, ...] = ()) -> str | None:
+    """Why the accumulation loop must stay under GSPMD (None: it need not). A loss says so itself with a
+    ``manual_unsafe`` attribute naming why (e.g. the DPO loss). A layer with its own ``shard_map`` over
+    ``layer_axes`` (MoE) runs inside the loop's region only when the loop is manual over all of them (``axes``)."""
     if getattr(loss_fn, "manual_unsafe", None):
         return str(loss_fn.manual_unsafe)
     if jax.tree.leaves(other):
         return "the model carries state besides its parameters (batch statistics, RNG streams)"
     if pipelined:
         return "the loss runs a pipeline (its own shard_map over the batch axes)"
-    if _opens_manual_region(model_vars, params, other):
-        return "a layer runs its own shard_map (e.g. MoE), which does not nest in the loop's manual region"
+    missing = [a for a in layer_axes if a not in axes]
+    if missing and _opens_manual_region(model_vars, params, other):
+        return (f"a layer runs its own shard_map (e.g. MoE) over {' x '.join(layer_axes)}, and the loop's region is "
+                f"manual over {' x '.join(axes) or 'none of them'}: {NESTED_REGION} (run.fsdp_gather=per_step makes "
+                f"every batch axis manual)")
     return None
 
 
 def _opens_manual_region(model_vars: Any, params: Any, other: Any) -> bool:
     """Whether a module of the model runs its own ``shard_map`` (class attribute ``opens_manual_region``,
     e.g. :class:`spmd.models.MoE`): nested inside the accumulation loop's manual region it does not
-    lower (its region sits in the layer scan's body, outside the enclosing one)."""
+    lower (``spmd.models.moe.NESTED_REGION``); in a region manual over all its axes it runs without one."""
     return any(getattr(node, "opens_manual_region", False) for _, node in nnx.iter_graph(model_vars.merge(params, other)))
 
 

@@ -26,6 +26,9 @@ from spmd.models.layers import GatedMLP, fan_in_init, param, weight
 from spmd.rules import Rules, axes_of
 
 EP_PRESETS = "dp_ep, fsdp_ep, fsdp_tp_ep"
+# why the layer's shard_map cannot open inside another manual region (jax 0.10.2 and 0.12, Shardy)
+NESTED_REGION = ("a shard_map nested in a manual region inside the layer scan does not lower under jax.grad (the "
+                 "scan's linearization gives its residuals the enclosing manual axes too)")
 
 
 def experts_mlp(x_SECD: jax.Array, w_gate_up_EDTF: jax.Array, w_down_EFD: jax.Array) -> jax.Array:
@@ -132,17 +135,21 @@ def dropless(x_TD: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array, w_gate
     return y_TD.astype(x_TD.dtype), rows
 
 
-def expert_layout(rules: Rules, sizes: dict[str, int], n_experts: int) -> tuple[int, P, tuple[str, ...]]:
+def expert_layout(rules: Rules, sizes: dict[str, int], n_experts: int,
+                  outer: tuple[str, ...] = ()) -> tuple[int, P, tuple[str, ...]]:
     """``(ep, token spec, manual axes)`` of an MoE layer under ``rules`` on a mesh of axis ``sizes``.
 
     The tokens ``x[B, L, D]`` stay where the activation rules put batch and length (``embed`` must
-    not be sharded); the shard_map is manual over those axes and ``expert`` (ep = its size).
+    not be sharded); the layer runs per shard over those axes and ``expert`` (ep = its size), and over
+    ``outer``: token axes already manual around it, which the rules there no longer name.
     Raises a ValueError naming the rule set when it cannot give expert parallelism.
     """
     ep = sizes.get("expert", 1)
+    if "expert" in outer:  # split outside (rules stripped of it): the weights arrive whole, W[E]
+        sizes = {a: s for a, s in sizes.items() if a != "expert"}
     acts = rules.spec(("expert",), kind="activations", mesh_sizes=sizes)
     params = rules.spec(("expert",), kind="params", mesh_sizes=sizes)
-    want = P("expert") if ep > 1 else P()
+    want = P("expert") if ep > 1 and "expert" not in outer else P()
     if acts != want or params != want:
         raise ValueError(
             f"rule set {rules.name!r} maps the MoE dim 'expert' to params {params} / activations {acts} on a mesh "
@@ -153,7 +160,7 @@ def expert_layout(rules: Rules, sizes: dict[str, int], n_experts: int) -> tuple[
     if spec[2] is not None:
         raise ValueError(f"rule set {rules.name!r} shards the MoE input's embed dim over {spec[2]!r}; the router "
                          f"and experts need whole tokens (activations must not shard 'embed')")
-    token_axes = axes_of(spec[0]) + axes_of(spec[1])
+    token_axes = axes_of(spec[0]) + axes_of(spec[1]) + tuple(outer)
     if ep > 1 and "expert" not in token_axes:
         raise ValueError(
             f"rule set {rules.name!r} does not split the batch over the expert axis (batch -> {spec[0]!r}, "
@@ -179,7 +186,7 @@ class MoE(nnx.Module):
     dropless experts run (:func:`spmd.models.grouped.grouped_mlp`'s ``impl``; None: by backend).
     """
 
-    opens_manual_region = True  # runs its own shard_map: callers must not wrap it in another one
+    opens_manual_region = True  # runs its own shard_map, or none inside a region manual over all its axes
 
     def __init__(self, d_model: int, d_ff: int, n_experts: int, k: int = 2, *, rngs: nnx.Rngs,
                  capacity_factor: float = 0.0, router: str = "softmax", n_shared: int = 0,
@@ -204,7 +211,8 @@ class MoE(nnx.Module):
         b, length, d = x_BLD.shape
         x_BLD = constrain(x_BLD, ("batch", "length", "embed"))
         logits_BLE = jnp.einsum("bld,de->ble", x_BLD.astype(jnp.float32), weight(self.w_router, jnp.float32))
-        routing = router_lib.route(logits_BLE.reshape(b * length, self.n_experts), self.k, self.router)
+        routing = router_lib.route(logits_BLE.reshape(b * length, self.n_experts), self.k, self.router,
+                                   axes=enclosing_token_axes(x_BLD))
         experts_BLK = routing.experts_TK.reshape(b, length, self.k)
         gates_BLK = routing.gates_TK.reshape(b, length, self.k)
         # gathered in the compute dtype, but they enter the expert shard_map in f32, typed varying there and
@@ -221,16 +229,26 @@ class MoE(nnx.Module):
         return constrain(y_BLD, ("batch", "length", "embed")), stats
 
     def _experts(self, x_BLD, experts_BLK, gates_BLK, w_gate_up, w_down):
-        """Dispatch, experts and combine: on one device, or in a shard_map over the token axes and ``expert``."""
+        """Dispatch, experts and combine: on one device, or per shard over the token axes and ``expert``.
+
+        Inside an enclosing region manual over every token axis (gradient accumulation's loop with
+        ``fsdp_gather="per_step"``) the per-shard body runs as it is, no ``shard_map``: the weights arrive
+        whole (gathered once per step), each device slices its E/ep experts (gradient ``G[E]`` zero outside
+        that slice). An enclosing region manual over some token axes only is refused (:data:`NESTED_REGION`)."""
         layout = active_layout()
+        outer = enclosing_token_axes(x_BLD)
         ep, spec, manual = 1, P(), ()
         if layout is not None:
             mesh, rules = layout
-            ep, spec, manual = expert_layout(rules, axis_sizes(mesh), self.n_experts)
+            ep, spec, manual = expert_layout(rules, axis_sizes(mesh), self.n_experts, outer)
         n, k, cf = self.n_experts, self.k, self.capacity_factor
+        inner = tuple(a for a in manual if a not in outer)
 
         def local(x_BLD, experts_BLK, gates_BLK, w_gate_up, w_down):
             w_gate_up, w_down = (collectives.varying_like(w, x_BLD).astype(self.dtype) for w in (w_gate_up, w_down))
+            if ep > 1 and w_gate_up.shape[0] == n:  # expert manual outside: W[E] whole, keep this device's E/ep
+                start = jax.lax.axis_index("expert") * (n // ep)
+                w_gate_up, w_down = (jax.lax.dynamic_slice_in_dim(w, start, n // ep) for w in (w_gate_up, w_down))
             b, length, d = x_BLD.shape
             t = b * length
             args = (x_BLD.reshape(t, d), experts_BLK.reshape(t, k), gates_BLK.reshape(t, k), w_gate_up, w_down)
@@ -243,10 +261,19 @@ class MoE(nnx.Module):
                 rows = jnp.asarray(n * capacity, jnp.int32)  # every slot: E/ep experts x ep sources x C
             return y_TD.reshape(b, length, d), kept_TK.reshape(b, length, k), rows[None]
 
-        if not manual:
+        if not inner:
             return local(x_BLD, experts_BLK, gates_BLK, w_gate_up, w_down)
+        if outer:
+            raise ValueError(f"the MoE layer needs {' x '.join(inner)} manual, but an enclosing region is manual over "
+                             f"{' x '.join(outer)} only: {NESTED_REGION}")
         w_spec = P("expert") if ep > 1 else P()
         tok = P(spec[0], spec[1])
         return jax.shard_map(local, mesh=layout[0], in_specs=(tok, tok, tok, w_spec, w_spec),
                              out_specs=(tok, tok, P(manual)),
                              axis_names=set(manual))(x_BLD, experts_BLK, gates_BLK, w_gate_up, w_down)
+
+
+def enclosing_token_axes(x_BLD: jax.Array) -> tuple[str, ...]:
+    """The mesh axes already manual around the layer that split its tokens: those ``x`` varies over
+    (``data`` inside gradient accumulation's loop), less ``pipe`` (pipeline stages, not tokens)."""
+    return tuple(sorted(a for a in collectives.varying_axes(jax.typeof(x_BLD)) if a != "pipe"))

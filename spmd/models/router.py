@@ -2,7 +2,8 @@
 
 Single-device code on the whole batch ``x[B, L, D]``: under any rule set the router's matmul is
 local to each token (``W_router[D, E]`` replicated), and the loss statistics are means over the
-global batch (XLA all-reduces them over the batch axes), so every mesh gives the same numbers.
+global batch (XLA all-reduces them over the batch axes; inside a region manual over batch axes, ``route``'s
+``axes`` name them), so every mesh gives the same numbers.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class Routing:
     stats: dict[str, jax.Array]
 
 
-def route(logits_TE: jax.Array, k: int, kind: str = "softmax") -> Routing:
+def route(logits_TE: jax.Array, k: int, kind: str = "softmax", *, axes: tuple[str, ...] = ()) -> Routing:
     """Top-``k`` routing of tokens ``T`` over experts ``E`` from f32 router logits ``[T, E]``.
 
     ``softmax``: scores ``p = softmax(logits)``; ``sigmoid``: ``s = sigmoid(logits)`` (affinities as in
@@ -37,7 +38,8 @@ def route(logits_TE: jax.Array, k: int, kind: str = "softmax") -> Routing:
     Statistics: ``f_e`` = fraction of the ``T*k`` assignments that go to expert e, ``P_e`` = mean over
     tokens of the (per-token normalised) scores; ``aux_loss = E * sum_e f_e * P_e`` (Switch/GShard,
     1.0 when balanced); ``z_loss = mean_t logsumexp(logits_t)^2`` (ST-MoE); ``load_max``/``load_min``
-    = ``E * max_e f_e`` / ``E * min_e f_e`` (1.0 when balanced).
+    = ``E * max_e f_e`` / ``E * min_e f_e`` (1.0 when balanced). ``axes``: manual axes (of an enclosing
+    ``shard_map``) that split the tokens evenly; the means run over every device's tokens on them.
     """
     if kind not in ROUTERS:
         raise ValueError(f"router {kind!r} is not one of {ROUTERS}")
@@ -56,9 +58,12 @@ def route(logits_TE: jax.Array, k: int, kind: str = "softmax") -> Routing:
     counts_E = jnp.sum(jax.nn.one_hot(experts_TK, e, dtype=jnp.float32), axis=(0, 1))
     f_E = counts_E / (t * k)
     p_E = jnp.mean(probs_TE, axis=0)
+    z = jnp.mean(jax.nn.logsumexp(logits_TE, axis=-1) ** 2)
+    if axes:  # means over the tokens of every device: E + E + 1 floats all-reduced
+        f_E, p_E, z = jax.lax.pmean((f_E, p_E, z), axes)
     stats = {
         "aux_loss": e * jnp.sum(f_E * p_E),
-        "z_loss": jnp.mean(jax.nn.logsumexp(logits_TE, axis=-1) ** 2),
+        "z_loss": z,
         "load_max": e * jnp.max(f_E),
         "load_min": e * jnp.min(f_E),
     }
