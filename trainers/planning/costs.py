@@ -33,17 +33,10 @@ from trainers.model_variables import ParamInfo, shard_divisors
 from trainers.optim import make_optimizer
 from trainers.planning.hardware import Hardware
 from trainers.planning.perf import Work, step_time
-from trainers.planning.pipeline_costs import pipeline_schedule, stash_sizes, weight_stash_size
+from trainers.planning.pipeline_costs import pipeline_bubble, pipeline_schedule, stash_sizes, weight_stash_size
 from trainers.planning.profile import TaskProfile, at
 from trainers.planning.traffic import DTYPE_BYTES as _DTYPE_BYTES
-from trainers.planning.traffic import (
-    RECOMPUTES_BLOCK,
-    Traffic,
-    comm_estimate,
-    sharded_params,
-    token_axes,
-    trained,
-)
+from trainers.planning.traffic import RECOMPUTES_BLOCK, Traffic, comm_estimate, sharded_params, token_axes, trained
 
 # spmd.remat policies by what a block keeps on the device for the backward pass (else: its input only)
 KEEPS_ALL = ("none", "save_all_but_gathered")  # every intermediate; the weights too under none
@@ -164,17 +157,6 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
     reference = local if cfg.run.objective == "dpo" and not cfg.lora.enabled else 0  # DPO's frozen copy (LoRA: none)
     return MemoryEstimate(local, optimizer, grads, int(acts + gathered), batch, other=reference,
                           guard=window_bytes(cfg.run.spike_window))
-
-
-def pipeline_bubble(cfg: Config, pipe: int) -> float:
-    """Idle share of the pipeline's step as the engine runs it (0 without a pipeline or with pipe=1): the
-    table advances tick by tick, each tick as long as its slowest op (``Schedule.lockstep_time`` with the
-    ops' costs in chunk forwards), against the work of one stage."""
-    if pipe <= 1 or not cfg.pipeline.enabled:
-        return 0.0
-    table = pipeline_schedule(cfg, pipe)
-    work = table.n_microbatches * table.n_virtual * sum(table.op_costs().values())
-    return 1 - work / table.lockstep_time()
 
 
 def _optimizer_copies(opt_cfg, params) -> float:

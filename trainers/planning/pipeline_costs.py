@@ -60,3 +60,20 @@ def weight_stash_size(cfg: Config, pipe: int) -> int:
 @functools.lru_cache(maxsize=1024)
 def _weight_stash(name: str, pipe: int, microbatches: int, virtual_stages: int) -> int:
     return _schedule(name, pipe, microbatches, virtual_stages).weight_stash_size()
+
+
+def pipeline_bubble(cfg: Config, pipe: int) -> float:
+    """Idle share of the pipeline's step as the engine runs it (0 without a pipeline or with pipe=1): the
+    table advances tick by tick, each tick as long as its slowest op (``Schedule.lockstep_time`` with the
+    ops' costs in chunk forwards), against the work of one stage."""
+    if pipe <= 1 or not cfg.pipeline.enabled:
+        return 0.0
+    p = cfg.pipeline
+    return _bubble(p.schedule, pipe, p.microbatches, p.virtual_stages)
+
+
+@functools.lru_cache(maxsize=1024)
+def _bubble(name: str, pipe: int, microbatches: int, virtual_stages: int) -> float:
+    table = _schedule(name, pipe, microbatches, virtual_stages)
+    work = table.n_microbatches * table.n_virtual * sum(table.op_costs().values())
+    return 1 - work / table.lockstep_time()
