@@ -213,8 +213,8 @@ def accumulation_note(sharded: ShardedState, rules: spmd.Rules | str, mesh: Mesh
 
 def _layer_axes(mesh: Mesh, rules: spmd.Rules) -> tuple[str, ...]:
     """The axes (size > 1) a layer with its own ``shard_map`` runs manual over: those of ``batch`` and ``length``."""
-    acts, sizes = dict(rules.activations), dict(mesh.shape)
-    return tuple(a for d in ("batch", "length") for a in spmd.rules.axes_of(acts.get(d)) if sizes.get(a, 1) > 1)
+    spec = rules.spec(("batch", "length"), kind="activations", mesh_sizes=dict(mesh.shape))
+    return tuple(a for entry in spec for a in spmd.rules.axes_of(entry))
 
 
 def _loop_under_gspmd(model_vars: Any, params: Any, other: Any, pipelined: bool, loss_fn: Any = None,

@@ -246,7 +246,7 @@ class MoE(nnx.Module):
 
         def local(x_BLD, experts_BLK, gates_BLK, w_gate_up, w_down):
             w_gate_up, w_down = (collectives.varying_like(w, x_BLD).astype(self.dtype) for w in (w_gate_up, w_down))
-            if ep > 1 and w_gate_up.shape[0] == n:  # expert manual outside: W[E] whole, keep this device's E/ep
+            if ep > 1 and "expert" in outer:  # expert manual outside: W[E] whole, keep this device's E/ep
                 start = jax.lax.axis_index("expert") * (n // ep)
                 w_gate_up, w_down = (jax.lax.dynamic_slice_in_dim(w, start, n // ep) for w in (w_gate_up, w_down))
             b, length, d = x_BLD.shape
