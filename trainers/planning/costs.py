@@ -147,7 +147,8 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
     if sizes.get("fsdp", 1) > 1 and cfg.run.grad_accum > 1 and cfg.run.fsdp_gather == "per_step":
         unsharded = [p.size // math.prod(shard_divisors(p, rules, {**sizes, "fsdp": 1})) for p in infos]
         gathered = sum(n * dt for n in unsharded)
-        grads = local_trained + sum(n * x.info.itemsize for n, x in zip(unsharded, shards) if x in train)
+        trained_paths = {x.info.path for x in train}
+        grads = local_trained + sum(n * p.itemsize for n, p in zip(unsharded, infos) if p.path in trained_paths)
     elif sizes.get("fsdp", 1) > 1 and S > 1 and pipe.enabled:  # the stage's layers gathered once before the
         # tick loop in their own dtype, and their gradient accumulated unsharded until after it (spmd/pipeline/layout.py)
         gathered = 2 * sum(x.info.size // S * x.info.itemsize // x.compute_divisor for x in shards if x.info.dims and x.info.dims[0] == "layers")

@@ -87,10 +87,15 @@ def sharded_params(model, rules_name: str, sizes: dict[str, int], lora: LoRASpec
     return _sharded(model, rules_name, tuple(sizes.items()), lora)
 
 
+def updated(info: ParamInfo, lora: LoRASpec | None) -> bool:
+    """Whether a step updates this parameter: every one, or with LoRA only the adapters (the base is frozen:
+    XLA drops its zero gradients, accumulator included, and it has no optimizer state or reduction)."""
+    return lora is None or is_adapter(info.path)
+
+
 def trained(shards: tuple[Sharded, ...], lora: LoRASpec | None) -> tuple[Sharded, ...]:
-    """The parameters a step updates: all of them, or with LoRA only the adapters (the base is frozen: XLA
-    drops its zero gradients, accumulator included, and it has no optimizer state)."""
-    return shards if lora is None else tuple(x for x in shards if is_adapter(x.info.path))
+    """The parameters a step updates (:func:`updated`)."""
+    return tuple(x for x in shards if updated(x.info, lora))
 
 
 @functools.lru_cache(maxsize=256)
@@ -127,7 +132,7 @@ def comm_estimate(cfg: Config, sizes: dict[str, int], hw: Hardware, dcn_axes: tu
     lora = cfg.lora.spec
     for x in sharded_params(m, cfg.rules, sizes, lora):
         p, on, local = x.info, x.axes, x.local
-        reduced = lora is None or is_adapter(p.path)  # a frozen base weight is gathered, never reduced
+        reduced = updated(p, lora)  # a frozen base weight is gathered, never reduced
         gather = tuple(a for a in tokens if a in on and a != "expert")  # experts stay put: tokens travel
         if gather:
             full = local * math.prod(sizes[a] for a in gather)
