@@ -21,11 +21,12 @@ from helpers.accum_util import accum_step
 from helpers.accum_util import reference as accum_reference
 from helpers.gpt_util import rel_err
 from helpers.hlo_checks import unanchored_collectives
+from helpers.shared_init import gpt_params
 from jax.experimental import serialize_executable
 
 import meshes
 import spmd
-from spmd.models import GPT, GPTConfig
+from spmd.models import GPTConfig
 from spmd.pipeline import PipelineConfig
 
 TOL = 1e-5
@@ -84,7 +85,7 @@ def gpt_lowered(sizes: tuple, rules: str, schedule: str, m: int, v: int, cfg: GP
     mesh = meshes.make_mesh(dict(sizes)) if sizes else meshes.single_device_mesh()
     rules_ = spmd.get_rules(rules)
     pipeline = PipelineConfig(schedule, m, v) if schedule != "none" else None
-    graphdef, params, shardings = spmd.init_params(lambda: GPT(cfg, rngs=nnx.Rngs(0)), rules_, mesh)
+    graphdef, params, shardings = gpt_params(cfg, rules_, mesh)  # one init per cfg, placed on the mesh
 
     def loss(params, x, y):
         with spmd.use_rules(rules_, mesh):

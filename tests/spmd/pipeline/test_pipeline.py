@@ -10,11 +10,12 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from helpers.shared_init import gpt_params
 
 import meshes
 import spmd
 from spmd.manual import manual_batch_axes
-from spmd.models import GPT, GPTConfig
+from spmd.models import GPTConfig
 from spmd.pipeline import PipelineConfig, get_schedule
 from spmd.pipeline.sends import hlo_sent_bytes
 
@@ -38,8 +39,8 @@ class Case:
 
     def __init__(self, sizes, rules, pipeline, cfg=CFG, batch=BATCH, length=LENGTH):
         self.mesh, self.rules = mesh_of(sizes), spmd.get_rules(rules)
-        self.graphdef, self.params, self.shardings = spmd.init_params(lambda: GPT(cfg, rngs=nnx.Rngs(0)), self.rules,
-                                                                      self.mesh)
+        # one initialisation per cfg (the one-device reference's), placed on this mesh's shardings
+        self.graphdef, self.params, self.shardings = gpt_params(cfg, self.rules, self.mesh)
         graphdef, rules, mesh = self.graphdef, self.rules, self.mesh
 
         def loss(params, x, y):
