@@ -3,9 +3,9 @@
 The ``data`` axis (size G, the slow DCN axis) holds G replica groups. Every leaf of the ordinary train
 state gains a leading group dim, ``X[G_data, ...]``: params, inner optimizer state, counters, RNG and
 guard window per group. The inner step is the ordinary step (:mod:`trainers.step`) mapped over groups
-(``jax.vmap(..., spmd_axis_name="data")``) under the rule set without ``data``: group g trains on rows
-``[g*B/G, (g+1)*B/G)`` of the global batch, and nothing in it communicates over ``data``. Every H steps
-(and at the run's last step) the outer step all-reduces the params over ``data`` once (one variadic
+(``jax.vmap``, the group dim placed on ``data`` by its shardings) under the rule set without ``data``: group
+g trains on rows ``[g*B/G, (g+1)*B/G)`` of the global batch; nothing in it communicates over ``data``. Every
+H steps (and at the run's last step) the outer step all-reduces the params over ``data`` once (one variadic
 psum of gradient size), applies ``outer_params - mean_g(params_g)`` as a pseudo-gradient with an outer
 optax optimizer (default: plain averaging below H = 100, DiLoCo's Nesterov momentum from there on,
 Douillard et al. 2023) and sets every group's params to the result. See docs/training.md ("Local SGD").
@@ -185,7 +185,10 @@ class LocalSGD:
             return groups.replace(rng=rngs, outer_params=one.params, outer_opt_state=self.tx.init(one.params))
 
         self._start = jax.jit(start, out_shardings=self.shardings)
-        grouped = jax.vmap(step_fn, spmd_axis_name=AXIS)
+        # no spmd_axis_name: it would put data in the specs of a shard_map inside the step (context attention)
+        # without making data manual there, which does not lower (jax 0.10.2, 0.12); the in/out shardings keep
+        # the group dim on data, and the tests assert the compiled step sends nothing over it
+        grouped = jax.vmap(step_fn)
 
         def inner(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
             groups = state.replace(outer_params=None, outer_opt_state=None)
