@@ -295,15 +295,16 @@ def test_layout_equals_one_device_and_resumes_onto_another_mesh(pairs_file, tmp_
 
 @pytest.mark.slow
 def test_a_rule_that_picks_the_chosen_answer_is_learned(tmp_path):
-    """Chosen responses are even digits, rejected odd ones: after 20 steps the reward of the chosen
-    response is the higher on >= 90% of the held-out pairs."""
-    cfg = override(example.config(example.write_pairs(tmp_path / "pairs.jsonl", n=600), tmp_path / "run", steps=20,
-                                  tiny=True), ["lr.peak_lr=1e-2"])
+    """Chosen responses are even digits, rejected odd ones: after 10 steps the reward of the chosen
+    response is the higher on >= 90% of the held-out pairs (measured: all of them, the loss at 0.09 of its start)."""
+    steps = 10
+    cfg = override(example.config(example.write_pairs(tmp_path / "pairs.jsonl", n=600), tmp_path / "run", steps=steps,
+                                  tiny=True), ["lr.peak_lr=1e-2", f"checkpoint.every_steps={steps}"])  # one save, at the end
     result = train(cfg)
-    final = result.eval_metrics[20]
+    final = result.eval_metrics[steps]
     assert final["rewards/accuracies"] >= 0.9, final
     assert final["rewards/margins"] > 0 and final["rewards/chosen"] > final["rewards/rejected"]
-    assert result.losses[20] < 0.5 * result.losses[1]
+    assert result.losses[steps] < 0.5 * result.losses[1]
 
 
 @pytest.mark.slow

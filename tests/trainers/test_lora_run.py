@@ -31,7 +31,7 @@ def hf_folder(tmp_path_factory):
 def lora_run(hf, run_dir, mesh, *extra, steps=3):
     cfg = override(recipe("gpt-small", tiny=True), [
         f"checkpoint.init_from=hf:{hf}", f"run.run_dir={run_dir}", f"run.steps={steps}", "lr.total_steps=10",
-        "lr.warmup_steps=0", "lr.peak_lr=0.01", f"mesh.axes={mesh}", "rules=fsdp_tp", "checkpoint.every_steps=1",
+        "lr.warmup_steps=0", "lr.peak_lr=0.01", f"mesh.axes={mesh}", "rules=fsdp_tp", "checkpoint.every_steps=1000",
         "checkpoint.async_save=false", "run.eval_batches=0", "run.progress=false", "run.tensorboard=false",
         "lora.rank=4", "lora.alpha=8", *extra])
     sizes = dict(kv.split("=") for kv in mesh.split(","))
