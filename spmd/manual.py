@@ -2,7 +2,8 @@
 
 Shared by the pipeline engine (``axis="pipe"``, always manual) and gradient accumulation's once-per-step
 reduction: the axes the rule set splits ``batch`` over (``data``, ``fsdp``) run manual while each
-microbatch's rows still divide (:func:`manual_batch_axes`). Inside, the model's
+microbatch's rows still divide (:func:`manual_batch_axes`); in a pipeline those it splits ``length`` over
+too (:func:`manual_length_axes`). Inside, the model's
 activation constraints are re-targeted at the partly manual mesh with those axes stripped
 (:func:`with_inner_rules`): a constraint may only name automatic axes (``tensor``).
 """
@@ -40,6 +41,15 @@ def manual_batch_axes(mesh: Mesh, rules: Rules | None, batch_rows: int, axis: st
         out.append(a)
         n *= sizes[a]
     return tuple(out)
+
+
+def manual_length_axes(mesh: Mesh, rules: Rules | None, axis: str = "pipe") -> tuple[str, ...]:
+    """Mesh axes run Manual for the length besides ``axis``: those ``rules`` split ``length`` over (size > 1:
+    context parallelism over ``seq``); inside, each device holds its shard of every row's positions."""
+    if rules is None:
+        return ()
+    sizes = axis_sizes(mesh)
+    return tuple(a for a in axes_of(dict(rules.activations).get("length")) if a != axis and sizes.get(a, 1) > 1)
 
 
 def _manual_mesh(mesh: Mesh, axes: frozenset[str]) -> Mesh:

@@ -76,19 +76,21 @@ class Stack(nnx.Module):
         nnx.update(self.block, self.order.convert(state, order))
         mark(self.block, order)
 
-    def split(self) -> tuple[Callable[..., jax.Array], nnx.State]:
+    def split(self) -> tuple[Callable[..., Any], nnx.State]:
         """``(apply, state)``: ``state`` holds the stacked params ``[layers, ...]`` in :attr:`order`;
         ``apply(state_slice, x, *args)`` runs the blocks of any slice of it along ``layers``, in
-        order (what a pipeline stage runs on its chunk of layers)."""
+        order (what a pipeline stage runs on its chunk of layers); like calling the stack, it returns
+        ``(y, aux summed over the slice's layers)`` when the blocks return ``(x, aux)``."""
         graphdef, state = nnx.split(self.block)
         remat, form = self.remat, self.form
 
-        def apply(layers_state: nnx.State, x: jax.Array, *args: Any) -> jax.Array:
+        def apply(layers_state: nnx.State, x: jax.Array, *args: Any) -> jax.Array | tuple[jax.Array, Any]:
             def body(carry, layer_state):
-                return nnx.merge(graphdef, layer_state)(carry, *args), None
+                return _carry_and_aux(nnx.merge(graphdef, layer_state)(carry, *args), carry)
 
             n = jax.tree.leaves(layers_state)[0].shape[0]
-            return jax.lax.scan(remat_lib.wrap(body, remat), x, layers_state, unroll=n if form == "unrolled" else 1)[0]
+            y, aux = jax.lax.scan(remat_lib.wrap(body, remat), x, layers_state, unroll=n if form == "unrolled" else 1)
+            return y if aux is None else (y, jax.tree.map(lambda a: a.sum(0), aux))
 
         return apply, state
 
@@ -104,14 +106,19 @@ class Stack(nnx.Module):
 
         def body(carry, layer):
             block = nnx.merge(graphdef, *layer)
-            out = block(carry, *args)
-            # a block returns its carry, or (carry, aux): told apart by the carry's structure (a carry may be a tuple)
-            y, aux = (out, None) if jax.tree.structure(out) == jax.tree.structure(carry) else out
+            y, aux = _carry_and_aux(block(carry, *args), carry)
             return y, (nnx.state(block, nnx.Not(nnx.Param)), aux)
 
         y, (rest, aux) = jax.lax.scan(remat_lib.wrap(body, self.remat), x, (params, rest), unroll=self.unroll)
         nnx.update(self.block, order.to_stored(rest))
         return y if aux is None else (y, jax.tree.map(lambda a: a.sum(0), aux))
+
+
+def _carry_and_aux(out: Any, carry: Any) -> tuple[Any, Any]:
+    """A block's ``(carry, aux)``: it returns its carry, or ``(carry, aux)``, told apart by the carry's
+    structure (a carry may be a tuple); ``aux`` None for the first."""
+    same: bool = jax.tree.structure(out) == jax.tree.structure(carry)  # type: ignore[operator]
+    return (out, None) if same else out
 
 
 def reorder_stacks(module: nnx.Module, order: LayerOrder) -> nnx.Module:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 from spmd.constraints import active_layout
@@ -41,14 +41,19 @@ def balanced_positions(length: int, n: int) -> np.ndarray:
 
 def seq_shards(axis: str = "seq") -> int:
     """How many ways the active layout splits the length (1: no context parallelism): the size of
-    ``axis`` when the rule set maps activation ``length`` to it."""
+    ``axis`` when the rule set maps activation ``length`` to it, or when an enclosing region (a pipeline's)
+    is manual over it: the length arrives split, each device holding its own shard."""
     active = active_layout()
     if active is None:
         return 1
     mesh, rules = active
-    if axis not in axes_of(dict(rules.activations).get("length")):
+    if not _manual(mesh, axis) and axis not in axes_of(dict(rules.activations).get("length")):
         return 1
     return dict(mesh.shape).get(axis, 1)
+
+
+def _manual(mesh: Mesh, axis: str) -> bool:
+    return axis in mesh.axis_names and mesh.axis_types[mesh.axis_names.index(axis)] == AxisType.Manual
 
 
 def sequence_order(length: int) -> np.ndarray | None:
@@ -62,8 +67,13 @@ def attend(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, *, impl: str
     """Causal attention under the active layout: :func:`context_attend` when the length is split
     over ``seq`` (inputs in :func:`sequence_order`), else ``spmd.models.attention.attend``.
     ``segment_ids=[B, L]`` (packed documents) is passed on to either."""
-    if seq_shards() == 1:
+    n = seq_shards()
+    if n == 1:
         return attention.attend(q_BLHK, k_BLGK, v_BLGK, impl=impl, block=block, **segments)
+    if _manual(active_layout()[0], "seq"):  # inside a region manual over seq (a pipeline's): this device's shard
+        # K/V by all-gather: a pipeline's table engine runs its stages in lax.switch branches, and a
+        # collective-permute there (the ring) pairs the devices of different branches wrongly on XLA:CPU
+        return _attend_shard(q_BLHK, k_BLGK, v_BLGK, "seq", n, "allgather", block, segments.get("segment_ids"))
     return context_attend(q_BLHK, k_BLGK, v_BLGK, mesh=active_layout()[0], exchange=exchange, block=block,
                           **segments)
 
@@ -272,33 +282,35 @@ def context_attend(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, *, m
     n = mesh.shape[axis]
     if n == 1:
         return blockwise(q_BLHK, k_BLGK, v_BLGK, block, segment_ids)
-    b, length, h, kd = q_BLHK.shape
+    b, length, h, _ = q_BLHK.shape
     g = k_BLGK.shape[2]
     balanced_positions(length, n)  # the divisibility check, with its message
-    span = length // (2 * n)
-    # flash tiles of at most a quarter of a chunk: the [H, size, size] f32 score tiles then shrink with
-    # the local span, so per-device temporaries fall as 1/seq even where a chunk is only a few blocks long
-    size = _block_size(span, min(block, max(1, span // 4)))
 
-    def local(q, k, v):  # this device's rows and heads: q[b, 2c, h, K], k, v[b, 2c, g, K]
-        gl = k.shape[2]
-        out = _attend_local(q.reshape(*q.shape[:2], gl, q.shape[2] // gl, kd), k, v, axis, n, size, exchange)
-        return out.reshape(q.shape)
+    def local(q, k, v, *seg):  # this device's rows and heads: q[b, 2c, h, K], k, v[b, 2c, g, K]; seg[b, 2c]
+        return _attend_shard(q, k, v, axis, n, exchange, block, *seg)
 
     rows, heads = _manual_dims(mesh, axis, b, h, g)
     spec = P(rows or None, axis, heads or None)
     names = {axis, *rows, *heads}
     if segment_ids is not None:  # packed documents: segment ids travel with K/V
-        def local_segments(q, k, v, seg):
-            gl = k.shape[2]
-            out = _attend_segments(q.reshape(*q.shape[:2], gl, q.shape[2] // gl, kd), k, v, seg, axis, n, size,
-                                   exchange)
-            return out.reshape(q.shape)
-
-        return jax.shard_map(local_segments, mesh=mesh, in_specs=(spec, spec, spec, P(rows or None, axis)),
+        return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, P(rows or None, axis)),
                              out_specs=spec, axis_names=names, check_vma=False)(q_BLHK, k_BLGK, v_BLGK, segment_ids)
     return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, axis_names=names,
                          check_vma=False)(q_BLHK, k_BLGK, v_BLGK)
+
+
+def _attend_shard(q, k, v, axis: str, n: int, exchange: str, block: int, seg=None):
+    """One device's shard inside a region manual over ``axis``: ``q[b, 2c, h, K]`` (chunks i, 2n-1-i of
+    :func:`balanced_positions`) over every shard's ``k, v[b, 2c, g, K]``; ``seg[b, 2c]`` its segment ids.
+    Flash tiles of at most a quarter of a chunk: the ``[H, size, size]`` f32 score tiles then shrink
+    with the local span, so per-device temporaries fall as 1/seq even where a chunk is a few blocks long."""
+    span = q.shape[1] // 2
+    size = _block_size(span, min(block, max(1, span // 4)))
+    gl = k.shape[2]
+    q5 = q.reshape(*q.shape[:2], gl, q.shape[2] // gl, q.shape[3])
+    out = _attend_local(q5, k, v, axis, n, size, exchange) if seg is None else \
+        _attend_segments(q5, k, v, seg, axis, n, size, exchange)
+    return out.reshape(q.shape)
 
 
 def _manual_dims(mesh: Mesh, axis: str, b: int, h: int, g: int) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -30,8 +30,9 @@ from spmd.models.loss import chunked_lm_loss, lm_loss
 from spmd.models.loss import head_logits as _head_logits
 from spmd.models.loss import with_moe_losses as _with_moe_losses
 from spmd.models.moe import MoE
+from spmd.models.piped import pipelined_lm_loss
 from spmd.models.router import ROUTERS
-from spmd.pipeline import PipelineConfig, pipelined_loss
+from spmd.pipeline import PipelineConfig
 from spmd.stack import FORMS as STACK_FORMS
 from spmd.stack import Stack, stack_form
 
@@ -316,27 +317,4 @@ class GPT(nnx.Module):
             else:
                 out = lm_loss(self.logits(x_BLD), targets_BL, z_loss=z_loss)
             return out if stats is None else _with_moe_losses(self.cfg, *out, stats)
-        cfg = self.cfg
-        if context.seq_shards() > 1:
-            raise ValueError(f"context parallelism (seq={context.seq_shards()}) does not run under a pipeline yet "
-                             f"(pipeline schedule {pipeline.schedule!r}); use seq=1 or a pipe axis of size 1")
-        if cfg.n_experts:
-            raise ValueError(f"GPTConfig.n_experts={cfg.n_experts}: MoE blocks do not run under a pipeline yet; "
-                             f"use pipeline schedule 'none' (a pipe axis of size 1)")
-        if self.lora is not None and self.lora.dropout:
-            raise ValueError(f"lora.dropout={self.lora.dropout} does not run under a pipeline yet (pipeline schedule "
-                             f"{pipeline.schedule!r}): a stage would draw the same adapter mask for every microbatch; "
-                             "use lora.dropout=0, or pipeline.schedule=none (a pipe axis of size 1)")
-        x_BLD = self.embed_tokens(tokens_BL)
-        apply, block_state = self.blocks.split()
-        norm_def, norm_state = nnx.split(self.final_norm)
-
-        def stage_fn(layers_state, x_BLD):
-            return apply(layers_state, x_BLD, jnp.arange(x_BLD.shape[1]))
-
-        def head_fn(head, y_BLD, tg_BL):
-            x_BLD = nnx.merge(norm_def, head[0])(y_BLD)
-            return lm_loss(_head_logits(cfg, x_BLD, head[1]), tg_BL, z_loss=z_loss, onehot=True)
-
-        return pipelined_loss(pipeline, stage_fn, head_fn, block_state, (norm_state, self.out_weight), x_BLD,
-                              targets_BL, compute_dtype=cfg.compute_dtype)
+        return pipelined_lm_loss(self, tokens_BL, targets_BL, z_loss, pipeline)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from meshes import axis_sizes
@@ -26,6 +27,7 @@ from spmd.models.layers import GatedMLP, fan_in_init, param, weight
 from spmd.rules import Rules, axes_of
 
 EP_PRESETS = "dp_ep, fsdp_ep, fsdp_tp_ep"
+STATS = (*router_lib.STATS, "dropped")  # the statistics a MoE layer returns (without report_rows)
 # why the layer's shard_map cannot open inside another manual region (jax 0.10.2 and 0.12, Shardy)
 NESTED_REGION = ("a shard_map nested in a manual region inside the layer scan does not lower under jax.grad (the "
                  "scan's linearization gives its residuals the enclosing manual axes too)")
@@ -246,7 +248,7 @@ class MoE(nnx.Module):
 
         def local(x_BLD, experts_BLK, gates_BLK, w_gate_up, w_down):
             w_gate_up, w_down = (collectives.varying_like(w, x_BLD).astype(self.dtype) for w in (w_gate_up, w_down))
-            if ep > 1 and "expert" in outer:  # expert manual outside: W[E] whole, keep this device's E/ep
+            if ep > 1 and "expert" in outer and w_gate_up.shape[0] == n:  # W[E] whole: keep this device's E/ep
                 start = jax.lax.axis_index("expert") * (n // ep)
                 w_gate_up, w_down = (jax.lax.dynamic_slice_in_dim(w, start, n // ep) for w in (w_gate_up, w_down))
             b, length, d = x_BLD.shape
@@ -275,5 +277,9 @@ class MoE(nnx.Module):
 
 def enclosing_token_axes(x_BLD: jax.Array) -> tuple[str, ...]:
     """The mesh axes already manual around the layer that split its tokens: those ``x`` varies over
-    (``data`` inside gradient accumulation's loop), less ``pipe`` (pipeline stages, not tokens)."""
-    return tuple(sorted(a for a in collectives.varying_axes(jax.typeof(x_BLD)) if a != "pipe"))
+    (``data`` inside gradient accumulation's loop) or that the active layout's mesh types Manual (a
+    pipeline's region, whose values carry no such types), less ``pipe`` (pipeline stages, not tokens)."""
+    layout = active_layout()
+    manual = set() if layout is None else {n for n, t in zip(layout[0].axis_names, layout[0].axis_types)
+                                           if t == AxisType.Manual}
+    return tuple(sorted((manual | collectives.varying_axes(jax.typeof(x_BLD))) - {"pipe"}))

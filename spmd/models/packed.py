@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from spmd.models import context, segments
-from spmd.models.loss import chunked_lm_loss, head_logits, lm_loss, with_moe_losses
+from spmd.models.loss import chunked_lm_loss, lm_loss, with_moe_losses
+from spmd.models.piped import pipelined_lm_loss
 
 PACKED_KEYS = ("segment_ids", "positions", "weights")
 
@@ -32,7 +32,8 @@ def packed_loss(model, tokens_BL: jax.Array, targets_BL: jax.Array, *, z_loss: f
         if value is not None and value.shape != tokens_BL.shape:
             raise ValueError(f"{name} has shape {value.shape}; it must be [B, L] like the tokens {tokens_BL.shape}")
     if pipeline is not None and pipeline.enabled:
-        return _pipelined(model, tokens_BL, targets_BL, z_loss, pipeline, segment_ids, positions, weights)
+        loss, aux = pipelined_lm_loss(model, tokens_BL, targets_BL, z_loss, pipeline, segment_ids, positions, weights)
+        return loss, {**aux, **_batch_metrics(model.cfg, segment_ids, weights)}  # as unpipelined: functions of the batch
     x_BLD, stats = model.hidden_and_stats(tokens_BL, segment_ids, positions)
     order = context.sequence_order(targets_BL.shape[1])
     if order is not None:  # the mean is order-free
@@ -50,52 +51,6 @@ def packed_loss(model, tokens_BL: jax.Array, targets_BL: jax.Array, *, z_loss: f
         return out
 
     return with_moe_losses(model.cfg, *out, stats)
-
-
-DIGIT = 256  # integers up to 256 are exact in bfloat16: ids and positions travel as two base-256 digits
-
-
-def _pipelined(model, tokens_BL, targets_BL, z_loss, pipeline, segment_ids, positions, weights):
-    """The blocks as a pipeline over ``pipe`` (``spmd.pipeline.pipelined_loss``), packed rows and weights
-    included: each row's segment ids and positions ride along as 4 extra channels of the activations
-    ``x[B, L, D + 4]`` (base-256 digits, exact in bf16; the stages pass them on untouched), and the
-    weights with the targets (``[B, L, 2]`` int32, the weight's f32 bits)."""
-    from spmd.pipeline import pipelined_loss
-
-    cfg, d = model.cfg, model.cfg.d_model
-    if context.seq_shards() > 1:
-        raise ValueError(f"context parallelism (seq={context.seq_shards()}) does not run under a pipeline yet "
-                         f"(pipeline schedule {pipeline.schedule!r}); use seq=1 or a pipe axis of size 1")
-    if cfg.n_experts:
-        raise ValueError(f"GPTConfig.n_experts={cfg.n_experts}: MoE blocks do not run under a pipeline yet")
-    if tokens_BL.shape[1] + 1 >= DIGIT**2:
-        raise ValueError(f"packed rows of length {tokens_BL.shape[1]} under a pipeline: segment ids and positions "
-                         f"travel as two base-{DIGIT} digits, so the length must be below {DIGIT**2 - 1}")
-    x_BLD = model.embed_tokens(tokens_BL)
-    with_layout = segment_ids is not None
-    if with_layout:
-        ints_BL4 = jnp.stack([segment_ids // DIGIT, segment_ids % DIGIT, positions // DIGIT, positions % DIGIT], -1)
-        x_BLD = jnp.concatenate([x_BLD, ints_BL4.astype(x_BLD.dtype)], -1)
-    apply, block_state = model.blocks.split()
-    norm_def, norm_state = nnx.split(model.final_norm)
-
-    def stage_fn(layers_state, x_BLE):
-        if not with_layout:
-            return apply(layers_state, x_BLE, jnp.arange(x_BLE.shape[1]))
-        ints = x_BLE[..., d:].astype(jnp.int32)
-        seg_BL, pos_BL = ints[..., 0] * DIGIT + ints[..., 1], ints[..., 2] * DIGIT + ints[..., 3]
-        y_BLD = apply(layers_state, x_BLE[..., :d], pos_BL, seg_BL)
-        return jnp.concatenate([y_BLD, x_BLE[..., d:]], -1)
-
-    def head_fn(head, y_BLE, tw_BL2):
-        x_BLD = nnx.merge(norm_def, head[0])(y_BLE[..., :d])
-        w_BL = jax.lax.bitcast_convert_type(tw_BL2[..., 1], jnp.float32)
-        return lm_loss(head_logits(cfg, x_BLD, head[1]), tw_BL2[..., 0], z_loss=z_loss, onehot=True, weights=w_BL)
-
-    w_BL = jnp.ones(targets_BL.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
-    tw_BL2 = jnp.stack([targets_BL.astype(jnp.int32), jax.lax.bitcast_convert_type(w_BL, jnp.int32)], -1)
-    loss, aux = pipelined_loss(pipeline, stage_fn, head_fn, block_state, (norm_state, model.out_weight), x_BLD, tw_BL2)
-    return loss, {**aux, **_batch_metrics(cfg, segment_ids, weights)}  # as unpipelined: functions of the batch
 
 
 def _batch_metrics(cfg, segment_ids: jax.Array | None, weights: jax.Array | None) -> dict[str, jax.Array]:

@@ -17,6 +17,9 @@ import jax.numpy as jnp
 ROUTERS = ("softmax", "sigmoid")
 
 
+STATS = ("aux_loss", "z_loss", "load_max", "load_min")  # Routing.stats' keys
+
+
 @dataclasses.dataclass(frozen=True)
 class Routing:
     """Where each token goes: ``experts[T, K]`` (distinct per token), ``gates[T, K]`` (f32), and the

@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from spmd.manual import manual_batch_axes, with_inner_rules
+from spmd.manual import manual_batch_axes, manual_length_axes, with_inner_rules
 from spmd.pipeline.layout import ParamLayout, param_layout
 from spmd.pipeline.order import NATURAL, LayerOrder, order_of
 from spmd.pipeline.schedules import Schedule
@@ -221,8 +221,8 @@ def _table_local(stage_fn: StageFn, head_fn: HeadFn, schedule: Schedule, axis: s
             return out
         # the one gradient reduction over the batch axes per step (dx stays per-device: its rows)
         pgrad = [a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]) for a in c["pgrad"]]
-        pgrad = layout.reduce(pgrad, layout.stage_plans)
-        hgrad = layout.reduce(jax.tree.leaves(c["hgrad"]), layout.head_plans)
+        pgrad = layout.reduce(pgrad, layout.stage_plans, layout.stage_specs)
+        hgrad = layout.reduce(jax.tree.leaves(c["hgrad"]), layout.head_plans, layout.head_specs)
         return out, (pgrad, [a[None] for a in hgrad], c["dx"][None])
 
     return run
@@ -267,14 +267,16 @@ def run_schedule(
     chunks = LayerOrder(S, V, schedule.placement)  # what the engine reads: device s's chunks (s, s+S, ... or s, 2S-1-s)
     pip = P(axis)
     bax = manual_batch_axes(mesh, rules, x_MbLD.shape[1], axis)
-    layout = param_layout(stage_params, head_params, rules, mesh, axis, bax, compute_dtype)
+    lax_ = manual_length_axes(mesh, rules, axis)  # context parallelism: each device its shard of the length
+    layout = param_layout(stage_params, head_params, rules, mesh, axis, (*bax, *lax_), compute_dtype)
     if layout is None:  # a parameter layout the manual axes cannot express: keep fsdp automatic
         bax = manual_batch_axes(mesh, rules, x_MbLD.shape[1], axis, shard_params=False)
-        layout = param_layout(stage_params, head_params, rules, mesh, axis, bax, compute_dtype)
-    n_batch = int(np.prod([mesh.shape[a] for a in bax], dtype=int))
-    sm: dict[str, Any] = dict(mesh=mesh, axis_names={axis, *bax}, check_vma=False)
-    inner = functools.partial(with_inner_rules, mesh=mesh, rules=rules, axis=axis, batch_axes=bax)
-    rows = P(None, bax or None)  # x[M, B/M, ...]: the microbatch rows split over the manual batch axes
+        layout = param_layout(stage_params, head_params, rules, mesh, axis, (*bax, *lax_), compute_dtype)
+    manual = layout.batch_axes  # the axes a device's share of the loss and gradients is a partial over
+    n_batch = int(np.prod([mesh.shape[a] for a in manual], dtype=int))
+    sm: dict[str, Any] = dict(mesh=mesh, axis_names={axis, *manual}, check_vma=False)
+    inner = functools.partial(with_inner_rules, mesh=mesh, rules=rules, axis=axis, batch_axes=manual)
+    rows = P(None, bax or None, lax_ or None)  # x[M, B/M, L, ...]: rows over the batch axes, length over seq
     p_leaves, p_def = jax.tree.flatten(stage_params)
     h_leaves, h_def = jax.tree.flatten(head_params)
     trees = (p_def, h_def)
@@ -286,13 +288,13 @@ def run_schedule(
         # a narrow x enters in f32 (cast inside): autodiff sums its cotangent over pipe, which XLA:CPU aborts on in bf16
         if mesh.devices.flat[0].platform == "cpu" and x_MbLD.dtype.itemsize < 4:
             x_MbLD = x_MbLD.astype(jnp.float32)
-        per_device = P((axis, *bax))  # [S * n_batch]: stage-major
+        per_device = P((axis, *manual))  # [S * n_batch]: stage-major
         gpipe_run = jax.shard_map(inner(local), in_specs=in_specs, out_specs=(per_device, per_device), **sm)
         loss, aux = gpipe_run(order.convert(p_leaves, NATURAL), h_leaves, x_MbLD, targets_MbL)
         return jax.tree.map(lambda a: a.reshape(S, n_batch).sum(0).mean(), (loss, aux))
 
     table = functools.partial(_table_local, stage_fn, head_fn, axis=axis, layout=layout, trees=trees, n_batch=n_batch)
-    grad_specs = (p_specs, [P(axis, *spec) for spec in h_specs], P(axis, None, bax or None))
+    grad_specs = (p_specs, [P(axis, *spec) for spec in h_specs], P(axis, None, bax or None, lax_ or None))
     train_run = jax.shard_map(inner(table(schedule, train=True)), in_specs=in_specs,
                               out_specs=((pip, pip), grad_specs), **sm)
     eval_run = jax.shard_map(inner(table(schedule.forward_only(), train=False)), in_specs=in_specs,

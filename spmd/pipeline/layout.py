@@ -23,6 +23,9 @@ from spmd.rules import Rules, RulesError, axes_of
 from spmd.sharding import spec_for, variable_dims
 
 GatherPlan = tuple[tuple[int, tuple[str, ...]], ...]  # per leaf: (dim, manual axes sharding it), in dim order
+# manual batch axes a parameter stays sharded over inside the region (not gathered): the layer that reads
+# it takes its own shard (the MoE experts W[E_expert, ...]: each device computes its E/ep experts)
+KEPT = ("expert",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,16 +64,16 @@ class ParamLayout:
             out.append(x)
         return out
 
-    def reduce(self, grads: list[jax.Array], plans: tuple[GatherPlan, ...]) -> list[jax.Array]:
+    def reduce(self, grads: list[jax.Array], plans: tuple[GatherPlan, ...], specs: tuple[P, ...]) -> list[jax.Array]:
         """``G{U_batch}`` at gathered size -> ``G`` in the stored layout: reduce-scatter over the
-        gathered axes, all-reduce over the other manual batch axes (one reduction per step)."""
+        gathered axes, all-reduce over the manual batch axes the leaf's spec does not name (one
+        reduction per step; a leaf kept sharded, :data:`KEPT`, holds its own shard's whole gradient)."""
         out = []
-        for g, plan in zip(grads, plans, strict=True):
-            used: set[str] = set()
+        for g, plan, spec in zip(grads, plans, specs, strict=True):
             for dim, axes in reversed(plan):
                 g = collectives.psum_scatter(g, axes, dim=dim)
-                used.update(axes)
-            rest = tuple(a for a in self.batch_axes if a not in used)
+            named = {a for entry in spec for a in axes_of(entry)}
+            rest = tuple(a for a in self.batch_axes if a not in named)
             out.append(collectives.psum(g, rest) if rest else g)
         return out
 
@@ -155,7 +158,10 @@ def param_layout(stage_params: Any, head_params: Any, rules: Rules | None, mesh:
             part = _manual_part(full, leaf.ndim, tuple(sharding_axes))
             if part is None or (k == 0 and part and part[0] is not None):
                 return None
-            plans[k].append(tuple((i, axes_of(e)) for i, e in enumerate(part) if e is not None))
+            if any(set(axes_of(e)) & set(KEPT) and set(axes_of(e)) - set(KEPT) for e in part if e is not None):
+                return None  # a dim over a kept axis and a gathered one
+            plans[k].append(tuple((i, axes_of(e)) for i, e in enumerate(part)
+                                  if e is not None and not set(axes_of(e)) & set(KEPT)))
             specs[k].append(P(axis, *part[1:]) if k == 0 else P(*part))
     return ParamLayout(tuple(specs[0]), tuple(specs[1]), tuple(plans[0]), tuple(plans[1]), batch_axes,
                        gather_dtypes(stage_leaves, compute_dtype))

@@ -363,12 +363,19 @@ def test_config_errors(kw, match):
         GPTConfig(**{**GPT_CFG.__dict__, **kw})
 
 
-def test_pipeline_with_moe_is_refused():
+def test_a_pipeline_config_on_one_device_gives_the_moe_loss():
+    """Without a pipe axis the pipelined loss runs the stack once: the MoE losses (carried in the activations'
+    statistics channels) and metrics are GPT.loss's (tests/trainers/test_pipeline_axes.py: on a pipe axis)."""
     from spmd.pipeline import PipelineConfig
 
     model = GPT(GPT_CFG, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="MoE blocks do not run under a pipeline"):
-        model.loss(gpt_batch()["inputs"], gpt_batch()["targets"], pipeline=PipelineConfig("gpipe", microbatches=2))
+    batch = gpt_batch()
+    loss, aux = model.loss(batch["inputs"], batch["targets"])
+    piped, piped_aux = model.loss(batch["inputs"], batch["targets"], pipeline=PipelineConfig("gpipe", microbatches=2))
+    assert float(piped) == pytest.approx(float(loss), rel=1e-6) and aux["moe_aux_loss"] > 0
+    assert set(piped_aux) == set(aux)
+    for k in aux:
+        assert float(piped_aux[k]) == pytest.approx(float(aux[k]), rel=1e-6, abs=1e-7), k
 
 
 def test_checkpoint_restores_onto_a_mesh_without_the_expert_axis(tmp_path):

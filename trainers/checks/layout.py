@@ -110,25 +110,21 @@ def check_heads(model: GPTConfig, rules: spmd.Rules | str, sizes: Mapping[str, i
 
 
 def check_context_and_experts(model: GPTConfig, rules: spmd.Rules | str, sizes: Mapping[str, int], *,
-                              seq_len: int | None, pipeline: PipelineConfig | None = None) -> list[Issue]:
-    """Context parallelism (activation ``length`` over ``seq`` > 1): the length a multiple of 2 x seq,
-    no pipeline; MoE (``model.n_experts`` > 0): no pipeline, and on an ``expert`` axis > 1 a rule set
-    and expert count that give expert parallelism (:func:`spmd.models.moe.expert_layout`). All fatal."""
+                              seq_len: int | None) -> list[Issue]:
+    """Context parallelism (activation ``length`` over ``seq`` > 1): the length a multiple of 2 x seq;
+    MoE (``model.n_experts`` > 0) on an ``expert`` axis > 1: a rule set and expert count that give expert
+    parallelism (:func:`spmd.models.moe.expert_layout`). All fatal. Both run under every pipeline schedule
+    (the pipeline's region is manual over the batch and length axes; :func:`check_pipeline` splits its rows)."""
     from spmd.models.moe import expert_layout
 
     rules = spmd.get_rules(rules)
     length = rules.spec(("length",), kind="activations", mesh_sizes=sizes)
     seq = sizes.get("seq", 1) if len(length) and "seq" in axes_of(length[0]) else 1
-    piped = pipeline is not None and pipeline.enabled and sizes.get("pipe", 1) > 1
     issues = []
     if seq > 1 and seq_len is not None and seq_len % (2 * seq):
         issues.append(Issue("indivisible", "inputs", "length", f"data.seq_len={seq_len} does not split into 2 x "
                             f"seq={seq} load-balanced chunks", f"use data.seq_len a multiple of {2 * seq}, or a "
                             "smaller seq axis", fatal=True, stage="layout", key="data.seq_len"))
-    if piped and (seq > 1 or model.n_experts):
-        what = f"context parallelism (seq={seq})" if seq > 1 else f"MoE (model.n_experts={model.n_experts})"
-        issues.append(Issue("pipeline", "pipeline", None, f"{what} does not run under a pipeline",
-                            "use pipeline.schedule=none and pipe=1", fatal=True, stage="layout", key="pipeline.schedule"))
     if model.n_experts and sizes.get("expert", 1) > 1:
         try:
             expert_layout(rules, dict(sizes), model.n_experts)

@@ -74,7 +74,7 @@ def pipeline(ctx: Context) -> list[Issue]:
 def context_experts(ctx: Context) -> list[Issue]:
     if ctx.gpt is None:
         return []
-    return layout.check_context_and_experts(ctx.gpt, ctx.rules, ctx.sizes, seq_len=ctx.seq_len, pipeline=ctx.pipeline)
+    return layout.check_context_and_experts(ctx.gpt, ctx.rules, ctx.sizes, seq_len=ctx.seq_len)
 
 
 @rule("layout", needs=("sizes", "rules"))

@@ -62,16 +62,16 @@ class AxisSplits:
 
     @functools.cached_property
     def counts(self) -> frozenset[int]:
-        """Every device count some combination reaches (seq and expert never with a pipe axis > 1)."""
+        """Every device count some combination reaches (a pipe axis > 1 shares the batch's splits)."""
         out = set()
         for b in _divisors(self.batch):
             for p in self.pipe:
                 if (self.batch // b) % p:  # p microbatches of b-way split rows at least
                     continue
                 for t in self.tensor:
-                    for s in self.seq if p == 1 else (1,):
-                        for e in self.expert if p == 1 else (1,):
-                            if e == 1 or (self.batch // b) % e == 0:
+                    for s in self.seq:
+                        for e in self.expert:  # expert splits the rows too: p microbatches of (b x e)-way split rows
+                            if (self.batch // b) % (p * e) == 0:
                                 out.add(b * p * t * s * e)
         return frozenset(out)
 
@@ -122,10 +122,10 @@ def blockers(cfg: Config, devices: int, splits: AxisSplits | None = None) -> lis
             most = max(_valuation(c, p) for c in s.counts)
             takes = ", ".join(f"{a} {p}^{v}" for a, v in reach.items() if v)
             out.append(f"the device count {devices} holds {p}^{k} but the axes together split at most {p}^{most} "
-                       f"ways ({takes}, before the pipeline shares the batch and excludes seq and expert)")
+                       f"ways ({takes}, before the pipeline shares the batch)")
     if not out:
         out.append(f"every factor of {devices} fits some axis, but no combination reaches it (a pipeline shares the "
-                   "batch's splits and excludes seq and expert)")
+                   "batch's splits)")
     return out
 
 

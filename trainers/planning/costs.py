@@ -111,7 +111,8 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
     r = sizes.get("tensor", 1) if len(residual) and "tensor" in axes_of(residual[0]) else 1  # *_sp: D split too
     per_token_layer = dt * (4 * D / r + qkv + H * K / t + mlp) + scores
     in_flight = (4 + dt) * H / t * min(L, m.attention_block) ** 2 * max(b, 1) if blockwise else 0
-    if s > 1 and m.context_exchange == "allgather":  # the whole K and V of one layer
+    piped = sizes.get("pipe", 1) > 1 and cfg.pipeline.enabled  # a pipeline's stages exchange K/V by all-gather
+    if s > 1 and (m.context_exchange == "allgather" or piped):  # the whole K and V of one layer
         in_flight += 2 * b * data.seq_len * max(G // t, 1) * K * dt
     positions = min(m.loss_chunk, L) if m.loss_chunk else L  # chunked cross-entropy: one chunk's logits at a time
     vt = t if any(a == "vocab" for a, _ in rules.activations) else 1

@@ -233,7 +233,7 @@ def candidates(devices: int, *, remat: tuple[bool | str | None, ...] = (False, T
     """Every (data, pipe, fsdp, seq, expert, tensor) factorisation of ``devices`` with each rule set using
     exactly the axes other than pipe and seq; pipe > 1 only with ``n_layers`` (a divisor of it) and
     ``batch`` (M must divide it); seq > 1 only with ``seq_len`` a multiple of 2 x seq; expert > 1 only
-    with ``n_experts`` a multiple of it (the ``*_ep`` rule sets). Neither seq nor expert with a pipe."""
+    with ``n_experts`` a multiple of it (the ``*_ep`` rule sets); both also with a pipe."""
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
         raise ValueError(f"devices must be a positive integer, got {devices!r}")
     for name, value in (("n_layers", n_layers), ("batch", batch), ("seq_len", seq_len)):
@@ -243,7 +243,7 @@ def candidates(devices: int, *, remat: tuple[bool | str | None, ...] = (False, T
         raise ValueError(f"n_experts must be an integer >= 0, got {n_experts!r}")
     out = []
     for d, p, f, s, e, t in _factorisations(devices, 6):
-        if p > 1 and (n_layers is None or batch is None or n_layers % p or s > 1 or n_experts):
+        if p > 1 and (n_layers is None or batch is None or n_layers % p):
             continue
         if s > 1 and (seq_len is None or seq_len % (2 * s)) or e > 1 and (not n_experts or n_experts % e):
             continue

@@ -171,12 +171,13 @@ def comm_estimate(cfg: Config, sizes: dict[str, int], hw: Hardware, dcn_axes: tu
         if t > m.kv_heads:  # w_kv replicated over tensor (copied per shard): its gradient summed over tensor
             add("all-reduce", ("tensor",), 1, n_layers * D * 2 * m.kv_heads * K * 4 // sizes.get("fsdp", 1))
     if piped:
-        x_in = b // pipe.microbatches * data.seq_len * D * dt
+        x_in = b // pipe.microbatches * L * D * dt  # a stage input x[B/M, L/seq, D]
         add("collective-permute", ("pipe",), pipeline_sends(cfg, S) * k, x_in)
     if s > 1:  # context parallelism: K/V [2, B, L/seq, G, K] per attention layer
         kv = 2 * b * L * max(m.kv_heads // t, 1) * K
         forward = directions - 1
-        if m.context_exchange == "ring":  # seq-1 hops forward (again) and backward, dK/dV home in seq hops
+        if m.context_exchange == "ring" and not piped:  # seq-1 hops forward (again) and backward, dK/dV home
+            # in seq hops (a pipeline's stages gather K/V: spmd.models.context.attend)
             add("collective-permute", ("seq",), (s - 1) * (forward + 1) * n_layers * k, kv * dt)
             add("collective-permute", ("seq",), s * n_layers * k, kv * 4)
         else:  # K and V gathered whole in each pass, dK and dV reduce-scattered
