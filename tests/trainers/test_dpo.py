@@ -257,8 +257,9 @@ def pairs_file(tmp_path_factory):
 
 def _run(pairs_file, run_dir, layout, *sets, **kwargs):
     axes, rules = LAYOUTS[layout]
+    # checkpoints: each run saves its last step (the one a resume reads), not every step
     cfg = override(example.config(pairs_file, run_dir, steps=STEPS, tiny=True), [
-        f"mesh.axes={axes}", f"rules={rules}", "run.eval_batches=0", "checkpoint.every_steps=2",
+        f"mesh.axes={axes}", f"rules={rules}", "run.eval_batches=0", "checkpoint.every_steps=100",
         "checkpoint.async_save=false", "lr.warmup_steps=1", "lr.peak_lr=1e-2", *sets])
     sizes = {axis: int(size) for axis, size in (a.split("=") for a in axes.split(","))}
     mesh = meshes.make_mesh(sizes, devices=jax.devices()[:1] if layout == "single" else None)
