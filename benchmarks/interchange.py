@@ -150,19 +150,21 @@ def import_rows(quick: bool, tmp: str) -> tuple[list[Row], list[str]]:
                   "CPU devices, rules fsdp_tp; each process reads only its devices' slices"]
 
 
-def bandwidth_and_peak() -> tuple[float, float]:
-    """(bytes/s of a jitted sum over 512 MiB, f32 matmul FLOP/s at 2048^2) on the first device."""
+def bandwidth_and_peak(quick: bool = False) -> tuple[float, float]:
+    """(bytes/s of a jitted sum over 512 MiB, f32 matmul FLOP/s at 2048^2) on the first device (``quick``:
+    128 MiB and 1024^2, a smoke run's reported figures)."""
     import jax
     import jax.numpy as jnp
 
-    x = jnp.ones((128 << 20,), jnp.float32)
+    n = 1024 if quick else 2048
+    x = jnp.ones(((32 if quick else 128) << 20,), jnp.float32)
     total = jax.jit(jnp.sum)
     total(x).block_until_ready()
     bw = x.nbytes / min(common.timed(lambda: total(x).block_until_ready()) for _ in range(5))
-    a = jnp.ones((2048, 2048), jnp.float32)
+    a = jnp.ones((n, n), jnp.float32)
     mm = jax.jit(lambda a: a @ a)
     mm(a).block_until_ready()
-    peak = 2 * 2048**3 / min(common.timed(lambda: mm(a).block_until_ready()) for _ in range(5))
+    peak = 2 * n**3 / min(common.timed(lambda: mm(a).block_until_ready()) for _ in range(5))
     return bw, peak
 
 
@@ -185,7 +187,7 @@ def generation_rows(quick: bool) -> tuple[list[Row], list[str]]:
     times = common.interleaved(3, {"one": lambda: common.timed(run(1)), "many": lambda: common.timed(run(n + 1))})
     one, many = min(times["one"]), min(times["many"])
     decode_s = (many - one) / n
-    bw, peak = bandwidth_and_peak()
+    bw, peak = bandwidth_and_peak(quick)
     params = param_count(cfg)
     kv = 2 * cfg.n_layers * b * (p + n) * cfg.kv_heads * cfg.k * 4  # the whole cache is read every step
     bound_s = (params * 4 + kv) / bw
