@@ -66,7 +66,9 @@ def constrain(x: jax.Array, dims: Sequence[str | None], *, kind: str = "activati
         raise ValueError(f"constrain: array of shape {x.shape} given {len(dims)} dims {tuple(dims)}")
     what = "activation" if kind == "activations" else "parameter"
     sizes = axis_sizes(mesh)
-    sharding = NamedSharding(mesh, fit_spec(rules.spec(dims, kind=kind, mesh_sizes=sizes, what=what), x.shape, dims, sizes))
+    # inside a region manual over some axes, the abstract mesh (which a vmap over the region can batch)
+    target = mesh.abstract_mesh if AxisType.Manual in mesh.axis_types else mesh
+    sharding = NamedSharding(target, fit_spec(rules.spec(dims, kind=kind, mesh_sizes=sizes, what=what), x.shape, dims, sizes))
     if all(t == AxisType.Explicit for t in mesh.axis_types):
         return jax.sharding.reshard(x, sharding)
     return jax.lax.with_sharding_constraint(x, sharding)

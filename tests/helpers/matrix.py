@@ -26,6 +26,10 @@ LAYOUTS = {  # name -> overrides: mesh, rules and what the layout turns on
     "expert": ["mesh.axes=data=2,expert=2,tensor=2", "rules=fsdp_tp_ep"],
     "pipe_1f1b": ["mesh.axes=data=2,pipe=2,tensor=2", "rules=dp_tp", "pipeline.schedule=1f1b", "pipeline.microbatches=2"],
     "pipe_zb": ["mesh.axes=data=2,pipe=2,tensor=2", "rules=dp_tp", "pipeline.schedule=zb-h1", "pipeline.microbatches=2"],
+    "pipe_seq": ["mesh.axes=data=2,seq=2,pipe=2", "rules=dp_tp", "pipeline.schedule=interleaved",
+                 "pipeline.virtual_stages=2", "pipeline.microbatches=2"],
+    "pipe_expert": ["mesh.axes=expert=2,seq=2,pipe=2", "rules=dp_ep", "pipeline.schedule=1f1b", "pipeline.microbatches=2"],
+    "expert_seq": ["mesh.axes=expert=2,seq=2,tensor=2", "rules=fsdp_tp_ep"],
 }
 FACTORS: dict[str, tuple] = {
     "layout": tuple(LAYOUTS),
@@ -53,12 +57,18 @@ MOE_BF16_UPDATE = 1e-1
 LOCAL_SGD_UPDATE = 1e-3
 
 
-PIPES, SEQS = ("pipe_1f1b", "pipe_zb"), ("seq_ring", "seq_allgather")
+PIPES, SEQS = ("pipe_1f1b", "pipe_zb", "pipe_seq", "pipe_expert"), ("seq_ring", "seq_allgather", "pipe_seq",
+                                                                    "pipe_expert", "expert_seq")
+MICROBATCHES = 2  # a pipe layout's pipeline.microbatches: its one-device reference accumulates as many
 # pairs the toolkit refuses before compiling (docs/compose.md says why): each is one refusal cell of its own;
 # every other cell avoids them, so a refusal never hides the pairs a cell was meant to cover
-REFUSED = ({(("layout", p), ("local_sgd", 1)) for p in (*PIPES, *SEQS, "fsdp")}
-           | {(("layout", p), ("model", m)) for p in PIPES for m in ("moe", "user")}
+REFUSED = ({(("layout", p), ("local_sgd", 1)) for p in ("fsdp", "pipe_expert", "expert_seq")}  # no data axis
+           | {(("layout", p), ("model", "user")) for p in PIPES}
            | {(("local_sgd", 1), ("model", "moe"))})
+# triples most large runs use, each forced into the design as a cell of its own (all-pairs covers only pairs)
+TRIPLES = (dict(layout="pipe_expert", model="moe", grad_accum=2),  # pipeline x MoE x accumulation (x seq x expert)
+           dict(layout="pipe_seq", dtype="bfloat16"),  # pipeline x seq x bf16
+           dict(layout="expert_seq", model="moe", grad_accum=2))  # expert x seq x accumulation
 BASE = dict(layout="dp", model="gpt", length="short", grad_accum=1, fsdp_gather="per_microbatch", remat="none",
             dtype="float32", loss_chunk=0, local_sgd=0, resume="no")
 
@@ -119,6 +129,7 @@ def design(seed: int = 0, candidates: int = 60) -> list[dict]:
     design over the rest: each new cell, the best of ``candidates`` random completions that hold no refused
     pair, covers the most pairs not yet covered, until every possible pair is. Deterministic for a seed."""
     cells = [{**BASE, **dict(pair), **(GPT_ONLY if ("model", "user") in pair else {})} for pair in sorted(REFUSED)]
+    cells += [{**BASE, **triple} for triple in TRIPLES]
     rng, todo = random.Random(seed), possible_pairs() - set().union(*map(pairs_of, cells))
     while todo:
         (f1, l1), (f2, l2) = min(todo, key=lambda p: (str(p[0]), str(p[1])))  # seed each cell with an uncovered pair
@@ -169,7 +180,8 @@ def overrides(cell: dict, *, one_device: bool = False) -> list[str]:
     sets = ["run.steps=1", "run.eval_batches=0", "run.progress=false", "run.tensorboard=false", "run.log_every=1",
             "checkpoint.every_steps=1", "optimizer.name=sgd", "optimizer.clip_norm=null", "optimizer.weight_decay=0",
             "lr.kind=constant", "lr.peak_lr=0.1", "lr.warmup_steps=0", "data.global_batch=16",
-            f"run.grad_accum={cell['grad_accum']}", f"run.fsdp_gather={cell['fsdp_gather']}"]
+            f"run.grad_accum={accumulated(cell) if one_device else cell['grad_accum']}",
+            f"run.fsdp_gather={cell['fsdp_gather']}"]
     if cell["model"] != "user":
         sets += ["model.n_layers=4", f"model.dtype={cell['dtype']}", f"model.loss_chunk={cell['loss_chunk']}",
                  f"model.remat_policy={cell['remat']}", "data.corpus=synthetic"]
@@ -184,6 +196,12 @@ def overrides(cell: dict, *, one_device: bool = False) -> list[str]:
     if cell["local_sgd"]:
         sets += ["local_sgd.every=1", "local_sgd.outer_optimizer=sgd", "local_sgd.outer_lr=1", "local_sgd.outer_momentum=0"]
     return sets
+
+
+def accumulated(cell: dict) -> int:
+    """The microbatches one device accumulates to equal ``cell``: its ``grad_accum``, times a pipeline's
+    microbatches for the MoE (the router's losses are means per microbatch)."""
+    return cell["grad_accum"] * (MICROBATCHES if cell["model"] == "moe" and cell["layout"] in PIPES else 1)
 
 
 def _config_and_task(cell: dict, sets: list[str]):
@@ -227,6 +245,7 @@ def run_cell(cell: dict, reference, workdir: str) -> Outcome:
         result = _train(cell, overrides(cell), run_dir, 1 if cell["resume"] == "other_mesh" else STEPS)
         if cell["resume"] == "other_mesh":
             sets = [s for s in overrides(cell) if not s.startswith(("mesh.", "rules=", "pipeline."))]
+            sets += [f"run.grad_accum={accumulated(cell)}"]  # without the pipeline: accumulate its microbatches
             result2 = _train(cell, sets + RESUME_MESH, run_dir, STEPS)
             result = dataclasses.replace(result2, losses={**result.losses, **result2.losses})
     except ValueError as e:  # a refusal: before compiling, with its message
@@ -264,7 +283,7 @@ def _initial_params(cell: dict):
 def reference_key(cell: dict) -> tuple:
     """What the one-device run depends on: remat and the loss chunk change no number beyond rounding, and
     accumulation changes none for the plain GPT (the MoE's router losses and BatchNorm are per microbatch)."""
-    return (cell["model"], cell["length"], cell["dtype"], cell["grad_accum"] if cell["model"] != "gpt" else 1,
+    return (cell["model"], cell["length"], cell["dtype"], accumulated(cell) if cell["model"] != "gpt" else 1,
             cell.get("lora", 0), cell.get("lora_dropout", 0.0))
 
 
@@ -294,17 +313,15 @@ before compiling with the message shown.
 
 The combinations refused today, and why:
 
-- local SGD with a pipeline or with context parallelism: local SGD maps the train step over replica groups
-  (`jax.vmap(..., spmd_axis_name="data")`); the pipeline's and the K/V exchange's `shard_map` s are not
-  mapped over groups yet;
-- local SGD on a mesh without a `data` axis of size >= 2 (`fsdp=8`): there are no replica groups;
+- local SGD on a mesh without a `data` axis of size >= 2 (`fsdp=8`, `expert=2 x seq=2 x pipe=2`, `expert=2 x
+  seq=2 x tensor=2`): there are no replica groups;
 - a local-SGD checkpoint resumed on a mesh with another `data` size: the groups' states do not regroup;
 - local SGD with a model that has non-parameter state (the user task's BatchNorm statistics): what
   averaging them across groups should mean is not decided, and no choice equals one device;
-- MoE blocks with local SGD, for the same reason as the pipeline: the expert dispatch's `shard_map` is not
-  mapped over replica groups;
-- MoE blocks under a pipeline: the expert dispatch is a `shard_map` of its own, not yet nested in the
-  pipeline's per-tick branches;
+- MoE blocks with local SGD: mapped over replica groups (`jax.vmap`), the expert all-to-alls and the router's
+  top-k are partitioned over `data`. The numbers equal data parallelism, but every inner step would all-gather
+  the groups' tokens over `data` (about 260 KiB per step on the tiny model, more than its parameters), the
+  traffic local SGD exists to remove;
 - a user task under a pipeline: its loss must run its `spmd.Stack` through
   `spmd.pipeline.pipelined_loss` and say so (`Task(pipelined=True)`), as the GPT's does.
 

@@ -15,10 +15,7 @@ from trainers.checks.layout import check_pipeline
 
 FSDP_GATHER = ("per_microbatch", "per_step")  # run.fsdp_gather: when gradient accumulation gathers FSDP weights
 _AUTO = "auto"  # mesh.axes: the planner picks the layout (trainers.config.AUTO)
-# why local SGD refuses a pipeline and MoE blocks (jax 0.10.2 and 0.12; tests/trainers/test_local_sgd_compose.py)
-PIPELINE_UNMAPPED = ("the stages' activation constraints name a mesh whose pipe and batch axes are typed Manual, and "
-                     "mapping the step over replica groups (jax.vmap) cannot lower such a constraint ('GSPMDSharding' "
-                     "object has no attribute 'mesh')")
+# why local SGD refuses MoE blocks (jax 0.10.2 and 0.12; tests/trainers/test_local_sgd_compose.py)
 MOE_UNMAPPED = ("mapped over replica groups (jax.vmap), the expert all-to-alls and the router's top-k are partitioned "
                 "over data: every inner step would all-gather the groups' tokens over data")
 
@@ -35,15 +32,12 @@ def _config(path: str, message: str, fix: str, key: str) -> Issue:
 
 
 def check_local_sgd(cfg: Any) -> list[Issue]:
-    """What local SGD (``local_sgd.every`` >= 1) cannot combine with: a pipeline (:data:`PIPELINE_UNMAPPED`),
-    MoE blocks (:data:`MOE_UNMAPPED`), a data axis under 2. The first found only (the last reads the mesh
-    spec). Context parallelism composes (tests/trainers/test_local_sgd_compose.py)."""
+    """What local SGD (``local_sgd.every`` >= 1) cannot combine with: MoE blocks (:data:`MOE_UNMAPPED`), a data
+    axis under 2. The first found only (the last reads the mesh spec). A pipeline and context parallelism
+    compose (tests/trainers/test_local_sgd_compose.py)."""
     every = cfg.local_sgd.every
     if not cfg.local_sgd.enabled:
         return []
-    if cfg.pipeline.enabled:
-        return [_config("local_sgd", f"local_sgd.every={every} cannot run with pipeline.schedule={cfg.pipeline.schedule!r}: "
-                        f"{PIPELINE_UNMAPPED}", "set pipeline.schedule=none or local_sgd.every=0", "pipeline.schedule")]
     if cfg.model.n_experts:
         return [_config("local_sgd", f"local_sgd.every={every} cannot run with MoE blocks (model.n_experts="
                         f"{cfg.model.n_experts}): {MOE_UNMAPPED}", "set model.n_experts=0 or local_sgd.every=0",
