@@ -18,7 +18,9 @@ from trainers.planning.auto import choose_layout, detect_hardware, resolve_auto
 @pytest.mark.slow
 def test_mesh_auto_trains_with_the_planners_pick_and_resume_keeps_it(tmp_path, capsys):
     run_dir = str(tmp_path / "run")
-    args = ["gpt-small", "--tiny", "--mesh", "auto", "--run-dir", run_dir, "--set", "run.progress=false"]
+    # a checkpoint at each run's last step only (tiny saves every step): the resume reads step 2's
+    args = ["gpt-small", "--tiny", "--mesh", "auto", "--run-dir", run_dir, "--set", "run.progress=false",
+            "--set", "checkpoint.every_steps=100"]
     assert cli.main([*args, "--steps", "2"]) == 0
     out = capsys.readouterr().out
     assert "mesh auto: chose " in out and "runner-up " in out and "as flags: --mesh " in out

@@ -164,7 +164,7 @@ def test_two_process_packed_eval_of_the_whole_split_equals_one_process_and_exits
     args = ["gpt-small", "--tiny", "--mesh", "data=2,fsdp=2,tensor=2", "--steps", "2", "--set", "data.corpus=jsonl",
             "--set", f"data.path={data}", "--set", "data.fields=prompt,response", "--set", "data.packing=segments",
             "--set", "data.seq_len=32", "--set", "run.eval_every=2", "--set", "run.eval_batches=-1",
-            "--set", "run.progress=false", "--set", "run.tensorboard=false"]
+            "--set", "run.progress=false", "--set", "run.tensorboard=false", "--set", "checkpoint.every_steps=2"]
     one, two = str(tmp_path / "1x8"), str(tmp_path / "2x4")
     cfg = command.build_config(cli.parse_args([*args, "--run-dir", one]))
     stream = packed_stream(cfg.data, "validation", train=False)
