@@ -84,8 +84,8 @@ def _most_rows(tokens: int, n_experts: int, k: int, ep: int) -> int:
 
 def expert_rows(tokens: int, n_experts: int, k: int, capacity_factor: float, ep: int = 1) -> tuple[int, int]:
     """``(buffer rows, expert rows)`` of one device's ``tokens``, as static shapes hold them (memory): the
-    rows packed for dispatch (``E * C`` with a capacity; under ``ep > 1`` dropless ``E * T``; one device
-    dropless ``T * k``) and the rows its experts' buffers hold (with a capacity ``E * C``; dropless the
+    rows packed for dispatch (``E * C`` with a capacity; under ``ep > 1`` dropless ``ep * T * min(k, E/ep)``,
+    :func:`_by_device`; one device dropless ``T * k``) and the rows its experts' buffers hold (with a capacity ``E * C``; dropless the
     grouped blocks of :func:`dropless` for the most rows a device may receive; the loops compute only
     the blocks that hold rows, ``T * k`` plus padding with balanced routing)."""
     if capacity_factor > 0:
@@ -94,7 +94,7 @@ def expert_rows(tokens: int, n_experts: int, k: int, capacity_factor: float, ep:
     groups = n_experts // ep
     b = grouped.block_rows(tokens * k, groups)
     rows = grouped.n_blocks(_most_rows(tokens, n_experts, k, ep), groups, b) * b
-    return (tokens * k, rows) if ep == 1 else (n_experts * tokens, rows)
+    return (tokens * k, rows) if ep == 1 else (_most_rows(tokens, n_experts, k, ep), rows)
 
 
 def dropless(x_TD: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array, w_gate_up_EDTF: jax.Array,
@@ -104,12 +104,13 @@ def dropless(x_TD: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array, w_gate
     ``rows`` the expert rows this device computed (int32, block padding included).
 
     Without ``axis`` the ``T * k`` assignments go through :func:`spmd.models.grouped.grouped_mlp`
-    (``T * k`` rows plus block padding, not ``E * T``). With ``axis`` the tokens travel as in
-    :func:`dispatch_combine` with ``C = T`` (the same all-to-alls); the receiving device groups the
-    rows it holds for each of its E/ep experts. Its buffers hold the worst case, ``ep * T * min(k,
-    E/ep)`` rows (every source's tokens may pick it); the grouped loops run over the rows that came,
-    ``T * k`` with balanced routing. An empty slot is a zero row and a SwiGLU expert maps zero to
-    zero (value and gradients), so a row is present iff it is nonzero.
+    (``T * k`` rows plus block padding, not ``E * T``). With ``axis`` each assignment travels to the device
+    of its expert, packed per destination (:func:`_by_device`: ``T * min(k, E/ep)`` rows to each, with
+    the row's local expert id beside it; two all-to-alls forward, as :func:`dispatch_combine`'s but
+    ``local / min(k, local)`` times smaller than its ``[E, T, D]`` grid at ``C = T``); the receiving
+    device groups the rows it holds for each of its E/ep experts. Its buffers hold the worst case,
+    ``ep * T * min(k, E/ep)`` rows; the grouped loops run over the rows that came, ``T * k`` with
+    balanced routing.
     """
     t, d = x_TD.shape
     k = experts_TK.shape[1]
@@ -121,20 +122,32 @@ def dropless(x_TD: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array, w_gate
     else:
         local = w_gate_up_EDTF.shape[0]
         ep = n_experts // local
-        slot_TK, _ = router_lib.slots(experts_TK, n_experts, t)
-        x_TKD = jnp.broadcast_to(x_TD[:, None, :], (t, k, d))
-        x_ECD = jnp.zeros((n_experts, t, d), x_TD.dtype).at[experts_TK, slot_TK].add(x_TKD, mode="drop")
-        x_ECD = collectives.all_to_all(x_ECD, axis, split_dim=0, concat_dim=0)  # dispatch
-        x_RD = x_ECD.reshape(n_experts * t, d)
-        group_R = jnp.broadcast_to(jnp.arange(local)[None, :, None], (ep, local, t)).reshape(-1)
-        group_R = jnp.where(jnp.any(x_RD != 0, axis=-1), group_R, local)
-        y_RD, rows = grouped.grouped_mlp(x_RD, group_R, w_gate_up_EDTF, w_down_EFD,
-                                         max_rows=_most_rows(t, n_experts, k, ep), expected_rows=t * k,
-                                         impl=impl)
-        y_ECD = collectives.all_to_all(y_RD.reshape(n_experts, t, d), axis, split_dim=0, concat_dim=0)  # combine
-        y_TKD = y_ECD.at[experts_TK, slot_TK].get(mode="fill", fill_value=0)
+        x_SRD, group_SR, dest_TK, slot_TK = _by_device(x_TD, experts_TK, ep, local)
+        x_SRD = collectives.all_to_all(x_SRD, axis, split_dim=0, concat_dim=0)  # dispatch: [sources, R, D]
+        group_SR = collectives.all_to_all(group_SR, axis, split_dim=0, concat_dim=0)  # each row's local expert
+        r = x_SRD.shape[1]
+        y_RD, rows = grouped.grouped_mlp(x_SRD.reshape(ep * r, d), group_SR.reshape(ep * r), w_gate_up_EDTF,
+                                         w_down_EFD, max_rows=ep * r, expected_rows=t * k, impl=impl)
+        y_SRD = collectives.all_to_all(y_RD.reshape(ep, r, d), axis, split_dim=0, concat_dim=0)  # combine
+        y_TKD = y_SRD.at[dest_TK, slot_TK].get(mode="fill", fill_value=0)
     y_TD = jnp.einsum("tkd,tk->td", y_TKD.astype(jnp.float32), gates_TK)
     return y_TD.astype(x_TD.dtype), rows
+
+
+def _by_device(x_TD: jax.Array, experts_TK: jax.Array, ep: int, local: int):
+    """One device's assignments packed by the device that holds their expert: ``x[ep, R, D]`` and the local
+    expert id of each row ``group[ep, R]`` (``local``: no row), with ``(dest, slot)[T, K]`` of each
+    assignment. ``R = T * min(k, E/ep)``: a token's k experts are distinct, so at most ``min(k, E/ep)`` of
+    them sit on one device; no row is dropped, and a slot of device j is padding only beyond its rows."""
+    t, k = experts_TK.shape
+    r = t * min(k, local)
+    dest_TK = experts_TK // local
+    onehot = jax.nn.one_hot(dest_TK.reshape(t * k), ep, dtype=jnp.int32)
+    slot_TK = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1).reshape(t, k)  # rank on its device
+    x_TKD = jnp.broadcast_to(x_TD[:, None, :], (t, k, x_TD.shape[1]))
+    x_SRD = jnp.zeros((ep, r, x_TD.shape[1]), x_TD.dtype).at[dest_TK, slot_TK].set(x_TKD)
+    group_SR = jnp.full((ep, r), local, jnp.int32).at[dest_TK, slot_TK].set((experts_TK % local).astype(jnp.int32))
+    return x_SRD, group_SR, dest_TK, slot_TK
 
 
 def expert_layout(rules: Rules, sizes: dict[str, int], n_experts: int,

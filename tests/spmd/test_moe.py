@@ -260,13 +260,16 @@ def test_gpt_matches_single_device():
 
 
 def test_gpt_all_to_alls_per_moe_layer():
-    """2 all-to-alls per MoE layer forward (dispatch, combine) and 2 backward, over ``expert``, each moving
-    the [E, C, D] buffer: dropless C = the device's tokens (1 row of 8 on each of 8 devices)."""
+    """2 all-to-alls of rows per MoE layer forward (dispatch, combine) and 2 backward, over ``expert``, each
+    moving x[ep, R, D] (dropless: R = T x min(k, E/ep) rows to each device, T the device's tokens: 1 row of 8
+    on each of 8 devices), and the rows' local expert ids [ep, R] beside the dispatch."""
     mesh, *_, compiled = gpt_step("fsdp2_expert4")
     ops = [c for c in spmd.hlo.collectives(compiled, mesh) if c.kind == "all-to-all"]
-    t_loc = GPT_B * GPT_L // 8
-    assert sorted((c.backward, c.count, c.axes, c.bytes) for c in ops) == (
-        [(False, 2, ("expert",), E * t_loc * GPT_CFG.d_model * 4)] * 2 + [(True, 2, ("expert",), E * t_loc * 32 * 4)] * 2)
+    t_loc, ep = GPT_B * GPT_L // 8, 4
+    rows = ep * t_loc * min(K, E // ep)
+    assert sorted((c.backward, c.count, c.axes, c.bytes) for c in ops) == sorted(
+        [(False, 2, ("expert",), rows * 4)] + [(False, 2, ("expert",), rows * GPT_CFG.d_model * 4)] * 2
+        + [(True, 2, ("expert",), rows * GPT_CFG.d_model * 4)] * 2)
 
 
 def test_layer_all_to_all_bytes_at_a_capacity():
@@ -288,7 +291,8 @@ def test_layer_all_to_all_bytes_at_a_capacity():
 # as (kind, axes) -> why the layout needs it. Nothing moves routed rows over ``tensor``: the grouped experts keep
 # ``w_gate_up[E, D, 2, F_tensor]``'s ``2`` and ``F`` apart (merged into ``2F`` they made XLA reshard the weights
 # with an all-to-all over tensor, and the gate/up halves with collective-permutes, each way).
-A2A = "dispatch and combine forward, the combine's transpose backward (the x gradient is not taken here)"
+A2A = ("dispatch (rows and their local expert ids) and combine forward, the combine's transpose backward (the x "
+       "gradient is not taken here)")
 ROUTER = "router: its stats' means over every token, and w_router's gradient summed over the token axes"
 TOP_K = ("NOT needed: XLA's partitioner gathers the router's scores [T, E] before top_k (its custom call is not "
          "partitioned along the tokens); it goes when routing moves inside the shard_map")
@@ -323,7 +327,8 @@ def test_dropless_layer_collectives_per_layout(name):
     abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=tokens) for a in layer_inputs()]
     ops = spmd.hlo.collectives(step.lower(params, *abstract).compile(), mesh)
     assert sorted(spmd.hlo.summarize(ops)) == sorted(EP_COLLECTIVES[name])
-    assert sum(op.count for op in ops if op.kind == "all-to-all") == 3
+    # dispatch (the rows, and their local expert ids), combine, the combine's transpose
+    assert sum(op.count for op in ops if op.kind == "all-to-all") == 4
 
 
 def trace_layer(sizes, rules, n_experts=E):

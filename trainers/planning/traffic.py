@@ -18,6 +18,7 @@ import math
 import spmd
 from meshes import AXES
 from spmd.models.lora import LoRASpec, is_adapter
+from spmd.models.moe import expert_rows
 from spmd.models.router import capacity
 from spmd.rules import axes_of
 from spmd.sharding import fit_spec
@@ -184,6 +185,7 @@ def comm_estimate(cfg: Config, sizes: dict[str, int], hw: Hardware, dcn_axes: tu
             add("all-gather", ("seq",), 2 * (forward + 1) * n_layers * k, kv // 2 * s * dt)
             add("reduce-scatter", ("seq",), 2 * n_layers * k, kv // 2 * s * 4)
     if n_moe and sizes.get("expert", 1) > 1:  # dispatch + combine, forward (again) and backward
-        add("all-to-all", ("expert",), 2 * directions * n_moe * k, ecd)
+        sent = expert_rows(b * L, m.n_experts, m.experts_per_token, m.capacity_factor, sizes["expert"])[0] * D * dt
+        add("all-to-all", ("expert",), 2 * directions * n_moe * k, sent)  # x[E, C, D]; dropless x[ep, R, D]
     return [Traffic.timed(kind, axes, count, nbytes, sizes, hw, dcn_axes)
             for (kind, axes), (count, nbytes) in totals.items()]
