@@ -283,8 +283,11 @@ def test_context_and_expert_parallel_dry_run_matches_the_analytic_exchange():
     for key in (("collective-permute", ("seq",)), ("all-to-all", ("expert",))):
         assert (compiled[key]["count"], compiled[key]["bytes"]) == (analytic[key].count, analytic[key].bytes), key
     m, b, length = cfg.model, 8 // 4, cfg.data.seq_len // 2  # rows per device (data x expert), positions per device
-    assert compiled[("all-to-all", ("expert",))]["count"] == 4 * m.n_layers  # dispatch + combine, forward + backward
-    assert compiled[("all-to-all", ("expert",))]["bytes"] == 4 * m.n_layers * m.n_experts * b * length * m.d_model * 4
+    # dispatch + combine, forward + backward, and the rows' expert ids beside the forward dispatch: with E = 4 over
+    # expert = 2 and k = 2, each destination's T x min(k, E/ep) rows make E x T in all
+    rows = m.n_experts * b * length
+    assert compiled[("all-to-all", ("expert",))]["count"] == 5 * m.n_layers
+    assert compiled[("all-to-all", ("expert",))]["bytes"] == m.n_layers * (4 * rows * m.d_model * 4 + rows * 4)
     kv = 2 * b * length * m.kv_heads * m.k * 4  # [2, B, L/seq, G, K] f32
     assert compiled[("collective-permute", ("seq",))]["bytes"] == m.n_layers * (2 * kv + 2 * kv)  # K/V fwd, bwd + dK/dV x2
     # the MoE's own all_to_alls are no reshard: nothing flagged; the table shows both exchanges

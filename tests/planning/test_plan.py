@@ -381,7 +381,9 @@ def test_expert_layout_bytes_are_the_dispatch_and_combine(cf, slots):
     e = estimate_layout(cfg, Layout((("data", 2), ("expert", 4)), "dp_ep", False), "h100")
     assert e.buildable, e.reason
     (a2a,) = _rows(e, "all-to-all", ("expert",))
-    assert a2a.count == 4 * m.n_layers and a2a.bytes == a2a.count * m.n_experts * slots * m.d_model * 4
+    rows = m.n_experts * slots  # dropless over expert = 4 = E, k = 2: T x min(k, E/ep) = T rows to each device
+    ids = 0 if cf else m.n_layers  # dropless: each row's local expert id beside the forward dispatch (int32)
+    assert a2a.count == 4 * m.n_layers + ids and a2a.bytes == 4 * m.n_layers * rows * m.d_model * 4 + ids * rows * 4
     # the experts stay on their shards (nothing gathered over expert); the other weights' gradients
     # are summed over every token axis, the experts' over data only
     assert not _rows(e, "all-gather", ("expert",)) and not _rows(e, "reduce-scatter", ("expert",))

@@ -185,7 +185,9 @@ def comm_estimate(cfg: Config, sizes: dict[str, int], hw: Hardware, dcn_axes: tu
             add("all-gather", ("seq",), 2 * (forward + 1) * n_layers * k, kv // 2 * s * dt)
             add("reduce-scatter", ("seq",), 2 * n_layers * k, kv // 2 * s * 4)
     if n_moe and sizes.get("expert", 1) > 1:  # dispatch + combine, forward (again) and backward
-        sent = expert_rows(b * L, m.n_experts, m.experts_per_token, m.capacity_factor, sizes["expert"])[0] * D * dt
-        add("all-to-all", ("expert",), 2 * directions * n_moe * k, sent)  # x[E, C, D]; dropless x[ep, R, D]
+        rows = expert_rows(b * L, m.n_experts, m.experts_per_token, m.capacity_factor, sizes["expert"])[0]
+        add("all-to-all", ("expert",), 2 * directions * n_moe * k, rows * D * dt)  # x[E, C, D]; dropless x[ep, R, D]
+        if not m.capacity_factor:  # dropless: each row's local expert id [ep, R] int32 beside each forward dispatch
+            add("all-to-all", ("expert",), (directions - 1) * n_moe * k, rows * 4)
     return [Traffic.timed(kind, axes, count, nbytes, sizes, hw, dcn_axes)
             for (kind, axes), (count, nbytes) in totals.items()]
