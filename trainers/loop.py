@@ -83,6 +83,7 @@ def evaluate(eval_step, view, source, batch_sharding, global_batch: int, n_batch
                                                    process_count=n_blocks):
         sums.append(eval_step(view, to_global(local, batch_sharding, global_batch),
                               to_global(mask, batch_sharding, global_batch), padded))
+        jax.block_until_ready(sums[-1])  # one eval step in flight (XLA:CPU deadlocked overlapping pipelined ones)
     if not sums:
         raise ValueError("the eval data yielded no batch")
     totals = jax.tree.map(lambda *xs: float(np.sum(np.asarray(xs, np.float64))), *jax.device_get(sums))
