@@ -235,7 +235,13 @@ def _params(result, cell: dict | None = None):
     if cell is not None and cell["resume"] == "no" and "pipeline.virtual_stages=2" in LAYOUTS[cell["layout"]]:
         from spmd.pipeline.order import LayerOrder
 
-        params["blocks"] = LayerOrder(2, 2).to_natural(params["blocks"])
+        natural, blocks = LayerOrder(2, 2).to_natural, params["blocks"]
+        if cell["local_sgd"]:  # X[G_data, layers, ...]: each replica group's stack
+            groups = jax.tree.leaves(blocks)[0].shape[0]
+            parts = [natural(jax.tree.map(lambda a, g=g: a[g], blocks)) for g in range(groups)]
+            params["blocks"] = jax.tree.map(lambda *xs: np.stack(xs), *parts)
+        else:
+            params["blocks"] = natural(blocks)
     return params
 
 
