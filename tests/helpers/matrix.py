@@ -327,7 +327,7 @@ The combinations refused today, and why:
 
 - local SGD on a mesh without a `data` axis of size >= 2 (`fsdp=8`, `expert=2 x seq=2 x pipe=2`, `expert=2 x
   seq=2 x tensor=2`): there are no replica groups;
-- local SGD with `run.fsdp_gather=per_step` (and accumulation): the accumulation loop's region, manual over
+- local SGD with `run.fsdp_gather=per_step` (which acts with accumulation): the accumulation loop's region, manual over
   the batch axes, mapped over replica groups aborted XLA:CPU in bf16 ("Invalid binary instruction opcode copy");
 - a local-SGD checkpoint resumed on a mesh with another `data` size: the groups' states do not regroup;
 - local SGD with a model that has non-parameter state (the user task's BatchNorm statistics): what
@@ -435,7 +435,8 @@ def run_all(log=print) -> list[Outcome]:
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--cells":
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        sys.path[:0] = [os.path.dirname(tests), tests]  # the repository first: tests/meshes would shadow meshes
         return run_group([int(i) for i in sys.argv[2].split(",")])
     path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "compose.md")
     if sys.argv[1:] == ["--lora"]:  # the LoRA section alone

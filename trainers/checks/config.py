@@ -35,7 +35,7 @@ def _config(path: str, message: str, fix: str, key: str) -> Issue:
 
 def check_local_sgd(cfg: Any) -> list[Issue]:
     """What local SGD (``local_sgd.every`` >= 1) cannot combine with: MoE blocks (:data:`MOE_UNMAPPED`),
-    accumulation with ``run.fsdp_gather=per_step`` (:data:`PER_STEP_UNMAPPED`), a data axis under 2. The
+    ``run.fsdp_gather=per_step`` (:data:`PER_STEP_UNMAPPED`), a data axis under 2. The
     first found only (the last reads the mesh spec). A pipeline and context parallelism compose
     (tests/trainers/test_local_sgd_compose.py)."""
     every = cfg.local_sgd.every
@@ -45,9 +45,9 @@ def check_local_sgd(cfg: Any) -> list[Issue]:
         return [_config("local_sgd", f"local_sgd.every={every} cannot run with MoE blocks (model.n_experts="
                         f"{cfg.model.n_experts}): {MOE_UNMAPPED}", "set model.n_experts=0 or local_sgd.every=0",
                         "model.n_experts")]
-    if cfg.run.grad_accum > 1 and cfg.run.fsdp_gather == "per_step":
-        return [_config("local_sgd", f"local_sgd.every={every} cannot run with run.fsdp_gather='per_step' and "
-                        f"run.grad_accum={cfg.run.grad_accum}: {PER_STEP_UNMAPPED}",
+    if cfg.run.fsdp_gather == "per_step":  # (it only acts with run.grad_accum > 1)
+        return [_config("local_sgd", f"local_sgd.every={every} cannot run with run.fsdp_gather='per_step': "
+                        f"{PER_STEP_UNMAPPED}",
                         "set run.fsdp_gather=per_microbatch (each group still accumulates its microbatches)",
                         "run.fsdp_gather")]
     spec = cfg.mesh.spec
