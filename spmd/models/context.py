@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import AxisType, Mesh
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from spmd.constraints import active_layout
@@ -53,7 +53,7 @@ def seq_shards(axis: str = "seq") -> int:
 
 
 def _manual(mesh: Mesh, axis: str) -> bool:
-    return axis in mesh.axis_names and mesh.axis_types[mesh.axis_names.index(axis)] == AxisType.Manual
+    return axis in mesh.abstract_mesh.manual_axes
 
 
 def sequence_order(length: int) -> np.ndarray | None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from meshes import axis_sizes
@@ -293,6 +292,5 @@ def enclosing_token_axes(x_BLD: jax.Array) -> tuple[str, ...]:
     (``data`` inside gradient accumulation's loop) or that the active layout's mesh types Manual (a
     pipeline's region, whose values carry no such types), less ``pipe`` (pipeline stages, not tokens)."""
     layout = active_layout()
-    manual = set() if layout is None else {n for n, t in zip(layout[0].axis_names, layout[0].axis_types)
-                                           if t == AxisType.Manual}
+    manual = set() if layout is None else set(layout[0].abstract_mesh.manual_axes)
     return tuple(sorted((manual | collectives.varying_axes(jax.typeof(x_BLD))) - {"pipe"}))
