@@ -103,8 +103,8 @@ def flops_rows(layout: str, quick: bool) -> list[Row]:
                         f"routed rows T x k x D x 4 = {routed}", sent / routed, "<= 1.0", sent / routed <= 1.0,
                         f"static rows per destination T x min(k, E/ep) = {t * min(k, local)} (a token's k experts "
                         f"are distinct); the [E, T, D] slot grid sent before: {e * t * d * 4} bytes, "
-                        f"{e * t * d * 4 / routed:.1f}x; the combine moves as many; a ragged exchange would send "
-                        "the routed rows only")]
+                        f"{e * t * d * 4 / routed:.1f}x; the combine moves as many; XLA:CPU has no ragged all-to-all: "
+                        "on GPU and TPU model.moe_exchange=auto sends the routed rows only (ragged)")]
     loss_diff = abs(float(gl) - float(dl))
     grad_diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(gg), jax.tree.leaves(dg)))
     theory = f"2 x 3 x k x T x 3DF + router 2 x 3 x T x D x E = {topk:.4g} (T = {t}, D = {d}, F = {f}, E = {e}, k = {k})"

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 AxisName = str | tuple[str, ...]
@@ -52,6 +53,25 @@ def all_to_all(x: jax.Array, axis: AxisName, *, split_dim: int, concat_dim: int)
     switching between sequence and head sharding.
     """
     return lax.all_to_all(x, axis, split_axis=split_dim, concat_axis=concat_dim, tiled=True)
+
+
+def ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array,
+                      output_offsets: jax.Array, recv_sizes: jax.Array, axis: str, *, bound: int) -> jax.Array:
+    """Ragged all-to-all (:func:`jax.lax.ragged_all_to_all`'s arguments): ``operand[input_offsets[j]:][:send_sizes[j]]``
+    goes to device j of ``axis``, which writes it into ``output`` at the ``output_offsets[j]`` this device names;
+    ``recv_sizes[i]`` rows come from device i. Only the rows sent move (GPU, TPU). XLA:CPU has no such
+    collective: there each slice is padded to ``bound`` rows (a static bound on every ``send_sizes``) and moved by
+    one :func:`all_to_all`, so the same call runs, with the same result, moving ``|axis| * bound`` rows."""
+    if jax.default_backend() != "cpu":
+        return lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                     axis_name=axis)
+    i_B = jnp.arange(bound)
+    rows_SB = jnp.where(i_B < send_sizes[:, None], input_offsets[:, None] + i_B, operand.shape[0])
+    chunks = jnp.take(operand, rows_SB, axis=0, mode="fill", fill_value=0)  # [|axis|, bound, ...]
+    chunks = all_to_all(chunks, axis, split_dim=0, concat_dim=0)  # [sources, bound, ...]
+    offsets_S = all_to_all(output_offsets, axis, split_dim=0, concat_dim=0)  # where each source's rows go here
+    dest_SB = jnp.where(i_B < recv_sizes[:, None], offsets_S[:, None] + i_B, output.shape[0])
+    return output.at[dest_SB.reshape(-1)].set(chunks.reshape(-1, *chunks.shape[2:]), mode="drop")
 
 
 def ppermute(x: jax.Array, axis: str, perm: Sequence[tuple[int, int]]) -> jax.Array:

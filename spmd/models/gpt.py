@@ -29,7 +29,7 @@ from spmd.models.lora import LoRASpec
 from spmd.models.loss import chunked_lm_loss, lm_loss
 from spmd.models.loss import head_logits as _head_logits
 from spmd.models.loss import with_moe_losses as _with_moe_losses
-from spmd.models.moe import MoE
+from spmd.models.moe import EXCHANGES, MoE
 from spmd.models.piped import pipelined_lm_loss
 from spmd.models.router import ROUTERS
 from spmd.pipeline import PipelineConfig
@@ -73,6 +73,7 @@ class GPTConfig:
     moe_every: int = 1  # every n-th block is MoE (blocks n-1, 2n-1, ...); 1: all
     moe_d_ff: int | None = None  # width F of each expert (and shared expert); None: d_ff
     capacity_factor: float = 0.0  # slots per expert = ceil(cf * tokens * k / E) per device; 0: dropless
+    moe_exchange: str = "auto"  # dropless rows under expert parallelism: "ragged" | "padded" | "auto" (by backend)
     router: str = "softmax"  # "softmax" | "sigmoid"
     n_shared_experts: int = 0  # always-on experts (one SwiGLU of width n * moe_d_ff)
     aux_loss_weight: float = 0.01  # x load-balancing loss (mean over MoE blocks)
@@ -110,6 +111,8 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.router not in ROUTERS:
             raise ValueError(f"GPTConfig.router {self.router!r} is not one of {ROUTERS}")
+        if self.moe_exchange not in ("auto", *EXCHANGES):
+            raise ValueError(f"GPTConfig.moe_exchange {self.moe_exchange!r} is not one of {('auto', *EXCHANGES)}")
         if not self.n_experts:
             return
         if not 1 <= self.experts_per_token <= self.n_experts:
@@ -174,7 +177,7 @@ class Block(nnx.Module):
         if moe:
             self.mlp = MoE(cfg.d_model, cfg.expert_ff, cfg.n_experts, cfg.experts_per_token, rngs=rngs,
                            capacity_factor=cfg.capacity_factor, router=cfg.router, n_shared=cfg.n_shared_experts,
-                           dtype=cfg.compute_dtype)
+                           dtype=cfg.compute_dtype, exchange=None if cfg.moe_exchange == "auto" else cfg.moe_exchange)
         else:
             self.mlp = GatedMLP(cfg.d_model, cfg.ff, rngs=rngs, dtype=cfg.compute_dtype, lora=lora)
 

@@ -26,6 +26,7 @@ from spmd.models.layers import GatedMLP, fan_in_init, param, weight
 from spmd.rules import Rules, axes_of
 
 EP_PRESETS = "dp_ep, fsdp_ep, fsdp_tp_ep"
+EXCHANGES = ("padded", "ragged")  # dropless dispatch under expert parallelism: static [ep, R, D] buffers, routed rows
 STATS = (*router_lib.STATS, "dropped")  # the statistics a MoE layer returns (without report_rows)
 # why the layer's shard_map cannot open inside another manual region (jax 0.10.2 and 0.12, Shardy)
 NESTED_REGION = ("a shard_map nested in a manual region inside the layer scan does not lower under jax.grad (the "
@@ -98,7 +99,7 @@ def expert_rows(tokens: int, n_experts: int, k: int, capacity_factor: float, ep:
 
 def dropless(x_TD: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array, w_gate_up_EDTF: jax.Array,
              w_down_EFD: jax.Array, *, n_experts: int, axis: str | None = None,
-             impl: str | None = None) -> tuple[jax.Array, jax.Array]:
+             impl: str | None = None, exchange: str | None = None) -> tuple[jax.Array, jax.Array]:
     """One device's tokens through their experts, none dropped, with grouped matmuls: ``(y[T, D], rows)``,
     ``rows`` the expert rows this device computed (int32, block padding included).
 
@@ -109,7 +110,8 @@ def dropless(x_TD: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array, w_gate
     ``local / min(k, local)`` times smaller than its ``[E, T, D]`` grid at ``C = T``); the receiving
     device groups the rows it holds for each of its E/ep experts. Its buffers hold the worst case,
     ``ep * T * min(k, E/ep)`` rows; the grouped loops run over the rows that came, ``T * k`` with
-    balanced routing.
+    balanced routing. ``exchange="ragged"`` (:data:`EXCHANGES`; None: ``"padded"`` on CPU, ``"ragged"``
+    elsewhere) moves only the routed rows instead (:func:`_ragged`), ``T * k`` per device.
     """
     t, d = x_TD.shape
     k = experts_TK.shape[1]
@@ -121,6 +123,11 @@ def dropless(x_TD: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array, w_gate
     else:
         local = w_gate_up_EDTF.shape[0]
         ep = n_experts // local
+        exchange = exchange or ("padded" if jax.default_backend() == "cpu" else "ragged")
+        if exchange not in EXCHANGES:
+            raise ValueError(f"MoE exchange={exchange!r}; valid: {', '.join(EXCHANGES)}")
+        if exchange == "ragged":
+            return _ragged(x_TD, experts_TK, gates_TK, w_gate_up_EDTF, w_down_EFD, ep=ep, axis=axis, impl=impl)
         x_SRD, group_SR, dest_TK, slot_TK = _by_device(x_TD, experts_TK, ep, local)
         x_SRD = collectives.all_to_all(x_SRD, axis, split_dim=0, concat_dim=0)  # dispatch: [sources, R, D]
         group_SR = collectives.all_to_all(group_SR, axis, split_dim=0, concat_dim=0)  # each row's local expert
@@ -129,6 +136,45 @@ def dropless(x_TD: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array, w_gate
                                          w_down_EFD, max_rows=ep * r, expected_rows=t * k, impl=impl)
         y_SRD = collectives.all_to_all(y_RD.reshape(ep, r, d), axis, split_dim=0, concat_dim=0)  # combine
         y_TKD = y_SRD.at[dest_TK, slot_TK].get(mode="fill", fill_value=0)
+    y_TD = jnp.einsum("tkd,tk->td", y_TKD.astype(jnp.float32), gates_TK)
+    return y_TD.astype(x_TD.dtype), rows
+
+
+def _ragged(x_TD, experts_TK, gates_TK, w_gate_up_EDTF, w_down_EFD, *, ep: int, axis: str, impl: str | None):
+    """:func:`dropless` over ``axis`` moving the routed rows only: this device's ``T * k`` assignments sorted by
+    expert (so by device), ``send[j]`` rows to device j, which stacks its sources' rows in source order and
+    groups them by its E/ep experts; the combine sends each row back to where it came from. The ``[ep, ep]``
+    row counts are all-gathered first (``ep * ep`` int32). The receive buffer holds the worst case,
+    ``ep * T * min(k, E/ep)`` rows (a memory bound), of which ``T * k`` are filled with balanced routing."""
+    t, k = experts_TK.shape
+    local = w_gate_up_EDTF.shape[0]
+    bound = t * min(k, local)  # the most rows one device sends another: a token's k experts are distinct
+    e_R = experts_TK.reshape(t * k).astype(jnp.int32)
+    order_R = jnp.argsort(e_R, stable=True)  # by expert, so by device, then by local expert
+    e_R = e_R[order_R]
+    send_S = jnp.sum(jax.nn.one_hot(e_R // local, ep, dtype=jnp.int32), axis=0)
+    sent_SS = collectives.all_gather(send_S[None], axis, dim=0)  # [source, destination] row counts
+    me = collectives.axis_index(axis)
+    recv_S = sent_SS[:, me]
+    start_S, recv_start_S = jnp.cumsum(send_S) - send_S, jnp.cumsum(recv_S) - recv_S
+    below_SS = (jnp.arange(ep) < me)[:, None]
+    there_S = jnp.sum(jnp.where(below_SS, sent_SS, 0), axis=0)  # where this device's rows land on each device
+    home_S = jnp.sum(jnp.where(jnp.arange(ep)[None, :] < me, sent_SS, 0), axis=1)  # where rows return to on each
+    cap = ep * bound
+
+    def move(rows, fill, back=False):
+        size = t * k if back else cap
+        out = jnp.full((size, *rows.shape[1:]), fill, rows.dtype)
+        if back:
+            return collectives.ragged_all_to_all(rows, out, recv_start_S, recv_S, home_S, send_S, axis, bound=bound)
+        return collectives.ragged_all_to_all(rows, out, start_S, send_S, there_S, recv_S, axis, bound=bound)
+
+    x_RD = move(x_TD[order_R // k], 0)  # dispatch
+    group_R = move(e_R % local, local)  # each row's local expert; unfilled rows: none
+    y_RD, rows = grouped.grouped_mlp(x_RD, group_R, w_gate_up_EDTF, w_down_EFD, max_rows=cap, expected_rows=t * k,
+                                     impl=impl)
+    y_RD = move(y_RD, 0, back=True)  # combine: in this device's sorted order
+    y_TKD = jnp.zeros_like(y_RD).at[order_R].set(y_RD).reshape(t, k, -1)
     y_TD = jnp.einsum("tkd,tk->td", y_TKD.astype(jnp.float32), gates_TK)
     return y_TD.astype(x_TD.dtype), rows
 
@@ -197,18 +243,22 @@ class MoE(nnx.Module):
     ``report_rows``, ``expert_rows`` too: rows the experts computed per top-k assignment, mean over
     devices (1 + block padding dropless, ``E * C / (T * k)`` with a capacity; it depends on the
     layout). A model adds ``w_aux * aux_loss + w_z * z_loss`` to its loss. ``grouped_impl``: how
-    dropless experts run (:func:`spmd.models.grouped.grouped_mlp`'s ``impl``; None: by backend).
+    dropless experts run (:func:`spmd.models.grouped.grouped_mlp`'s ``impl``; None: by backend); ``exchange``:
+    how their rows move under expert parallelism (:func:`dropless`'s; None: by backend).
     """
 
     opens_manual_region = True  # runs its own shard_map, or none inside a region manual over all its axes
 
     def __init__(self, d_model: int, d_ff: int, n_experts: int, k: int = 2, *, rngs: nnx.Rngs,
                  capacity_factor: float = 0.0, router: str = "softmax", n_shared: int = 0,
-                 dtype: jnp.dtype = jnp.float32, report_rows: bool = False, grouped_impl: str | None = None):
+                 dtype: jnp.dtype = jnp.float32, report_rows: bool = False, grouped_impl: str | None = None,
+                 exchange: str | None = None):
         if n_experts < 1 or not 1 <= k <= n_experts:
             raise ValueError(f"MoE needs n_experts >= 1 and 1 <= k <= n_experts, got n_experts={n_experts}, k={k}")
         if router not in router_lib.ROUTERS:
             raise ValueError(f"MoE router {router!r} is not one of {router_lib.ROUTERS}")
+        if exchange not in (None, *EXCHANGES):
+            raise ValueError(f"MoE exchange {exchange!r} is not one of {EXCHANGES} (or None: by backend)")
         if capacity_factor < 0 or n_shared < 0:
             raise ValueError(f"MoE capacity_factor (0 = dropless) and n_shared must be >= 0, got "
                              f"{capacity_factor}, {n_shared}")
@@ -219,7 +269,7 @@ class MoE(nnx.Module):
         self.shared = GatedMLP(d_model, n_shared * d_ff, rngs=rngs, dtype=dtype) if n_shared else None
         self.n_experts, self.k, self.capacity_factor, self.router, self.dtype = (
             n_experts, k, capacity_factor, router, dtype)
-        self.report_rows, self.grouped_impl = report_rows, grouped_impl
+        self.report_rows, self.grouped_impl, self.exchange = report_rows, grouped_impl, exchange
 
     def __call__(self, x_BLD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         b, length, d = x_BLD.shape
@@ -268,7 +318,8 @@ class MoE(nnx.Module):
             args = (x_BLD.reshape(t, d), experts_BLK.reshape(t, k), gates_BLK.reshape(t, k), w_gate_up, w_down)
             axis = "expert" if ep > 1 else None
             if cf == 0:
-                (y_TD, rows), kept_TK = dropless(*args, n_experts=n, axis=axis, impl=self.grouped_impl), args[1] >= 0
+                (y_TD, rows), kept_TK = dropless(*args, n_experts=n, axis=axis, impl=self.grouped_impl,
+                                                   exchange=self.exchange), args[1] >= 0
             else:
                 capacity = router_lib.capacity(t, n, k, cf)
                 y_TD, kept_TK = dispatch_combine(*args, n_experts=n, capacity=capacity, axis=axis)

@@ -376,7 +376,7 @@ def test_seq_layout_bytes_are_the_context_exchange(exchange):
 @pytest.mark.parametrize("cf, slots", [(0.0, 64), (1.25, 40)])  # dropless: C = T = 64 tokens; else ceil(cf T k / E)
 def test_expert_layout_bytes_are_the_dispatch_and_combine(cf, slots):
     cfg = override(recipe("gpt-small", tiny=True), ["data.seq_len=64", "model.n_experts=4",
-                                                    f"model.capacity_factor={cf}"])
+                                                    f"model.capacity_factor={cf}", "model.moe_exchange=padded"])
     m = cfg.model
     e = estimate_layout(cfg, Layout((("data", 2), ("expert", 4)), "dp_ep", False), "h100")
     assert e.buildable, e.reason
@@ -387,6 +387,14 @@ def test_expert_layout_bytes_are_the_dispatch_and_combine(cf, slots):
     # the experts stay on their shards (nothing gathered over expert); the other weights' gradients
     # are summed over every token axis, the experts' over data only
     assert not _rows(e, "all-gather", ("expert",)) and not _rows(e, "reduce-scatter", ("expert",))
+    if not cf:  # the ragged exchange (auto off CPU) moves the routed rows, T x k, after the [ep, ep] row counts
+        auto = override(cfg, ["model.moe_exchange=auto"])
+        (ragged,) = _rows(estimate_layout(auto, Layout((("data", 2), ("expert", 4)), "dp_ep", False), "h100"),
+                          "all-to-all", ("expert",))
+        routed = slots * m.experts_per_token
+        assert ragged.bytes == 4 * m.n_layers * routed * m.d_model * 4 + ids * routed * 4 and ragged.bytes < a2a.bytes
+        cpu = estimate_layout(auto, Layout((("data", 2), ("expert", 4)), "dp_ep", False), "cpu")
+        assert _rows(cpu, "all-to-all", ("expert",))[0].bytes == a2a.bytes  # CPU: padded
     infos = param_infos(m)
     experts = sum(p.nbytes for p in infos if p.dims and "expert" in p.dims)
     assert _rows(e, "all-reduce", ("data",))[0].bytes == experts // 4

@@ -110,6 +110,11 @@ def _sharded(model, rules_name: str, items: tuple[tuple[str, int], ...], lora: L
     return tuple(out)
 
 
+def moe_exchange(setting: str, hw: Hardware) -> str:
+    """How a dropless MoE's rows move on ``hw`` (``GPTConfig.moe_exchange``; ``auto``: padded on CPU)."""
+    return setting if setting != "auto" else ("padded" if hw.name == "cpu" else "ragged")
+
+
 def comm_estimate(cfg: Config, sizes: dict[str, int], hw: Hardware, dcn_axes: tuple[str, ...] = ()) -> list[Traffic]:
     """Analytic collectives of one step of the built-in GPT, per device (see the module docstring)."""
     m, rules, data, run = cfg.model, spmd.get_rules(cfg.rules), cfg.data, cfg.run
@@ -186,6 +191,10 @@ def comm_estimate(cfg: Config, sizes: dict[str, int], hw: Hardware, dcn_axes: tu
             add("reduce-scatter", ("seq",), 2 * n_layers * k, kv // 2 * s * 4)
     if n_moe and sizes.get("expert", 1) > 1:  # dispatch + combine, forward (again) and backward
         rows = expert_rows(b * L, m.n_experts, m.experts_per_token, m.capacity_factor, sizes["expert"])[0]
+        ragged = not m.capacity_factor and moe_exchange(m.moe_exchange, hw) == "ragged"
+        if ragged:  # the routed rows only (T * k, balanced routing), after the [ep, ep] row counts
+            rows = b * L * m.experts_per_token
+            add("all-gather", ("expert",), (directions - 1) * n_moe * k, 4 * sizes["expert"] ** 2)
         add("all-to-all", ("expert",), 2 * directions * n_moe * k, rows * D * dt)  # x[E, C, D]; dropless x[ep, R, D]
         if not m.capacity_factor:  # dropless: each row's local expert id [ep, R] int32 beside each forward dispatch
             add("all-to-all", ("expert",), (directions - 1) * n_moe * k, rows * 4)
