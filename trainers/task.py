@@ -183,10 +183,10 @@ def dpo_task(cfg: Config) -> Task:
     check_validation_split(cfg)
     model_cfg, policy = cfg.model, lm_model(cfg.model, cfg.lora.spec)
     if cfg.lora.enabled:  # the reference is the base without its adapters: the policy's own frozen weights
-        model, loss, start = policy, dpo.dpo_loss_fn(cfg.dpo, reference=dpo.base_logps), None
+        model, loss, start = policy, dpo.dpo_loss_fn(cfg.dpo, reference=dpo.base_logps, pipeline=cfg.pipeline), None
     else:
-        model, loss, start = (lambda rngs: with_reference(policy(rngs))), dpo.dpo_loss_fn(cfg.dpo), \
-            dpo.reference_from_params
+        model, loss, start = (lambda rngs: with_reference(policy(rngs))), \
+            dpo.dpo_loss_fn(cfg.dpo, pipeline=cfg.pipeline), dpo.reference_from_params
     return Task(
         model=model,
         loss=loss,
@@ -196,6 +196,7 @@ def dpo_task(cfg: Config) -> Task:
         tokens_per_example=cfg.data.seq_len,
         config=cfg,
         name="dpo",
+        pipelined=True,
         checks=lambda c, rules, sizes: check_heads(c.model, rules, dict(sizes)),
         explain=name_config_key,
         start=start,

@@ -20,7 +20,9 @@ from flax import nnx
 
 from spmd.models.dpo import dpo_losses, in_model_order, pair_logps, token_logps
 from spmd.models.lora import without_adapters
-from trainers.config import Config
+from spmd.models.piped_dpo import pipelined_dpo_loss
+from spmd.pipeline import PipelineConfig
+from trainers.config import AUTO, Config
 from trainers.data import pairs as pairs_lib
 from trainers.data.config import DOCUMENT_CORPORA
 from trainers.objectives.config import DPOConfig
@@ -30,12 +32,26 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
            "logps/rejected")
 
 
-def dpo_loss_fn(cfg: DPOConfig, reference: ReferenceFn | None = None) -> Callable:
+def dpo_loss_fn(cfg: DPOConfig, reference: ReferenceFn | None = None, pipeline: PipelineConfig | None = None
+                ) -> Callable:
     """The DPO loss of a model with a frozen copy (``reference=None``: :func:`spmd.models.dpo.with_reference`) or of one whose
     reference log-probabilities ``reference(model, batch)`` gives: ``(loss, metrics)`` of
-    :func:`dpo_objective` over packed pair rows (:mod:`trainers.data.pairs`)."""
+    :func:`dpo_objective` over packed pair rows (:mod:`trainers.data.pairs`). Under an enabled ``pipeline``
+    the policy's and the reference's blocks run as one pipeline (:mod:`spmd.models.piped_dpo`); the
+    reference is then the frozen copy or :func:`base_logps` (LoRA), no other function."""
+    piped = pipeline is not None and pipeline.enabled
+    if piped and reference not in (None, base_logps):
+        raise ValueError(f"a DPO reference function {getattr(reference, '__name__', reference)!r} runs only "
+                         f"unpipelined, got pipeline.schedule={pipeline.schedule!r}: under a pipeline the reference "
+                         "is the model's frozen copy (reference=None) or its base (reference=base_logps)")
+
+    def objective(policy_BL: jax.Array, ref_BL: jax.Array, keys: dict[str, jax.Array]):
+        return dpo_objective(policy_BL, ref_BL, keys, cfg)
 
     def loss_fn(model: nnx.Module, batch: dict[str, jax.Array], rngs: nnx.Rngs | None = None):
+        if piped:
+            return pipelined_dpo_loss(model, batch, pipeline, objective,
+                                      reference="copy" if reference is None else "base")
         if reference is None:
             if not hasattr(model, "reference"):
                 raise TypeError(f"the DPO loss without a reference function needs a model with a frozen copy of "
@@ -45,6 +61,7 @@ def dpo_loss_fn(cfg: DPOConfig, reference: ReferenceFn | None = None) -> Callabl
             policy_BL, ref_BL = token_logps(model, batch), reference(model, batch)
         return dpo_objective(policy_BL, ref_BL, batch, cfg)
 
+    loss_fn.pipelined = piped  # type: ignore[attr-defined]  # runs its own shard_map
     loss_fn.weighted = True  # type: ignore[attr-defined]  # eval folds its row mask into the weights
     # two passes' log-probability gathers in the accumulation loop's manual region abort XLA's partitioner
     loss_fn.manual_unsafe = "the DPO loss (its log-probability gathers do not partition in a manual region)"  # type: ignore[attr-defined]
@@ -110,9 +127,19 @@ def check_dpo(cfg: Config) -> None:
         raise ValueError(f"run.objective=dpo reads preference pairs from a document corpus ({', '.join(DOCUMENT_CORPORA)}"
                          f"), got data.corpus={cfg.data.corpus!r}; set data.corpus and data.fields=prompt,chosen,rejected")
     pairs_lib.check_fields(cfg.data.field_names)
-    if cfg.pipeline.enabled:
-        raise ValueError(f"run.objective=dpo does not run as a pipeline yet (pipeline.schedule="
-                         f"{cfg.pipeline.schedule!r}); set pipeline.schedule=none")
+    if not cfg.pipeline.enabled:
+        return
+    where = f"run.objective=dpo under pipeline.schedule={cfg.pipeline.schedule!r}"
+    if cfg.lora.enabled and cfg.lora.dropout:
+        raise ValueError(f"{where}: lora.dropout={cfg.lora.dropout} does not run in the DPO pipeline (a stage would "
+                         "draw one adapter mask for every microbatch); use lora.dropout=0, or pipeline.schedule=none")
+    if cfg.mesh.axes != AUTO:
+        spec = cfg.mesh.spec
+        seq = dict(spec.ici).get("seq", 1) * dict(spec.dcn).get("seq", 1)
+        if seq > 1:
+            raise ValueError(f"{where} on mesh.axes={cfg.mesh.axes!r} (seq={seq}): a pipeline's head would see a "
+                             "part of each pair under context parallelism and the DPO loss is not a sum over "
+                             "positions; give seq=1 (fold it into data or fsdp), or pipeline.schedule=none")
 
 
 def pair_data(cfg: Config, split: str) -> pairs_lib.PairStream:

@@ -1,0 +1,149 @@
+"""DPO under a pipeline (``spmd.models.piped_dpo``) equals one device: the loss, every metric and every
+gradient, with the frozen copy and with LoRA (the reference = the adapters off), on data x pipe and
+fsdp x tensor x pipe, for 1F1B, GPipe, interleaved and the zero-bubble schedules; the reference gets no
+gradient; a pipelined CLI run equals the same run unpipelined over 3 steps; what cannot run is refused."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import meshes
+import spmd
+from spmd.models import GPT, GPTConfig
+from spmd.models.dpo import with_reference
+from spmd.models.lora import LoRASpec
+from spmd.pipeline import PipelineConfig
+from trainers.data import DataConfig
+from trainers.data.pairs import pair_stream
+from trainers.examples import dpo as example
+from trainers.objectives.config import DPOConfig
+from trainers.objectives.dpo import METRICS, base_logps, dpo_loss_fn
+from trainers.step import normalize_weights
+
+TOL = 1e-5
+CFG = GPTConfig(vocab_size=256, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=64, norm_eps=1e-5,
+                tied_head_scale=False)
+DPO = DPOConfig(beta=0.1, pairs_per_row=2)
+ROWS, LENGTH = 8, 32
+
+
+@functools.cache
+def _batch() -> dict:
+    import tempfile
+
+    path = example.write_pairs(tempfile.mkdtemp() + "/pairs.jsonl", n=64)
+    data = DataConfig(corpus="jsonl", path=str(path), fields="prompt,chosen,rejected", seq_len=LENGTH, global_batch=ROWS)
+    batch = next(iter(pair_stream(data, "train", pairs_per_row=DPO.pairs_per_row)))
+    return jax.tree.map(np.asarray, normalize_weights({k: jnp.asarray(v) for k, v in batch.items()}))
+
+
+def _perturb(tree, key, scale):
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree.unflatten(treedef, [a + scale * jax.random.normal(k, a.shape) for a, k in zip(leaves, keys)])
+
+
+@functools.cache
+def _model(lora: bool):
+    """``(graphdef, params, other)`` of the tiny GPT on the host: with LoRA (every B nonzero, so the base
+    differs from the policy) or with a frozen copy of itself whose policy has moved since."""
+    model = GPT(CFG, rngs=nnx.Rngs(0), lora=LoRASpec(4, 8.0) if lora else None)
+    if not lora:
+        model = with_reference(model)
+    graphdef, params, other = nnx.split(model, nnx.Param, ...)
+    params = _perturb(nnx.to_pure_dict(params), jax.random.key(1), 0.05)
+    return graphdef, jax.tree.map(np.asarray, params), jax.tree.map(np.asarray, nnx.to_pure_dict(other))
+
+
+class Case:
+    """One compiled ``value_and_grad`` of the DPO loss (w.r.t. the params) on a mesh, rules and pipeline."""
+
+    def __init__(self, sizes: tuple, rules: str, pipeline: PipelineConfig | None, lora: bool):
+        n = int(np.prod([s for _, s in sizes])) if sizes else 1
+        self.mesh = meshes.make_mesh(dict(sizes), devices=jax.devices()[:n]) if n > 1 else meshes.single_device_mesh()
+        self.rules = spmd.get_rules(rules)
+        graphdef, params, other = _model(lora)
+        shard = self._shardings(graphdef, params, other)
+        self.params = jax.device_put(params, shard[0])
+        self.other = jax.device_put(other, shard[1])
+        loss_fn = dpo_loss_fn(DPO, reference=base_logps if lora else None, pipeline=pipeline)
+        rules_, mesh = self.rules, self.mesh
+
+        def loss(params, other, batch):
+            with spmd.use_rules(rules_, mesh):
+                return loss_fn(nnx.merge(graphdef, params, other), batch)
+
+        self.batch_sharding = spmd.batch_sharding(self.rules, self.mesh)
+        self.step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))  # (params, the reference)
+
+    def _shardings(self, graphdef, params, other):
+        state = nnx.state(nnx.merge(graphdef, params, other))
+        shardings = spmd.param_shardings(state, self.rules, self.mesh)
+        return {k: shardings[k] for k in params}, {k: shardings[k] for k in other}
+
+    def __call__(self, other=None):
+        batch = {k: jax.device_put(v, self.batch_sharding) for k, v in _batch().items()}
+        (loss, metrics), (grads, ref_grads) = self.step(self.params, self.other if other is None else other, batch)
+        assert all(not np.asarray(g).any() for g in jax.tree.leaves(ref_grads))  # the reference: no gradient
+        return float(loss), {k: float(v) for k, v in metrics.items()}, jax.tree.map(np.asarray, grads)
+
+
+@functools.cache
+def compiled(sizes: tuple = (), rules: str = "none", schedule: str = "none", m: int = 1, v: int = 1,
+             lora: bool = False) -> Case:
+    return Case(sizes, rules, PipelineConfig(schedule, m, v) if schedule != "none" else None, lora)
+
+
+@functools.cache
+def case(*args):
+    return compiled(*args)()
+
+
+def _rel_errs(a, b) -> dict[str, float]:
+    flat = jax.tree_util.tree_flatten_with_path(jax.tree.map(
+        lambda x, y: float(np.linalg.norm(x - y) / max(float(np.linalg.norm(y)), 1e-30)), a, b))[0]
+    return {spmd.sharding.path_str(p): e for p, e in flat}
+
+
+def assert_equal_to_one_device(got, lora: bool):
+    loss, metrics, grads = got
+    ref_loss, ref_metrics, ref_grads = case((), "none", "none", 1, 1, lora)
+    assert loss == pytest.approx(ref_loss, rel=TOL)
+    assert set(metrics) == set(ref_metrics) >= set(METRICS) | {"loss_weight"}
+    for k in ref_metrics:
+        assert metrics[k] == pytest.approx(ref_metrics[k], rel=TOL, abs=1e-6), k
+    errs = _rel_errs(grads, ref_grads)
+    assert max(float(np.abs(g).max()) for g in jax.tree.leaves(ref_grads)) > 1e-4  # not vacuous
+    bad = {k: e for k, e in errs.items() if e > TOL}
+    assert not bad, f"gradients differ from one device: {bad}"
+
+
+DP_PIPE = (("data", 2), ("pipe", 2))
+FSDP_TP_PIPE = (("fsdp", 2), ("pipe", 2), ("tensor", 2))
+FAST = [(DP_PIPE, "dp", "1f1b", 4, 1, False)]
+SLOW = [(FSDP_TP_PIPE, "fsdp_tp", "zb-h1", 4, 1, True), (DP_PIPE, "dp", "1f1b", 4, 1, True),
+        (FSDP_TP_PIPE, "fsdp_tp", "zb-h1", 4, 1, False),
+        (FSDP_TP_PIPE, "fsdp_tp", "interleaved", 4, 2, False), (FSDP_TP_PIPE, "fsdp_tp", "interleaved", 4, 2, True),
+        (DP_PIPE, "dp", "gpipe", 4, 1, False), (DP_PIPE, "dp", "zb-h2", 4, 1, True),
+        ((("pipe", 2),), "none", "zb-v", 4, 2, False)]
+
+
+@pytest.mark.parametrize("sizes, rules, schedule, m, v, lora",
+                         FAST + [pytest.param(*c, marks=pytest.mark.slow) for c in SLOW])
+def test_pipelined_dpo_equals_one_device(sizes, rules, schedule, m, v, lora):
+    assert_equal_to_one_device(case(sizes, rules, schedule, m, v, lora), lora)
+
+
+def test_negative_control_the_policy_as_its_own_reference_is_caught():
+    """The same pipeline with the reference swapped for the policy differs from one device (the ratios vanish)."""
+    piped = compiled(DP_PIPE, "dp", "1f1b", 4, 1, False)
+    loss, metrics, _ = piped({**piped.other, "reference": piped.params})
+    ref_loss, ref_metrics, _ = case((), "none", "none", 1, 1, False)
+    assert abs(loss - ref_loss) > 1e3 * TOL * abs(ref_loss)
+    assert abs(metrics["rewards/margins"] - ref_metrics["rewards/margins"]) > 1e-3
