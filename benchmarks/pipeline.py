@@ -314,7 +314,7 @@ def run(options: common.Options, command: str = "python -m benchmarks.pipeline")
         return []
     Ms = (STAGES, 2 * STAGES) if options.quick else (STAGES, 2 * STAGES, 4 * STAGES)
     rows = schedule_rows(STAGES, Ms) + zero_bubble_rows(STAGES, Ms)
-    after = []
+    after, failure = [], None
     if len(jax.devices()) < STAGES:
         after.append(f"steps: skipped (need {STAGES} devices, {len(jax.devices())} present)")
     else:
@@ -325,14 +325,17 @@ def run(options: common.Options, command: str = "python -m benchmarks.pipeline")
             rows.append(comms_row("zb-v", zb_v, pipeline_setup("zb-v", zb_v, options.quick, abstract=options.quick)))
             if len(jax.devices()) >= 8:  # quick: 1f1b's gathers only (gpipe's compile the same rows again)
                 rows += fsdp_gather_rows(options.quick) + ([] if options.quick else fsdp_gather_rows(False, "gpipe"))
-        except Exception as exc:  # report the engine's failure next to the schedule rows
+        except Exception as exc:  # report the engine's failure next to the schedule rows, then fail the command
             after.append(f"steps: failed: {type(exc).__name__}: {str(exc)[:300]}")
+            failure = exc
     cfg, batch, length = common.gpt_config(quick=True)
     before = [f"- S = {STAGES} stages over the pipe axis; steps: GPT d_model={cfg.d_model}, {STAGES} x V layers "
               f"(x2 in full mode), batch {4 * STAGES} x {length}, AdamW, dp rules + layers over pipe; "
               "M microbatches at the same global batch"]
     common.report("pipeline", "Pipeline schedules: useful work vs theory, step time vs M", rows, options, command,
                   before=before, after=after, started_load=started)
+    if failure is not None:
+        raise RuntimeError("the pipeline step rows failed (reported in RESULTS.md)") from failure
     return rows
 
 
