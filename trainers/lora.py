@@ -45,8 +45,9 @@ class LoRAConfig:
     ``scale * (x @ A) @ B`` with ``scale = alpha / rank`` on the projections ``targets`` (a regex searched
     in ``attn/q_proj``, ``attn/k_proj``, ``attn/v_proj``, ``attn/o_proj``, ``mlp/gate_proj``, ``mlp/up_proj``,
     ``mlp/down_proj``) and every other parameter frozen. ``dropout``: PEFT's ``lora_dropout``, on the adapters'
-    input in training only (masks from the step's key; not under a pipeline). ``init_from``: ``peft:DIR``, a
-    PEFT adapter to start from (its rank, alpha and targets are used; ``dropout`` stays this section's)."""
+    input in training only (masks from the step's key, per row of the batch: any layout or pipeline draws one
+    device's). ``init_from``: ``peft:DIR``, a PEFT adapter to start from (its rank, alpha and targets are used;
+    ``dropout`` stays this section's)."""
 
     rank: int = 0
     alpha: float = 16.0

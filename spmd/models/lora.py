@@ -20,6 +20,7 @@ from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 PROJECTIONS: tuple[str, ...] = ("attn/q_proj", "attn/k_proj", "attn/v_proj", "attn/o_proj",
@@ -123,28 +124,89 @@ class Adapter(nnx.Module):
 
 
 def dropout_mask(key_data: jax.Array, rate: float, shape: Sequence[int]) -> jax.Array:
-    """``keep / (1 - rate)`` (f32) over an adapter input of ``shape`` ``[B, L, ...]``, ``keep`` Bernoulli(1 - rate)
-    drawn from ``key_data``. Drawn in natural token order and put in the layout's (context parallelism stores
-    the positions in ``context.sequence_order``), so an element's mask is the same on any layout."""
+    """``keep / (1 - rate)`` (f32) over an adapter input of ``shape`` ``[B, L, ...]``: row b's ``keep`` is
+    Bernoulli(1 - rate) over ``[L, ...]`` in natural token order, drawn from ``fold_in(key, b)``, or from
+    ``key_data[b]`` when ``key_data`` holds a key per row (``[B, key]``: :func:`row_keys`, a pipeline stage's
+    rows). An element's mask is a function of (key, row, position) alone, so it is the same on any layout,
+    pipelined or not; the tokens are put in the layout's order (:func:`_positions`)."""
+    keys = key_data if key_data.ndim == 2 else row_keys(key_data, jnp.arange(shape[0]))
+    length, index = _positions(shape[1])
+
+    def draw(k: jax.Array) -> jax.Array:  # one row's mask over [L, ...]
+        return jax.random.bernoulli(jax.random.wrap_key_data(k), 1.0 - rate, (length, *shape[2:]))
+
+    keep = jax.vmap(draw)(keys)
+    if index is not None:
+        keep = jnp.take(keep, index, axis=1)
+    return keep.astype(jnp.float32) / (1.0 - rate)
+
+
+def _positions(stored: int) -> tuple[int, jax.Array | np.ndarray | None]:
+    """``(L, natural position of each of the ``stored`` tokens a device holds, None: all in natural order)``.
+    Under context parallelism the rows are in ``context.sequence_order``; in a region manual over ``seq`` (a
+    pipeline stage's) a device holds its shard of them, ``L = stored * seq`` (the mask draws whole rows)."""
+    from spmd.constraints import active_layout
     from spmd.models import context
 
-    keep = jax.random.bernoulli(jax.random.wrap_key_data(key_data), 1.0 - rate, tuple(shape))
-    order = context.sequence_order(shape[1]) if len(shape) > 1 else None
-    if order is not None:
-        keep = keep[:, order]
-    return keep.astype(jnp.float32) / (1.0 - rate)
+    n = context.seq_shards()
+    if n == 1:
+        return stored, None
+    if "seq" in active_layout()[0].abstract_mesh.manual_axes:
+        order = context.balanced_positions(stored * n, n).reshape(n, stored)
+        return stored * n, jnp.asarray(order)[jax.lax.axis_index("seq")]
+    return stored, context.sequence_order(stored)
+
+
+def row_keys(key_data: jax.Array, rows_B: jax.Array) -> jax.Array:
+    """``[..., key] -> [..., B, key]``: each key folded with each row's index in the batch (``fold_in(key, row)``)."""
+    def fold(k: jax.Array, row: jax.Array) -> jax.Array:
+        return jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(k), row))
+
+    flat = key_data.reshape(-1, key_data.shape[-1])
+    out = jax.vmap(jax.vmap(fold, (None, 0)), (0, None))(flat, rows_B)
+    return out.reshape(*key_data.shape[:-1], *out.shape[1:])
+
+
+def carried_keys(state: nnx.State) -> nnx.State:
+    """``state`` (a stack's layers) with every :class:`DropoutKey` ``[..., key]`` (uint32) as f32 ``[..., 2 key]``
+    (16-bit halves, exact, behind ``stop_gradient``): a pipeline's engine moves and differentiates its stage
+    state as floats. :func:`stage_keys` reads them back."""
+    keys, rest = nnx.split_state(state, DropoutKey, ...)
+
+    def halves(k: jax.Array) -> jax.Array:
+        k = k.astype(jnp.uint32)
+        return jax.lax.stop_gradient(jnp.stack([k >> 16, k & 0xFFFF], -1).reshape(*k.shape[:-1], -1).astype(jnp.float32))
+
+    return nnx.merge_state(jax.tree.map(halves, keys), rest)
+
+
+def stage_keys(state: nnx.State, rows_B: jax.Array) -> nnx.State:
+    """``state`` (a pipeline stage's layers, keys as :func:`carried_keys` left them) with every
+    :class:`DropoutKey` back as ``[..., key]`` and folded with the index of each row the stage holds
+    (``rows_B``, :func:`row_keys`): the masks the whole batch draws for those rows."""
+    keys, rest = nnx.split_state(state, DropoutKey, ...)
+
+    def whole(f: jax.Array) -> jax.Array:
+        h = jax.lax.stop_gradient(f).astype(jnp.uint32).reshape(*f.shape[:-1], -1, 2)
+        return row_keys((h[..., 0] << 16) | h[..., 1], rows_B)
+
+    return nnx.merge_state(jax.tree.map(whole, keys), rest)
 
 
 def draw_dropout(model: nnx.Module, key: jax.Array) -> None:
     """Set the mask key of every adapter with dropout in ``model`` (in place) from ``key``: the i-th such
-    adapter (graph order) gets ``split(fold_in(key, i), n)`` over its ``n`` stacked layers. The train step's
-    LoRA loss calls it with a key of the loss's ``nnx.Rngs`` (``trainers.lora.frozen_base_loss``)."""
+    adapter (graph order) gets ``split(fold_in(key, i), n)`` over its ``n`` stacked layers in natural order
+    (stored in the stack's layer order: an interleaved pipeline's chunk order draws one device's masks). The
+    train step's LoRA loss calls it with a key of the loss's ``nnx.Rngs`` (``trainers.lora.frozen_base_loss``)."""
+    from spmd.pipeline.order import order_of
+
     i = 0
     for _, node in nnx.iter_graph(model):
         if isinstance(node, Adapter) and node.dropout:
             shape = node.key.get_value().shape  # [..., key]
             keys = jax.random.split(jax.random.fold_in(key, i), math.prod(shape[:-1]))
-            node.key.set_value(jax.random.key_data(keys).reshape(shape))
+            keys = jax.random.key_data(keys).reshape(shape)
+            node.key.set_value(order_of(node.key).to_stored(keys) if len(shape) > 1 else keys)
             i += 1
 
 

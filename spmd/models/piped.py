@@ -16,18 +16,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from spmd.models import context
+from spmd.models import context, lora
 from spmd.models.loss import head_logits, lm_loss, with_moe_losses
 from spmd.models.moe import STATS
 
 DIGIT = 256  # integers up to 256 are exact in bfloat16: ids and positions travel as two base-256 digits
-
-
-def _refuse(model, pipeline) -> None:
-    if model.lora is not None and model.lora.dropout:
-        raise ValueError(f"lora.dropout={model.lora.dropout} does not run under a pipeline yet (pipeline schedule "
-                         f"{pipeline.schedule!r}): a stage would draw the same adapter mask for every microbatch; "
-                         "use lora.dropout=0, or pipeline.schedule=none (a pipe axis of size 1)")
 
 
 def _add_stats(c_BLS: jax.Array, stats: dict[str, jax.Array]) -> jax.Array:
@@ -53,7 +46,6 @@ def pipelined_lm_loss(model, tokens_BL: jax.Array, targets_BL: jax.Array, z_loss
     ``segment_ids``/``positions``/``weights`` as in :func:`spmd.models.packed.packed_loss`."""
     from spmd.pipeline import pipelined_loss
 
-    _refuse(model, pipeline)
     cfg, d = model.cfg, model.cfg.d_model
     b, length = tokens_BL.shape
     order = context.sequence_order(length)
@@ -64,24 +56,33 @@ def pipelined_lm_loss(model, tokens_BL: jax.Array, targets_BL: jax.Array, z_loss
     x_BLD = model.embed_tokens(tokens_BL)
     ints = [] if positions is None else [positions]  # carried: the positions (rows' own or reordered), segment ids
     ints += [] if segment_ids is None else [segment_ids]
+    n_args, rows = len(ints), lora.has_dropout(model)  # and each row's index: the adapters' dropout masks
+    ints += [jnp.broadcast_to(jnp.arange(b)[:, None], (b, length))] if rows else []
     extra = [jnp.stack([d for a in ints for d in (a // DIGIT, a % DIGIT)], -1)] if ints else []
     n_ints = 2 * len(ints)
     if ints and length + 1 >= DIGIT**2:
         raise ValueError(f"rows of length {length} under a pipeline: positions and segment ids travel as two "
                          f"base-{DIGIT} digits, so the length must be below {DIGIT**2 - 1}")
+    if rows and b >= DIGIT**2:
+        raise ValueError(f"a batch of {b} rows under a pipeline with LoRA dropout: each row's index travels as two "
+                         f"base-{DIGIT} digits, so the batch must be below {DIGIT**2}")
     moe = bool(cfg.n_experts)
     if moe:
         extra.append(jnp.zeros((b, length, 2 * len(STATS)), x_BLD.dtype))
     if extra:
         x_BLD = jnp.concatenate([x_BLD, *(e.astype(x_BLD.dtype) for e in extra)], -1)
     apply, block_state = model.blocks.split()
+    block_state = lora.carried_keys(block_state) if rows else block_state
     norm_def, norm_state = nnx.split(model.final_norm)
 
     def stage_fn(layers_state, x_BLE):
         args: tuple[jax.Array, ...] = (jnp.arange(x_BLE.shape[1]),)
         if n_ints:
             digits = x_BLE[..., d:d + n_ints].astype(jnp.int32)
-            args = tuple(digits[..., i] * DIGIT + digits[..., i + 1] for i in range(0, n_ints, 2))  # positions[, segments]
+            carried = tuple(digits[..., i] * DIGIT + digits[..., i + 1] for i in range(0, n_ints, 2))
+            args = carried[:n_args] or args  # positions[, segments]
+            if rows:  # each adapter's mask keys folded with the rows' indices (spmd.models.lora.dropout_mask)
+                layers_state = lora.stage_keys(layers_state, carried[-1][:, 0])
         out = apply(layers_state, x_BLE[..., :d], *args)
         if not moe:
             return jnp.concatenate([out, x_BLE[..., d:]], -1) if extra else out

@@ -74,8 +74,8 @@ BASE = dict(layout="dp", model="gpt", length="short", grad_accum=1, fsdp_gather=
 
 # LoRA (lora.rank=4, lora.alpha=8: adapters on a frozen base) crossed with the features it composes with. These
 # cells stand beside the all-pairs design (a factor more would redraw it); each is compared with the same LoRA
-# run on one device. lora_dropout > 0 under a pipeline is refused (a stage would draw one mask for every
-# microbatch); elsewhere the masks are drawn over the whole batch in natural token order, so they equal one device's.
+# run on one device. lora_dropout > 0: each row draws its masks from its index in the batch, in natural token order,
+# on every layout (a pipeline carries the row index into its stages), so they equal one device's.
 LORA_CELLS = {
     "pipe_1f1b": dict(layout="pipe_1f1b", grad_accum=2, fsdp_gather="per_step"),
     "seq_ring": dict(layout="seq_ring", length="blockwise", lora_dropout=0.1),
@@ -89,10 +89,6 @@ LORA_CELLS = {
 def lora_cell(name: str) -> dict:
     """The LoRA cell ``name`` of :data:`LORA_CELLS`, completed from :data:`BASE`."""
     return {**BASE, "lora": 4, "lora_dropout": 0.0, **LORA_CELLS[name]}
-
-
-def lora_refused(cell: dict) -> bool:
-    return bool(cell.get("lora_dropout")) and cell["layout"] in PIPES
 
 
 def applicable(cell: dict) -> bool:
@@ -163,8 +159,7 @@ class Outcome:
 
     @property
     def ok(self) -> bool:
-        if refused(self.cell) or regroups(self.cell) or (self.cell["local_sgd"] and self.cell["model"] == "user") \
-                or lora_refused(self.cell):
+        if refused(self.cell) or regroups(self.cell) or (self.cell["local_sgd"] and self.cell["model"] == "user"):
             return self.status == "refused" and names_both(self.cell, self.detail)
         return self.status == "equal"
 
@@ -347,9 +342,9 @@ LORA_DOC = """
 
 `lora.rank=4`, `lora.alpha=8` (adapters on a frozen base: docs/post-training.md) in cells beside the design above
 (`python tests/helpers/matrix.py --lora` reruns them and rewrites this section; tests/trainers/test_lora_compose.py
-runs them), each compared with the same LoRA run on one device as above. `lora_dropout` > 0: the masks are drawn
-over the whole batch in natural token order, so a layout draws the masks one device draws. Refused: `lora.dropout`
-> 0 under a pipeline (a stage would draw the same mask for every microbatch).
+runs them), each compared with the same LoRA run on one device as above. `lora_dropout` > 0: each row draws its masks
+from its index in the batch, in natural token order, so a layout draws the masks one device draws, a pipeline too
+(it carries each row's index into its stages).
 
 """
 LORA_MARK = "## LoRA with the other features"

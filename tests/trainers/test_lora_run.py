@@ -143,7 +143,8 @@ def test_dropout_is_on_the_adapter_input_with_the_mask_of_its_key():
         m.deterministic = not train
         return (m(x, lambda v: v.get_value()) * w).sum()
 
-    keep = np.asarray(jax.random.bernoulli(jax.random.wrap_key_data(key), 1 - p, shape))
+    keep = np.stack([jax.random.bernoulli(jax.random.fold_in(jax.random.wrap_key_data(key), row), 1 - p, shape[1:])
+                     for row in range(shape[0])])  # row b's mask over [L, in] from fold_in(key, b)
     assert abs(1 - keep.mean() - p) < 0.05
 
     def reference(a, b, mask):
