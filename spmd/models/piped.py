@@ -3,9 +3,10 @@
 The embedding runs before the pipeline, the final norm, head and loss on its last stage. What a stage needs
 besides the activations rides along as extra channels of them, ``x[B, L, D + C]`` (only the blocks see
 ``x[..., :D]``): each row's positions and segment ids (packed rows; under context parallelism the rows are in
-``context.sequence_order`` and carry their positions unpacked too) as base-256 digits, exact in bf16; and
-with MoE blocks each router statistic summed over the blocks run so far, as a high and a low part (about 16
-bits in bf16). The head reads the sums at the first position and adds the MoE losses, so they are
+``context.sequence_order`` and carry their positions unpacked too) and, with LoRA dropout, each row's index in
+the batch (a stage folds the adapters' mask keys with it: the whole batch's masks) as base-256 digits, exact in
+bf16; and with MoE blocks each router statistic summed over the blocks run so far, as a high and a low part
+(about 16 bits in bf16). The head reads the sums at the first position and adds the MoE losses, so they are
 differentiated through every stage; a microbatch's statistics are its own, as under gradient accumulation.
 The targets travel with the loss weights (``[B, L, 2]`` int32, the weight's f32 bits). See docs/pipelines.md.
 """
