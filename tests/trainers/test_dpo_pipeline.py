@@ -6,6 +6,7 @@ gradient; a pipelined CLI run equals the same run unpipelined over 3 steps; what
 from __future__ import annotations
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -19,11 +20,13 @@ from spmd.models import GPT, GPTConfig
 from spmd.models.dpo import with_reference
 from spmd.models.lora import LoRASpec
 from spmd.pipeline import PipelineConfig
+from trainers.config import Config, override
 from trainers.data import DataConfig
 from trainers.data.pairs import pair_stream
 from trainers.examples import dpo as example
+from trainers.loop import train
 from trainers.objectives.config import DPOConfig
-from trainers.objectives.dpo import METRICS, base_logps, dpo_loss_fn
+from trainers.objectives.dpo import METRICS, base_logps, check_dpo, dpo_loss_fn
 from trainers.step import normalize_weights
 
 TOL = 1e-5
@@ -147,3 +150,87 @@ def test_negative_control_the_policy_as_its_own_reference_is_caught():
     ref_loss, ref_metrics, _ = case((), "none", "none", 1, 1, False)
     assert abs(loss - ref_loss) > 1e3 * TOL * abs(ref_loss)
     assert abs(metrics["rewards/margins"] - ref_metrics["rewards/margins"]) > 1e-3
+
+
+def test_what_cannot_run_is_refused_before_compiling(tmp_path):
+    """Context parallelism and LoRA dropout under a pipeline, and a reference function it cannot split into stages."""
+    path = example.write_pairs(tmp_path / "pairs.jsonl", n=16)
+    base = ["run.objective=dpo", "data.corpus=jsonl", f"data.path={path}", "data.fields=prompt,chosen,rejected",
+            "pipeline.schedule=1f1b", "pipeline.microbatches=2"]
+    check_dpo(override(Config(), [*base, "mesh.axes=data=2,pipe=2"]))  # runs
+    with pytest.raises(ValueError, match=r"mesh.axes='seq=2,pipe=2' \(seq=2\).*give seq=1"):
+        check_dpo(override(Config(), [*base, "mesh.axes=seq=2,pipe=2"]))
+    with pytest.raises(ValueError, match="lora.dropout=0.1 does not run in the DPO pipeline"):
+        check_dpo(override(Config(), [*base, "lora.rank=4", "lora.dropout=0.1"]))
+    with pytest.raises(ValueError, match="runs only unpipelined"):
+        dpo_loss_fn(DPO, reference=lambda model, batch: batch["targets"], pipeline=PipelineConfig("1f1b", 2))
+
+
+# ------------------------------------------------------------------ runs (slow: each compiles the tiny GPT twice)
+STEPS = 3
+RUN_METRICS = ("loss", "grad_norm", *METRICS)
+
+
+@pytest.fixture(scope="module")
+def pairs_file(tmp_path_factory):
+    return example.write_pairs(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", n=400)
+
+
+def _run(pairs_file, run_dir, axes, rules, *sets):
+    cfg = override(example.config(pairs_file, run_dir, steps=STEPS, tiny=True), [
+        f"mesh.axes={axes}", f"rules={rules}", "run.eval_batches=0", "checkpoint.every_steps=100",
+        "checkpoint.async_save=false", "lr.warmup_steps=1", "lr.peak_lr=1e-2", "model.n_layers=4", *sets])
+    sizes = {axis: int(size) for axis, size in (a.split("=") for a in axes.split(","))}
+    result = train(cfg, mesh=meshes.make_mesh(sizes, devices=jax.devices()[:int(np.prod(list(sizes.values())))]),
+                   keep_state=True)
+    with open(f"{run_dir}/metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    steps = {r["step"]: r for r in records if all(k in r for k in RUN_METRICS)}
+    return result, [[steps[s][k] for k in RUN_METRICS] for s in range(1, STEPS + 1)]
+
+
+def _run_rel_err(a, b) -> float:
+    return max(_rel_errs(jax.tree.map(np.asarray, a), jax.tree.map(np.asarray, b)).values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("piped_axes, plain_axes, rules, pipeline, lora", [
+    ("data=2,pipe=2", "data=2", "dp", ("1f1b", 2, 1), False),
+    ("fsdp=2,pipe=2,tensor=2", "fsdp=2,tensor=2", "fsdp_tp", ("interleaved", 4, 2), True),
+])
+def test_a_pipelined_run_equals_the_run_without_it(pairs_file, tmp_path, piped_axes, plain_axes, rules, pipeline, lora):
+    """3 steps: the losses, grad norms and DPO metrics of every step, the params, the optimizer state; the
+    reference stays the starting policy (no optimizer state for it); with LoRA no copy is held. Negative
+    control: the state moved by far more than the tolerance, and a run with another beta differs."""
+    schedule, m, v = pipeline
+    extra = ["lora.rank=4", "lora.alpha=8"] if lora else []
+    piped, piped_metrics = _run(pairs_file, tmp_path / "piped", piped_axes, rules, f"pipeline.schedule={schedule}",
+                                f"pipeline.microbatches={m}", f"pipeline.virtual_stages={v}", *extra)
+    plain, plain_metrics = _run(pairs_file, tmp_path / "plain", plain_axes, rules, *extra)
+    # step 1's rewards/accuracies counts ties (the policy is the reference: each pair's margin is 0, or a
+    # rounding error's sign, 1e-9): compared from step 2 on, once the policy has moved
+    tie = (0, RUN_METRICS.index("rewards/accuracies"))
+    for got in (piped_metrics, plain_metrics):
+        got[tie[0]][tie[1]] = 0.0
+    np.testing.assert_allclose(piped_metrics, plain_metrics, rtol=TOL, atol=1e-6)
+    assert plain_metrics[-1][0] < plain_metrics[0][0]  # it trains
+    order = PipelineConfig(schedule, m, v).layer_order(2)  # the pipelined run stores its stacks in it
+
+    def natural(tree):
+        return jax.tree_util.tree_map_with_path(
+            lambda p, a: order.to_natural(a) if "blocks" in spmd.sharding.path_str(p) else a, tree)
+
+    for key in ("params", "opt_state"):
+        assert _run_rel_err(natural(getattr(piped.state, key)), getattr(plain.state, key)) < TOL, key
+    paths = [spmd.sharding.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(piped.state.opt_state)[0]]
+    assert paths and not any("reference" in p for p in paths)  # no optimizer state for the reference
+    if lora:
+        assert piped.state.model_state is None  # no copy: the reference is the base
+    else:
+        reference = piped.state.model_state["reference"]
+        assert _run_rel_err(natural(reference), plain.state.model_state["reference"]) == 0.0  # frozen on both
+        assert _run_rel_err(piped.state.params, reference) > 100 * TOL  # the policy moved away from it
+    # negative control: another beta (the same data and start) is caught by the same comparison
+    _, other = _run(pairs_file, tmp_path / "beta", plain_axes, rules, "dpo.beta=0.2", *extra)
+    with pytest.raises(AssertionError):
+        np.testing.assert_allclose(piped_metrics, other, rtol=TOL, atol=1e-6)
