@@ -172,8 +172,9 @@ def names_both(cell: dict, message: str) -> bool:
 
 
 def overrides(cell: dict, *, one_device: bool = False) -> list[str]:
+    # a checkpoint at each run's last step only: a resumed cell reads its first run's (step 1)
     sets = ["run.steps=1", "run.eval_batches=0", "run.progress=false", "run.tensorboard=false", "run.log_every=1",
-            "checkpoint.every_steps=1", "optimizer.name=sgd", "optimizer.clip_norm=null", "optimizer.weight_decay=0",
+            "checkpoint.every_steps=100", "optimizer.name=sgd", "optimizer.clip_norm=null", "optimizer.weight_decay=0",
             "lr.kind=constant", "lr.peak_lr=0.1", "lr.warmup_steps=0", "data.global_batch=16",
             f"run.grad_accum={accumulated(cell) if one_device else cell['grad_accum']}",
             f"run.fsdp_gather={cell['fsdp_gather']}"]
@@ -212,13 +213,22 @@ def _config_and_task(cell: dict, sets: list[str]):
     return override(base, sets), None
 
 
-def _train(cell: dict, sets: list[str], run_dir: str, steps: int):
+def _train(cell: dict, sets: list[str], run_dir: str, steps: int, *, start: list | None = None):
+    """The run's Result; ``start``, when given, receives the parameters it starts from (on the host), read
+    from the same build the run steps (one initialisation, not a second one for the reference)."""
+    import jax
+    import numpy as np
+
     import meshes
-    from trainers.loop import train
+    from trainers.loop import drive
+    from trainers.setup import build
 
     cfg, task = _config_and_task(cell, [*sets, f"run.run_dir={run_dir}", f"run.steps={steps}"])
     one = cfg.mesh.axes == "data=1"
-    return train(cfg, task, mesh=meshes.single_device_mesh() if one else None, keep_state=True)
+    run = build(cfg, task, meshes.single_device_mesh() if one else None)
+    if start is not None:
+        start.append(jax.tree.map(np.array, run.sharded.state.params))  # a copy: the first step donates the state
+    return drive(run, keep_state=True)
 
 
 def _params(result, cell: dict | None = None):
@@ -274,19 +284,6 @@ def run_cell(cell: dict, reference, workdir: str) -> Outcome:
     return Outcome(cell, "equal" if ok else "differs", detail)
 
 
-def _initial_params(cell: dict):
-    """The parameters every run of ``cell`` starts from, built as the loop builds them, on one device."""
-    import jax
-    import numpy as np
-
-    import meshes
-    from trainers.setup import build
-
-    cfg, task = _config_and_task(cell, overrides(cell, one_device=True))
-    run = build(cfg, task, meshes.single_device_mesh())
-    return jax.tree.map(np.asarray, run.sharded.state.params)
-
-
 def reference_key(cell: dict) -> tuple:
     """What the one-device run depends on: remat and the loss chunk change no number beyond rounding, and
     accumulation changes none for the plain GPT (the MoE's router losses and BatchNorm are per microbatch)."""
@@ -296,10 +293,9 @@ def reference_key(cell: dict) -> tuple:
 
 def run_reference(cell: dict, workdir: str):
     """(losses, params before the first step, params after the last) on one device."""
-    steps = STEPS
-    before = _initial_params(cell)
-    result = _train(cell, overrides(cell, one_device=True), os.path.join(workdir, "ref"), steps)
-    return result.losses, before, _params(result)
+    before: list = []
+    result = _train(cell, overrides(cell, one_device=True), os.path.join(workdir, "ref"), STEPS, start=before)
+    return result.losses, before[0], _params(result)
 
 
 def table(outcomes: list[Outcome]) -> str:
