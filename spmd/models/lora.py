@@ -7,7 +7,8 @@ base weight is. Projections are named as PEFT names Llama's (``attn/q_proj`` ...
 ``LoRASpec.targets`` is a regex searched in those names. ``A`` starts as PEFT's, ``B`` at zero, so an adapted
 model starts equal to its base; ``scale = alpha / rank``. ``dropout = p > 0`` is PEFT's, on the adapter's
 input in training only; each adapter keeps its mask's key as a :class:`DropoutKey` variable that
-:func:`draw_dropout` sets from the loss's key. See docs/post-training.md.
+:func:`draw_dropout` sets from the loss's key; row b of a batch draws its mask from ``fold_in(key, b)``
+(:func:`dropout_mask`), so every layout and pipeline draws one device's masks. See docs/post-training.md.
 """
 
 from __future__ import annotations
