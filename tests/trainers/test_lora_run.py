@@ -44,6 +44,12 @@ def one_device(hf_folder, tmp_path_factory):
     return lora_run(hf_folder, tmp_path_factory.mktemp("one"), "data=1")
 
 
+@pytest.fixture(scope="module")
+def other_alpha(hf_folder, tmp_path_factory):
+    """Negative control for the layouts: the one-device run with another alpha (2 steps), shared by every layout."""
+    return lora_run(hf_folder, tmp_path_factory.mktemp("alpha"), "data=1", "lora.alpha=9", steps=2)
+
+
 def flat(tree):
     return {spmd.sharding.path_str(p, drop=()): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
@@ -64,15 +70,14 @@ def test_the_base_is_frozen_and_has_no_optimizer_state(hf_folder, one_device):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["data=2,fsdp=2,tensor=2", "fsdp=4,tensor=2"])
-def test_layouts_equal_one_device(hf_folder, one_device, tmp_path, mesh):
+def test_layouts_equal_one_device(hf_folder, one_device, other_alpha, tmp_path, mesh):
     result = lora_run(hf_folder, tmp_path, mesh)
     assert result.losses == pytest.approx(one_device.losses, abs=TOL, rel=0)
     ours, ref = flat(result.state.params), flat(one_device.state.params)
     for k in ref:
         np.testing.assert_allclose(ours[k], ref[k], atol=TOL, rtol=0, err_msg=k)
     # negative control: another alpha is caught at this tolerance
-    other = lora_run(hf_folder, tmp_path / "alpha", mesh, "lora.alpha=9", steps=2)
-    assert abs(other.losses[2] - one_device.losses[2]) > 100 * TOL
+    assert abs(other_alpha.losses[2] - one_device.losses[2]) > 100 * TOL
 
 
 @pytest.mark.slow
