@@ -5,8 +5,9 @@ An adapter element's mask is a function of (its layer's key, its row in the batc
 layer whatever order a stack is stored in, and a pipeline carries each row's index into its stages
 (``spmd.models.piped``). So the loss and every adapter gradient of the run's LoRA loss
 (``trainers.lora.frozen_base_loss``) equal one device's under 1F1B, ZB-H1, GPipe with context parallelism,
-ZB-V and interleaved, on data, FSDP x TP and seq layouts; a stage that drew by its own row index (the
-masks it drew before) is caught; and a pipelined run equals the same run on one device over three steps.
+ZB-H2, ZB-V and interleaved, on data, FSDP x TP and seq layouts; a stage drawing by its own row index (the
+masks it drew before) is caught; and a pipelined run with accumulation equals the same run on one device
+over three steps.
 """
 
 from __future__ import annotations
@@ -182,8 +183,10 @@ def test_a_stage_drawing_by_its_own_row_index_is_caught(monkeypatch):
 # ------------------------------------------------------------------------------------------------- a run
 @pytest.mark.slow
 def test_a_pipelined_run_equals_the_run_on_one_device(tmp_path):
-    """Three steps of ``spmd-train gpt-small`` (tiny) with ``lora.dropout=0.1``: interleaved over
-    ``fsdp=2 x tensor=2 x pipe=2`` (the stack stored in chunk order) equals one device, losses and adapters."""
+    """Three steps of ``spmd-train gpt-small`` (tiny) with ``lora.dropout=0.1`` and ``run.grad_accum=2``:
+    interleaved over ``fsdp=2 x tensor=2 x pipe=2`` (the stack stored in chunk order) equals one device
+    accumulating the same two microbatches (each draws with its own key; the pipeline's microbatches within it
+    the accumulation microbatch's masks), losses and adapters."""
     from trainers import override, recipe, train
 
     def run(name, *sets):
@@ -192,7 +195,7 @@ def test_a_pipelined_run_equals_the_run_on_one_device(tmp_path):
             "run.tensorboard=false", "checkpoint.every_steps=1000", "checkpoint.async_save=false",
             "optimizer.name=sgd", "optimizer.clip_norm=null", "optimizer.weight_decay=0", "lr.kind=constant",
             "lr.peak_lr=0.1", "lr.warmup_steps=0", "data.corpus=synthetic", "data.global_batch=8", "data.seq_len=16",
-            "model.n_layers=4", "lora.rank=4", "lora.alpha=8", "lora.dropout=0.1", *sets])
+            "model.n_layers=4", "lora.rank=4", "lora.alpha=8", "lora.dropout=0.1", "run.grad_accum=2", *sets])
         mesh = meshes.single_device_mesh() if cfg.mesh.axes == "data=1" else None
         return train(cfg, mesh=mesh, keep_state=True)
 
