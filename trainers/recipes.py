@@ -19,12 +19,13 @@ from trainers.optim import OptimizerConfig
 
 
 def tiny_run(cfg: Config) -> Config:
-    """Any config as a 2-step smoke run: 2 steps (warmup 1), eval of 1 batch at the end, a synchronous
-    checkpoint every step, logs every step; model and data untouched (``spmd-train module:task --tiny``)."""
+    """Any config as a 2-step smoke run: 2 steps (warmup 1), eval of 1 batch at the end, synchronous
+    checkpoints at the config's cadence and at the last step (a short run saves once), logs every step;
+    model and data untouched (``spmd-train module:task --tiny``)."""
     return dataclasses.replace(
         cfg,
         lr=dataclasses.replace(cfg.lr, warmup_steps=1, total_steps=0),  # 0: the 2-step run
-        checkpoint=dataclasses.replace(cfg.checkpoint, every_steps=1, async_save=False),
+        checkpoint=dataclasses.replace(cfg.checkpoint, async_save=False),
         run=dataclasses.replace(cfg.run, name=cfg.run.name + "-tiny", steps=2, eval_every=2, eval_batches=1, log_every=1),
     )
 

@@ -57,14 +57,15 @@ def test_spmd_train_trains_a_task(tiny_run, capsys):
     assert sorted(losses) == [1, 2] and all(0 < v < 10 for v in losses.values())
     evals = [r for r in read_metrics(run_dir) if r["split"] == "eval"]
     assert [r["step"] for r in evals] == [2] and 0 <= evals[0]["accuracy"] <= 1
-    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["1", "2"]  # --tiny: every step
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["2"]  # --tiny: the last step (task: every 100)
 
 
 def test_task_config_is_the_base_and_flags_apply():
     args = cli.parse_args([TARGET, "--tiny", "--mesh", "fsdp=8", "--rules", "fsdp", "--set", "data.global_batch=32"])
     cfg = command.build_config(args, task)
     assert (cfg.mesh.axes, cfg.rules, cfg.data.global_batch) == ("fsdp=8", "fsdp", 32)
-    assert (cfg.run.name, cfg.run.steps, cfg.run.eval_batches, cfg.checkpoint.every_steps) == ("byom-tiny", 2, 1, 1)
+    assert (cfg.run.name, cfg.run.steps, cfg.run.eval_batches, cfg.checkpoint.async_save) == ("byom-tiny", 2, 1, False)
+    assert cfg.checkpoint.every_steps == task.config.checkpoint.every_steps  # the task's cadence, and the last step
     assert cfg.optimizer == task.config.optimizer and cfg.model == task.config.model  # the task's, not shrunk
     full = command.build_config(cli.parse_args([TARGET]), task)
     assert full == task.config  # negative control: without flags the task's config as it is
