@@ -300,7 +300,8 @@ def test_a_rule_that_picks_the_chosen_answer_is_learned(tmp_path):
     response is the higher on >= 90% of the held-out pairs (measured: all of them, the loss at 0.09 of its start)."""
     steps = 10
     cfg = override(example.config(example.write_pairs(tmp_path / "pairs.jsonl", n=600), tmp_path / "run", steps=steps,
-                                  tiny=True), ["lr.peak_lr=1e-2", f"checkpoint.every_steps={steps}"])  # one save, at the end
+                                  tiny=True), ["lr.peak_lr=1e-2", f"checkpoint.every_steps={steps}",
+                                               f"run.eval_every={steps}"])  # one save and one eval, at the end
     result = train(cfg)
     final = result.eval_metrics[steps]
     assert final["rewards/accuracies"] >= 0.9, final

@@ -11,7 +11,7 @@ from trainers.loop import train
 def test_sft_example_learns_the_responses(tmp_path):
     cfg = override(sft.config(sft.write_chat(tmp_path / "chat.parquet", n=600), tmp_path / "run", steps=30, tiny=True),
                    ["mesh.axes=data=2,fsdp=2,tensor=2", "lr.warmup_steps=5", "lr.peak_lr=1e-2",
-                    "checkpoint.every_steps=30"])  # one save, at the end (tiny saves every step)
+                    "checkpoint.every_steps=30", "run.eval_every=30"])  # one save and one eval, at the end
     result = train(cfg)
     first = result.losses[min(result.losses)]
     final = result.eval_metrics[max(result.eval_metrics)]
