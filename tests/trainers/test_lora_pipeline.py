@@ -136,14 +136,16 @@ def test_keys_are_drawn_per_natural_layer_in_any_stored_order():
 # ----------------------------------------------------------------------------------- equal to one device
 @pytest.mark.slow
 def test_scanned_and_unrolled_stacks_draw_the_same_masks():
-    """The stack's two forms slice the per-layer keys alike: loss and adapter gradients equal (with dropout
+    """The stack's two forms slice the per-layer keys alike, and a pipeline config on a mesh without ``pipe``
+    (the stack as one stage, the keys carried) draws them too: loss and adapter gradients equal (with dropout
     on: eval mode, p = 0's computation, gives another loss)."""
     import dataclasses
 
-    loss, grads = loss_and_grads({}, "none", cfg=dataclasses.replace(CFG, scan_layers="unrolled"))
     ref_loss, ref_grads = reference()
-    assert loss == pytest.approx(ref_loss, rel=TOL)
-    assert max(adapter_errors(grads, ref_grads).values()) <= TOL
+    for loss, grads in (loss_and_grads({}, "none", cfg=dataclasses.replace(CFG, scan_layers="unrolled")),
+                        loss_and_grads({}, "none", PipelineConfig("1f1b", 2))):
+        assert loss == pytest.approx(ref_loss, rel=TOL)
+        assert max(adapter_errors(grads, ref_grads).values()) <= TOL
     assert abs(loss_and_grads({}, "none", train=False)[0] - ref_loss) > 1e-3  # the masks act
 
 
