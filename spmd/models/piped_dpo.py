@@ -1,14 +1,14 @@
 """The DPO loss with the GPT's blocks run as a pipeline over ``pipe``: policy and reference in one pass.
 
-The activations carry both models side by side, ``x[B, L, 2D + 4]``: the policy's, the reference's, and
-each token's position and segment id as two base-256 digits (as :mod:`spmd.models.piped` carries them).
-Each stage runs its policy layers and, held constant, its reference layers: the frozen copy's
-(:func:`spmd.models.dpo.with_reference`, laid out over ``pipe`` like the policy's) or, with LoRA, its own
-with every adapter's ``b`` zero (:func:`spmd.models.lora.without_adapters`). The last stage's head takes
-both per-token log-probabilities and gives ``objective`` the microbatch's pair keys, which travel with
-the targets (``[B, L, 4]`` int32: targets, segment ids, the response mask's and weights' f32 bits).
-The DPO loss and its metrics are sums over pairs divided by the rows' size, so the pipeline's mean over
-equal microbatches is the whole batch's value. See docs/pipelines.md.
+The activations carry both models side by side, ``x[B, L, 2D + C]``: the policy's, the reference's, and each
+token's position and segment id (with LoRA dropout its row's index too) as base-256 digits, as
+:mod:`spmd.models.piped` carries them. Each stage runs its policy layers and, held constant, its reference
+layers: the frozen copy's (:func:`spmd.models.dpo.with_reference`, laid out over ``pipe`` like the policy's)
+or, with LoRA, its own with every adapter's ``b`` zero (:func:`spmd.models.lora.without_adapters`). The
+last stage's head takes both per-token log-probabilities and gives ``objective`` the microbatch's pair keys,
+which travel with the targets (``[B, L, 4]`` int32: targets, segment ids, the response mask's and weights'
+f32 bits). The DPO loss and its metrics are sums over pairs divided by the rows' size, so the pipeline's
+mean over equal microbatches is the whole batch's value. See docs/pipelines.md.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from spmd.models import context
+from spmd.models import context, lora
 from spmd.models.lora import is_adapter
 from spmd.models.loss import _onehot_losses, head_logits
 from spmd.models.piped import DIGIT
@@ -42,10 +42,6 @@ def _refuse(model, batch: dict[str, jax.Array], pipeline, reference: str) -> Non
     if reference == "base" and model.lora is None:
         raise ValueError(f"{where} with reference='base' (the model with its adapters off) needs a LoRA model, "
                          "got one without adapters: give it a frozen copy (spmd.models.dpo.with_reference)")
-    if model.lora is not None and model.lora.dropout:
-        raise ValueError(f"{where}: lora.dropout={model.lora.dropout} does not run in the DPO pipeline (a stage "
-                         "would draw one adapter mask for every microbatch); use lora.dropout=0, or "
-                         "pipeline.schedule=none")
     missing = [k for k in PAIR_KEYS if k not in batch]
     if missing:
         raise ValueError(f"{where} reads packed pair rows (trainers.data.pairs); the batch has no {missing}")
@@ -54,9 +50,10 @@ def _refuse(model, batch: dict[str, jax.Array], pipeline, reference: str) -> Non
         raise ValueError(f"{where} with the length split {context.seq_shards()} ways over seq (context "
                          "parallelism): a stage's head would see a part of each pair and the DPO loss is not a "
                          "sum over positions; use a seq axis of size 1 (e.g. fold it into data or fsdp)")
-    if length + 1 >= DIGIT**2:
-        raise ValueError(f"rows of length {length} under a pipeline: positions and segment ids travel as two "
-                         f"base-{DIGIT} digits, so the length must be below {DIGIT**2 - 1}")
+    if max(length + 1, batch["inputs"].shape[0] - 1) >= DIGIT**2 - 1:
+        raise ValueError(f"rows of length {length}, {batch['inputs'].shape[0]} of them, under a pipeline: "
+                         f"positions, segment ids and row indices travel as two base-{DIGIT} digits, so the length "
+                         f"and the rows must be below {DIGIT**2 - 1}")
 
 
 def _adapters_off(state: nnx.State) -> nnx.State:
@@ -95,17 +92,23 @@ def pipelined_dpo_loss(model, batch: dict[str, jax.Array], pipeline, objective: 
     tokens_BL = batch["inputs"]
     x_BLD = model.embed_tokens(tokens_BL)
     r_BLD = jax.lax.stop_gradient(ref_model.embed_tokens(tokens_BL))
-    ints_BL4 = jnp.stack([g for a in (batch["positions"], batch["segment_ids"]) for g in (a // DIGIT, a % DIGIT)], -1)
-    x_BLE = jnp.concatenate([x_BLD, r_BLD.astype(x_BLD.dtype), ints_BL4.astype(x_BLD.dtype)], -1)
+    ints = [batch["positions"], batch["segment_ids"]]
+    rows = lora.has_dropout(model)  # each row's index too: the policy's adapter masks (spmd.models.lora.stage_keys)
+    ints += [jnp.broadcast_to(jnp.arange(tokens_BL.shape[0])[:, None], tokens_BL.shape)] if rows else []
+    ints_BLC = jnp.stack([g for a in ints for g in (a // DIGIT, a % DIGIT)], -1)
+    x_BLE = jnp.concatenate([x_BLD, r_BLD.astype(x_BLD.dtype), ints_BLC.astype(x_BLD.dtype)], -1)
     apply, block_state = model.blocks.split()
+    block_state = lora.carried_keys(block_state) if rows else block_state
     ref_apply, ref_state = ref_model.blocks.split() if copy else (apply, None)
     norm_def, norm_state = nnx.split(model.final_norm)
     ref_norm_def, ref_norm_state = nnx.split(ref_model.final_norm)
 
     def stage_fn(params, x_BLE):
-        own, frozen = params if copy else (params, _adapters_off(params))
         digits = x_BLE[..., 2 * d:].astype(jnp.int32)
-        positions, segments = (digits[..., i] * DIGIT + digits[..., i + 1] for i in (0, 2))
+        positions, segments, *row = (digits[..., i] * DIGIT + digits[..., i + 1] for i in range(0, len(ints) * 2, 2))
+        own, frozen = params if copy else (params, None)
+        own = lora.stage_keys(own, row[0][:, 0]) if rows else own
+        frozen = frozen if copy else _adapters_off(own)
         y_BLD = _hidden(apply(own, x_BLE[..., :d], positions, segments))
         r_BLD = _hidden(ref_apply(jax.lax.stop_gradient(frozen), jax.lax.stop_gradient(x_BLE[..., d:2 * d]),
                                   positions, segments))

@@ -19,7 +19,7 @@ import meshes
 import spmd
 from spmd.models import GPT, GPTConfig
 from spmd.models.dpo import with_reference
-from spmd.models.lora import LoRASpec
+from spmd.models.lora import LoRASpec, draw_dropout
 from spmd.pipeline import PipelineConfig
 from trainers.config import Config, override
 from trainers.data import DataConfig
@@ -54,12 +54,12 @@ def _perturb(tree, key, scale):
 
 
 @functools.cache
-def _model(lora: bool, moe: bool = False):
+def _model(lora: bool, moe: bool = False, dropout: bool = False):
     """``(graphdef, params, other)`` of the tiny GPT on the host (``moe``: every block MoE, 4 experts): with
     LoRA (every B nonzero, so the base differs from the policy) or with a frozen copy of itself whose policy
-    has moved since."""
+    has moved since (``dropout``: LoRA's 0.1)."""
     cfg = dataclasses.replace(CFG, n_experts=4, experts_per_token=2) if moe else CFG
-    model = GPT(cfg, rngs=nnx.Rngs(0), lora=LoRASpec(4, 8.0) if lora else None)
+    model = GPT(cfg, rngs=nnx.Rngs(0), lora=LoRASpec(4, 8.0, dropout=0.1 if dropout else 0.0) if lora else None)
     if not lora:
         model = with_reference(model)
     graphdef, params, other = nnx.split(model, nnx.Param, ...)
@@ -70,11 +70,12 @@ def _model(lora: bool, moe: bool = False):
 class Case:
     """One compiled ``value_and_grad`` of the DPO loss (w.r.t. the params) on a mesh, rules and pipeline."""
 
-    def __init__(self, sizes: tuple, rules: str, pipeline: PipelineConfig | None, lora: bool, moe: bool = False):
+    def __init__(self, sizes: tuple, rules: str, pipeline: PipelineConfig | None, lora: bool, moe: bool = False,
+                 dropout: bool = False):
         n = int(np.prod([s for _, s in sizes])) if sizes else 1
         self.mesh = meshes.make_mesh(dict(sizes), devices=jax.devices()[:n]) if n > 1 else meshes.single_device_mesh()
         self.rules = spmd.get_rules(rules)
-        graphdef, params, other = _model(lora, moe)
+        graphdef, params, other = _model(lora, moe, dropout)
         shard = self._shardings(graphdef, params, other)
         self.params = jax.device_put(params, shard[0])
         self.other = jax.device_put(other, shard[1])
@@ -82,28 +83,33 @@ class Case:
         rules_, mesh = self.rules, self.mesh
 
         def loss(params, other, batch):
+            model = nnx.merge(graphdef, params, other)
+            if dropout:  # as the train step's LoRA loss does: train mode, the masks' keys drawn from the step's key
+                model.train()
+                draw_dropout(model, jax.random.key(7))
             with spmd.use_rules(rules_, mesh):
-                return loss_fn(nnx.merge(graphdef, params, other), batch)
+                return loss_fn(model, batch)
 
         self.batch_sharding = spmd.batch_sharding(self.rules, self.mesh)
-        self.step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))  # (params, the reference)
+        self.step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True, allow_int=True))  # (params, the reference)
 
     def _shardings(self, graphdef, params, other):
-        state = nnx.state(nnx.merge(graphdef, params, other))
-        shardings = spmd.param_shardings(state, self.rules, self.mesh)
-        return {k: shardings[k] for k in params}, {k: shardings[k] for k in other}
+        model = nnx.merge(graphdef, params, other)
+        return tuple(spmd.param_shardings(nnx.state(model, kind), self.rules, self.mesh)
+                     for kind in (nnx.Param, nnx.Not(nnx.Param)))
 
     def __call__(self, other=None):
         batch = {k: jax.device_put(v, self.batch_sharding) for k, v in _batch().items()}
         (loss, metrics), (grads, ref_grads) = self.step(self.params, self.other if other is None else other, batch)
-        assert all(not np.asarray(g).any() for g in jax.tree.leaves(ref_grads))  # the reference: no gradient
+        floats = [g for g in jax.tree.leaves(ref_grads) if g.dtype != jax.dtypes.float0]  # (dropout keys: ints)
+        assert all(not np.asarray(g).any() for g in floats)  # the reference: no gradient
         return float(loss), {k: float(v) for k, v in metrics.items()}, jax.tree.map(np.asarray, grads)
 
 
 @functools.cache
 def compiled(sizes: tuple = (), rules: str = "none", schedule: str = "none", m: int = 1, v: int = 1,
-             lora: bool = False, moe: bool = False) -> Case:
-    return Case(sizes, rules, PipelineConfig(schedule, m, v) if schedule != "none" else None, lora, moe)
+             lora: bool = False, moe: bool = False, dropout: bool = False) -> Case:
+    return Case(sizes, rules, PipelineConfig(schedule, m, v) if schedule != "none" else None, lora, moe, dropout)
 
 
 @functools.cache
@@ -117,9 +123,9 @@ def _rel_errs(a, b) -> dict[str, float]:
     return {spmd.sharding.path_str(p): e for p, e in flat}
 
 
-def assert_equal_to_one_device(got, lora: bool, moe: bool = False):
+def assert_equal_to_one_device(got, lora: bool, moe: bool = False, dropout: bool = False):
     loss, metrics, grads = got
-    ref_loss, ref_metrics, ref_grads = case((), "none", "none", 1, 1, lora, moe)
+    ref_loss, ref_metrics, ref_grads = case((), "none", "none", 1, 1, lora, moe, dropout)
     assert loss == pytest.approx(ref_loss, rel=TOL)
     assert set(metrics) == set(ref_metrics) >= set(METRICS) | {"loss_weight"}
     for k in ref_metrics:
@@ -153,6 +159,16 @@ def test_with_moe_blocks(sizes, rules):
     assert_equal_to_one_device(case(sizes, rules, "1f1b", 4, 1, False, True), False, True)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes, rules, schedule, m, v", [(DP_PIPE, "dp", "1f1b", 4, 1),
+                                                          (FSDP_TP_PIPE, "fsdp_tp", "interleaved", 4, 2)])
+def test_with_lora_dropout(sizes, rules, schedule, m, v):
+    """LoRA dropout: the policy's masks are the whole batch's (each row's index rides into the stages)."""
+    got = case(sizes, rules, schedule, m, v, True, False, True)
+    assert_equal_to_one_device(got, True, False, True)
+    assert abs(got[0] - case((), "none", "none", 1, 1, True)[0]) > 1e-4  # the masks act: not dropout-free
+
+
 def test_negative_control_the_policy_as_its_own_reference_is_caught():
     """The same pipeline with the reference swapped for the policy differs from one device (the ratios vanish)."""
     piped = compiled(DP_PIPE, "dp", "1f1b", 4, 1, False)
@@ -163,15 +179,14 @@ def test_negative_control_the_policy_as_its_own_reference_is_caught():
 
 
 def test_what_cannot_run_is_refused_before_compiling(tmp_path):
-    """Context parallelism and LoRA dropout under a pipeline, and a reference function it cannot split into stages."""
+    """Context parallelism under a pipeline, and a reference function it cannot split into stages."""
     path = example.write_pairs(tmp_path / "pairs.jsonl", n=16)
     base = ["run.objective=dpo", "data.corpus=jsonl", f"data.path={path}", "data.fields=prompt,chosen,rejected",
             "pipeline.schedule=1f1b", "pipeline.microbatches=2"]
     check_dpo(override(Config(), [*base, "mesh.axes=data=2,pipe=2"]))  # runs
     with pytest.raises(ValueError, match=r"mesh.axes='seq=2,pipe=2' \(seq=2\).*give seq=1"):
         check_dpo(override(Config(), [*base, "mesh.axes=seq=2,pipe=2"]))
-    with pytest.raises(ValueError, match="lora.dropout=0.1 does not run in the DPO pipeline"):
-        check_dpo(override(Config(), [*base, "lora.rank=4", "lora.dropout=0.1"]))
+    check_dpo(override(Config(), [*base, "lora.rank=4", "lora.dropout=0.1"]))  # runs
     with pytest.raises(ValueError, match="runs only unpipelined"):
         dpo_loss_fn(DPO, reference=lambda model, batch: batch["targets"], pipeline=PipelineConfig("1f1b", 2))
 

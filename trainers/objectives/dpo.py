@@ -130,9 +130,6 @@ def check_dpo(cfg: Config) -> None:
     if not cfg.pipeline.enabled:
         return
     where = f"run.objective=dpo under pipeline.schedule={cfg.pipeline.schedule!r}"
-    if cfg.lora.enabled and cfg.lora.dropout:
-        raise ValueError(f"{where}: lora.dropout={cfg.lora.dropout} does not run in the DPO pipeline (a stage would "
-                         "draw one adapter mask for every microbatch); use lora.dropout=0, or pipeline.schedule=none")
     if cfg.mesh.axes != AUTO:
         spec = cfg.mesh.spec
         seq = dict(spec.ici).get("seq", 1) * dict(spec.dcn).get("seq", 1)
