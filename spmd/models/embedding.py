@@ -60,10 +60,15 @@ def lookup(table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
         ok_BL = (ids_BL >= 0) & (ids_BL < shard)
         return jnp.where(ok_BL, ids_BL, 0), ok_BL
 
+    # XLA:CPU sums a 16-bit float psum in f32 (its all-reduce promotion), and aborts on the reducer jax gives
+    # a region nested in another ("Invalid binary instruction opcode copy"): there the rows are summed in f32
+    # (exact either way: each row is nonzero on one shard only)
+    wide = jnp.promote_types(dtype, jnp.float32) if jax.default_backend() == "cpu" else dtype
+
     def forward(table_vD: jax.Array, tokens_BL: jax.Array) -> jax.Array:  # x[B, L, D]{U_axes} -> psum
         ids_BL, ok_BL = mine(tokens_BL)
-        x_BLD = jnp.take(table_vD, ids_BL, axis=0)
-        return jax.lax.psum(jnp.where(ok_BL[..., None], x_BLD, jnp.zeros((), x_BLD.dtype)), axes)
+        x_BLD = jnp.take(table_vD, ids_BL, axis=0).astype(wide)
+        return jax.lax.psum(jnp.where(ok_BL[..., None], x_BLD, jnp.zeros((), wide)), axes).astype(dtype)
 
     def backward(tokens_BL: jax.Array, dx_BLD: jax.Array) -> jax.Array:  # dE[V_axes, D]: each shard its rows
         ids_BL, ok_BL = mine(tokens_BL)
