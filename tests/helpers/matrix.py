@@ -64,7 +64,7 @@ MICROBATCHES = 2  # a pipe layout's pipeline.microbatches: its one-device refere
 # every other cell avoids them, so a refusal never hides the pairs a cell was meant to cover
 REFUSED = ({(("layout", p), ("local_sgd", 1)) for p in ("fsdp", "pipe_expert", "expert_seq")}  # no data axis
            | {(("layout", p), ("model", "user")) for p in PIPES}
-           | {(("local_sgd", 1), ("model", "moe")), (("fsdp_gather", "per_step"), ("local_sgd", 1))})
+           | {(("local_sgd", 1), ("model", "moe"))})
 # triples most large runs use, each forced into the design as a cell of its own (all-pairs covers only pairs)
 TRIPLES = (dict(layout="pipe_expert", model="moe", grad_accum=2),  # pipeline x MoE x accumulation (x seq x expert)
            dict(layout="pipe_seq", dtype="bfloat16"),  # pipeline x seq x bf16
@@ -318,8 +318,6 @@ The combinations refused today, and why:
 
 - local SGD on a mesh without a `data` axis of size >= 2 (`fsdp=8`, `expert=2 x seq=2 x pipe=2`, `expert=2 x
   seq=2 x tensor=2`): there are no replica groups;
-- local SGD with `run.fsdp_gather=per_step` (which acts with accumulation): the accumulation loop's region, manual over
-  the batch axes, mapped over replica groups aborted XLA:CPU in bf16 ("Invalid binary instruction opcode copy");
 - a local-SGD checkpoint resumed on a mesh with another `data` size: the groups' states do not regroup;
 - local SGD with a model that has non-parameter state (the user task's BatchNorm statistics): what
   averaging them across groups should mean is not decided, and no choice equals one device;

@@ -1,5 +1,5 @@
-"""Local SGD with layouts that run their own shard_map in the step: context parallelism (``seq``); MoE
-blocks and a pipeline are refused (asserted here). On 4 devices (``data=2`` x 2): H = 1 with plain
+"""Local SGD with layouts that run their own shard_map in the step: context parallelism (``seq``), pipelines,
+accumulation manual over ``fsdp`` (``per_step``); MoE blocks are refused (asserted here). On 4 devices (``data=2`` x 2): H = 1 with plain
 averaging equals data parallelism; 2 inner steps then one outer step equal each group's rows trained
 alone on 2 devices, averaged; the inner step sends nothing over ``data``. Then a resumed CLI run."""
 
@@ -29,6 +29,8 @@ COMBOS = {
     "moe": ("expert", "dp_ep", [], MOE),
     "pipe_1f1b": ("pipe", "dp", ["pipeline.schedule=1f1b", "pipeline.microbatches=2"], MODEL),
     "pipe_gpipe": ("pipe", "dp", ["pipeline.schedule=gpipe", "pipeline.microbatches=2"], MODEL),
+    # accumulation gathering the FSDP weights once per step, its loop manual over fsdp inside each group
+    "per_step": ("fsdp", "fsdp", ["run.grad_accum=2", "run.fsdp_gather=per_step"], MODEL),
 }
 # combinations check_local_sgd still refuses (docs/compose.md says why): asserted refused, not run
 REFUSED = {"moe": r"MoE blocks \(model.n_experts=4\)"}

@@ -16,8 +16,6 @@ from trainers.checks.layout import check_pipeline
 FSDP_GATHER = ("per_microbatch", "per_step")  # run.fsdp_gather: when gradient accumulation gathers FSDP weights
 _AUTO = "auto"  # mesh.axes: the planner picks the layout (trainers.config.AUTO)
 # why local SGD refuses MoE blocks (jax 0.10.2 and 0.12; tests/trainers/test_local_sgd_compose.py)
-PER_STEP_UNMAPPED = ("the accumulation loop's region, manual over the batch axes, mapped over replica groups "
-                     "(jax.vmap) aborts XLA:CPU in bf16 ('Invalid binary instruction opcode copy'; jax 0.10.2)")
 MOE_UNMAPPED = ("mapped over replica groups (jax.vmap), the expert all-to-alls and the router's top-k are partitioned "
                 "over data: every inner step would all-gather the groups' tokens over data")
 
@@ -34,10 +32,9 @@ def _config(path: str, message: str, fix: str, key: str) -> Issue:
 
 
 def check_local_sgd(cfg: Any) -> list[Issue]:
-    """What local SGD (``local_sgd.every`` >= 1) cannot combine with: MoE blocks (:data:`MOE_UNMAPPED`),
-    ``run.fsdp_gather=per_step`` (:data:`PER_STEP_UNMAPPED`), a data axis under 2. The
-    first found only (the last reads the mesh spec). A pipeline and context parallelism compose
-    (tests/trainers/test_local_sgd_compose.py)."""
+    """What local SGD (``local_sgd.every`` >= 1) cannot combine with: MoE blocks (:data:`MOE_UNMAPPED`), a
+    data axis under 2. The first found only (the last reads the mesh spec). A pipeline, context parallelism
+    and accumulation with ``run.fsdp_gather=per_step`` compose (tests/trainers/test_local_sgd_compose.py)."""
     every = cfg.local_sgd.every
     if not cfg.local_sgd.enabled:
         return []
@@ -45,11 +42,6 @@ def check_local_sgd(cfg: Any) -> list[Issue]:
         return [_config("local_sgd", f"local_sgd.every={every} cannot run with MoE blocks (model.n_experts="
                         f"{cfg.model.n_experts}): {MOE_UNMAPPED}", "set model.n_experts=0 or local_sgd.every=0",
                         "model.n_experts")]
-    if cfg.run.fsdp_gather == "per_step":  # (it only acts with run.grad_accum > 1)
-        return [_config("local_sgd", f"local_sgd.every={every} cannot run with run.fsdp_gather='per_step': "
-                        f"{PER_STEP_UNMAPPED}",
-                        "set run.fsdp_gather=per_microbatch (each group still accumulates its microbatches)",
-                        "run.fsdp_gather")]
     spec = cfg.mesh.spec
     ici, dcn = dict(spec.ici).get("data", 1), dict(spec.dcn).get("data", 1)
     data = ici * dcn
