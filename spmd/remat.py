@@ -2,8 +2,9 @@
 
 ``wrap(body, policy)`` returns ``body`` under ``jax.checkpoint`` with the named policy; a
 :class:`spmd.Stack` applies it per block. Policies: ``none``, ``save_all_but_gathered``,
-``save_dots``, ``offload``, ``full``, ``save_block_input`` (an alias of ``full``). What each keeps,
-recomputes and measures: docs/memory.md.
+``save_dots``, ``offload``, ``full``, ``save_block_input`` (an alias of ``full``). In a loop (a scanned
+Stack) ``none`` keeps the matmul outputs and laid-out values and redoes the elementwise ops
+(:func:`wrap`). What each keeps, recomputes and measures: docs/memory.md.
 """
 
 from __future__ import annotations
@@ -69,10 +70,21 @@ def jax_policy(policy: bool | str) -> Callable | None:
     }[name]
 
 
-def wrap(body: Callable, policy: bool | str) -> Callable:
-    """``body`` rematerialised under ``policy`` (``body`` itself for ``none``)."""
+def _loop_keeps(prim: Any, *_: Any, **__: Any) -> bool:
+    """``none`` in a loop: every matmul's output and every constrained value (the gathered weights, the residual
+    stream, the norms' outputs) are kept; the elementwise ops between them are redone (no matmul, no collective)."""
+    return prim.name in ("dot_general", *_CONSTRAINTS)
+
+
+def wrap(body: Callable, policy: bool | str, *, loop: bool = False) -> Callable:
+    """``body`` rematerialised under ``policy`` (``body`` itself for ``none``).
+
+    ``loop``: ``body`` is a scan's body (a scanned Stack). There ``none`` keeps what :func:`_loop_keeps` names and
+    redoes the elementwise ops (activations, softmax, norm statistics) in the backward loop: a kept value is
+    written into a stacked ``[layers, ...]`` buffer (zero-filled and copied first) and read back, which costs
+    more than redoing it (docs/performance.md); no matmul is redone, no weight gathered again."""
     policy = check(policy)
     if policy == "none":
-        return body
+        return jax.checkpoint(body, prevent_cse=False, policy=_loop_keeps) if loop else body
     # prevent_cse=False: inside a scan the loop already keeps XLA from merging the recompute away
     return jax.checkpoint(body, prevent_cse=False, policy=jax_policy(policy))

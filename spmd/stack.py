@@ -89,7 +89,9 @@ class Stack(nnx.Module):
                 return _carry_and_aux(nnx.merge(graphdef, layer_state)(carry, *args), carry)
 
             n = jax.tree.leaves(layers_state)[0].shape[0]
-            y, aux = jax.lax.scan(remat_lib.wrap(body, remat), x, layers_state, unroll=n if form == "unrolled" else 1)
+            unrolled = form == "unrolled"
+            y, aux = jax.lax.scan(remat_lib.wrap(body, remat, loop=not unrolled), x, layers_state,
+                                  unroll=n if unrolled else 1)
             return y if aux is None else (y, jax.tree.map(lambda a: a.sum(0), aux))
 
         return apply, state
@@ -109,7 +111,8 @@ class Stack(nnx.Module):
             y, aux = _carry_and_aux(block(carry, *args), carry)
             return y, (nnx.state(block, nnx.Not(nnx.Param)), aux)
 
-        y, (rest, aux) = jax.lax.scan(remat_lib.wrap(body, self.remat), x, (params, rest), unroll=self.unroll)
+        y, (rest, aux) = jax.lax.scan(remat_lib.wrap(body, self.remat, loop=self.form == "scanned"), x, (params, rest),
+                                      unroll=self.unroll)
         nnx.update(self.block, order.to_stored(rest))
         return y if aux is None else (y, jax.tree.map(lambda a: a.sum(0), aux))
 
