@@ -7,6 +7,7 @@ over the real rows. See docs/training.md.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -33,6 +34,28 @@ Batch = Any  # a pytree of arrays with a leading batch dim
 LossFn = Callable[[nnx.Module, Batch, nnx.Rngs], "jax.Array | tuple[jax.Array, dict[str, jax.Array]]"]
 MetricFn = Callable[[nnx.Module, Batch], jax.Array]
 log = logging.getLogger(__name__)
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
+_trimming: list[bool] = []
+
+
+def trim_heap_after_compiles() -> None:
+    """After every XLA compile in this process, hand the heap the compiler freed back to the OS (glibc's
+    ``malloc_trim``; elsewhere nothing). The compiler's scratch is freed on the compiling thread's arena, which
+    the devices' threads do not reuse: kept, it sat under every later step's peak RSS (about 100 MiB of
+    gpt-small's step on 8 CPU devices). Registered once; a trim takes about a millisecond."""
+    if _trimming:
+        return
+    _trimming.append(True)
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+
+    def after(event: str, duration_secs: float, **_: str | int) -> None:
+        if event == _COMPILE_EVENT:
+            trim(0)
+
+    jax.monitoring.register_event_duration_secs_listener(after)
 
 
 def lm_loss_fn(z_loss: float = 0.0, pipeline: PipelineConfig | None = None) -> LossFn:
@@ -115,6 +138,7 @@ def train_step_fn(
     """
     guard.validate("skip", spike_factor, 1)
     check_fsdp_gather(fsdp_gather)
+    trim_heap_after_compiles()
     if spike_factor > 0 and sharded.state.guard is None:
         raise ValueError(f"spike_factor={spike_factor} needs a guard window in the state (trainers.faults.guard.add_window); "
                          f"state fields: {sorted(sharded.state.as_dict())}")
