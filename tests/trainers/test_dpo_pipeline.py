@@ -203,7 +203,7 @@ def pairs_file(tmp_path_factory):
 
 def _run(pairs_file, run_dir, axes, rules, *sets):
     cfg = override(example.config(pairs_file, run_dir, steps=STEPS, tiny=True), [
-        f"mesh.axes={axes}", f"rules={rules}", "run.eval_batches=0", "checkpoint.every_steps=100",
+        f"mesh.axes={axes}", f"rules={rules}", "run.eval_batches=2", "checkpoint.every_steps=100",
         "checkpoint.async_save=false", "lr.warmup_steps=1", "lr.peak_lr=1e-2", "model.n_layers=4", *sets])
     sizes = {axis: int(size) for axis, size in (a.split("=") for a in axes.split(","))}
     result = train(cfg, mesh=meshes.make_mesh(sizes, devices=jax.devices()[:int(np.prod(list(sizes.values())))]),
@@ -224,9 +224,9 @@ def _run_rel_err(a, b) -> float:
     ("fsdp=2,pipe=2,tensor=2", "fsdp=2,tensor=2", "fsdp_tp", ("interleaved", 4, 2), True),
 ])
 def test_a_pipelined_run_equals_the_run_without_it(pairs_file, tmp_path, piped_axes, plain_axes, rules, pipeline, lora):
-    """3 steps: the losses, grad norms and DPO metrics of every step, the params, the optimizer state; the
-    reference stays the starting policy (no optimizer state for it); with LoRA no copy is held. Negative
-    control: the state moved by far more than the tolerance, and a run with another beta differs."""
+    """3 steps: the losses, grad norms and DPO metrics of every step, the eval at the end, the params, the
+    optimizer state; the reference stays the starting policy (no optimizer state for it); with LoRA no copy
+    is held. Negative control: the state moved by far more than the tolerance, and another beta differs."""
     schedule, m, v = pipeline
     extra = ["lora.rank=4", "lora.alpha=8"] if lora else []
     piped, piped_metrics = _run(pairs_file, tmp_path / "piped", piped_axes, rules, f"pipeline.schedule={schedule}",
@@ -247,6 +247,8 @@ def test_a_pipelined_run_equals_the_run_without_it(pairs_file, tmp_path, piped_a
 
     for key in ("params", "opt_state"):
         assert _run_rel_err(natural(getattr(piped.state, key)), getattr(plain.state, key)) < TOL, key
+    evals = [(piped.eval_metrics[STEPS][k], plain.eval_metrics[STEPS][k]) for k in ("loss", *METRICS)]
+    np.testing.assert_allclose(*zip(*evals), rtol=TOL, atol=1e-6)  # the pipelined eval at the last step
     paths = [spmd.sharding.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(piped.state.opt_state)[0]]
     assert paths and not any("reference" in p for p in paths)  # no optimizer state for the reference
     if lora:
