@@ -70,10 +70,16 @@ def jax_policy(policy: bool | str) -> Callable | None:
     }[name]
 
 
+# what ``none`` keeps in a loop besides matmul outputs and constrained values: whatever communicates (a
+# collective, or a manual region that may run one: redoing it would add its collectives to the backward loop)
+_COMMUNICATES = ("psum", "pmax", "pmin", "ppermute", "pbroadcast", "all_to_all", "ragged_all_to_all", "all_gather",
+                 "all_gather_invariant", "reduce_scatter", "psum_invariant", "psend", "precv", "shard_map")
+
+
 def _loop_keeps(prim: Any, *_: Any, **__: Any) -> bool:
-    """``none`` in a loop: every matmul's output and every constrained value (the gathered weights, the residual
-    stream, the norms' outputs) are kept; the elementwise ops between them are redone (no matmul, no collective)."""
-    return prim.name in ("dot_general", *_CONSTRAINTS)
+    """``none`` in a loop: every matmul's output, every constrained value (the gathered weights, the residual
+    stream, the norms' outputs) and every collective's are kept; the rest is redone (no matmul, no collective)."""
+    return prim.name in ("dot_general", *_CONSTRAINTS, *_COMMUNICATES)
 
 
 def wrap(body: Callable, policy: bool | str, *, loop: bool = False) -> Callable:
