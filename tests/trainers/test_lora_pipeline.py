@@ -5,8 +5,8 @@ An adapter element's mask is a function of (its layer's key, its row in the batc
 layer whatever order a stack is stored in, and a pipeline carries each row's index into its stages
 (``spmd.models.piped``). So the loss and every adapter gradient of the run's LoRA loss
 (``trainers.lora.frozen_base_loss``) equal one device's under 1F1B, GPipe with context parallelism, ZB-H2
-and interleaved, on data, FSDP x TP and seq layouts (the DPO tests run ZB-H1 and ZB-V with LoRA's keys too); a stage drawing by its own row index (the
-masks it drew before) is caught; and a pipelined run with accumulation equals the same run on one device
+and interleaved, on data, FSDP x TP and seq layouts (ZB-H1 with dropout: test_lora_compose's pipe_zb_dropout
+cell); a stage drawing by its own row index (the masks it drew before) is caught; and a pipelined run with accumulation equals the same run on one device
 over three steps.
 """
 
