@@ -127,21 +127,22 @@ def dropless(x_TD: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array, w_gate
         if exchange not in EXCHANGES:
             raise ValueError(f"MoE exchange={exchange!r}; valid: {', '.join(EXCHANGES)}")
         if exchange == "ragged":
-            return _ragged(x_TD, experts_TK, gates_TK, w_gate_up_EDTF, w_down_EFD, ep=ep, axis=axis, impl=impl)
-        x_SRD, group_SR, dest_TK, slot_TK = _by_device(x_TD, experts_TK, ep, local)
-        x_SRD = collectives.all_to_all(x_SRD, axis, split_dim=0, concat_dim=0)  # dispatch: [sources, R, D]
-        group_SR = collectives.all_to_all(group_SR, axis, split_dim=0, concat_dim=0)  # each row's local expert
-        r = x_SRD.shape[1]
-        y_RD, rows = grouped.grouped_mlp(x_SRD.reshape(ep * r, d), group_SR.reshape(ep * r), w_gate_up_EDTF,
-                                         w_down_EFD, max_rows=ep * r, expected_rows=t * k, impl=impl)
-        y_SRD = collectives.all_to_all(y_RD.reshape(ep, r, d), axis, split_dim=0, concat_dim=0)  # combine
-        y_TKD = y_SRD.at[dest_TK, slot_TK].get(mode="fill", fill_value=0)
+            y_TKD, rows = _ragged(x_TD, experts_TK, w_gate_up_EDTF, w_down_EFD, ep=ep, axis=axis, impl=impl)
+        else:
+            x_SRD, group_SR, dest_TK, slot_TK = _by_device(x_TD, experts_TK, ep, local)
+            x_SRD = collectives.all_to_all(x_SRD, axis, split_dim=0, concat_dim=0)  # dispatch: [sources, R, D]
+            group_SR = collectives.all_to_all(group_SR, axis, split_dim=0, concat_dim=0)  # each row's local expert
+            r = x_SRD.shape[1]
+            y_RD, rows = grouped.grouped_mlp(x_SRD.reshape(ep * r, d), group_SR.reshape(ep * r), w_gate_up_EDTF,
+                                             w_down_EFD, max_rows=ep * r, expected_rows=t * k, impl=impl)
+            y_SRD = collectives.all_to_all(y_RD.reshape(ep, r, d), axis, split_dim=0, concat_dim=0)  # combine
+            y_TKD = y_SRD.at[dest_TK, slot_TK].get(mode="fill", fill_value=0)
     y_TD = jnp.einsum("tkd,tk->td", y_TKD.astype(jnp.float32), gates_TK)
     return y_TD.astype(x_TD.dtype), rows
 
 
-def _ragged(x_TD, experts_TK, gates_TK, w_gate_up_EDTF, w_down_EFD, *, ep: int, axis: str, impl: str | None):
-    """:func:`dropless` over ``axis`` moving the routed rows only: this device's ``T * k`` assignments sorted by
+def _ragged(x_TD, experts_TK, w_gate_up_EDTF, w_down_EFD, *, ep: int, axis: str, impl: str | None):
+    """``(y[T, K, D], rows)`` of :func:`dropless` over ``axis``, moving the routed rows only: this device's ``T * k`` assignments sorted by
     expert (so by device), ``send[j]`` rows to device j, which stacks its sources' rows in source order and
     groups them by its E/ep experts; the combine sends each row back to where it came from. The ``[ep, ep]``
     row counts are all-gathered first (``ep * ep`` int32). The receive buffer holds the worst case,
@@ -174,9 +175,7 @@ def _ragged(x_TD, experts_TK, gates_TK, w_gate_up_EDTF, w_down_EFD, *, ep: int, 
     y_RD, rows = grouped.grouped_mlp(x_RD, group_R, w_gate_up_EDTF, w_down_EFD, max_rows=cap, expected_rows=t * k,
                                      impl=impl)
     y_RD = move(y_RD, 0, back=True)  # combine: in this device's sorted order
-    y_TKD = jnp.zeros_like(y_RD).at[order_R].set(y_RD).reshape(t, k, -1)
-    y_TD = jnp.einsum("tkd,tk->td", y_TKD.astype(jnp.float32), gates_TK)
-    return y_TD.astype(x_TD.dtype), rows
+    return jnp.zeros_like(y_RD).at[order_R].set(y_RD).reshape(t, k, -1), rows
 
 
 def _by_device(x_TD: jax.Array, experts_TK: jax.Array, ep: int, local: int):
