@@ -20,3 +20,11 @@ os.environ["SPMD_TEST_COMPILE_CACHE"] = os.path.abspath(_cache)  # worker proces
 jax.config.update("jax_compilation_cache_dir", os.path.abspath(_cache))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_collection_modifyitems(items):
+    """A ``sweep`` test (one more schedule, layout or family of a check the tiers already run once) is also
+    ``slow``: neither CI tier runs it; ``-m sweep`` runs them all."""
+    for item in items:
+        if item.get_closest_marker("sweep") is not None:
+            item.add_marker("slow")

@@ -56,6 +56,19 @@ def _manual(mesh: Mesh, axis: str) -> bool:
     return axis in mesh.abstract_mesh.manual_axes
 
 
+def length_is_manual(axis: str = "seq") -> bool:
+    """Whether an enclosing region (a pipeline's) is manual over ``axis`` with the length split over it: the
+    arrays in hand are this device's shard of every row, already in :func:`sequence_order`."""
+    active = active_layout()
+    return active is not None and _manual(active[0], axis) and dict(active[0].shape).get(axis, 1) > 1
+
+
+def sum_over_length(x: jax.Array, axis: str = "seq") -> jax.Array:
+    """``x`` summed over the shards of the length when they are held apart (:func:`length_is_manual`), so
+    that a per-row sum of this device's positions becomes the whole row's; ``x`` itself otherwise."""
+    return jax.lax.psum(x, axis) if length_is_manual(axis) else x
+
+
 def sequence_order(length: int) -> np.ndarray | None:
     """The stored order of positions under the active layout (None: natural order)."""
     n = seq_shards()

@@ -7,7 +7,8 @@
 
 Pair ``k`` of a row is segments ``2k + 1`` (chosen) and ``2k + 2`` (rejected); ``response[B, L]`` marks
 the targets a sequence's log-probability sums. The sums are per row (``[B, L] x one_hot[B, L, P]``):
-nothing communicates beyond the model's forward. The loss is TRL's (docs/post-training.md).
+nothing communicates beyond the model's forward (under a pipeline with context parallelism, a psum of the
+``[B, P]`` sums over ``seq``). The loss is TRL's (docs/post-training.md).
 """
 
 from __future__ import annotations
@@ -61,7 +62,10 @@ def token_logps(model, batch: dict[str, jax.Array]) -> jax.Array:
 
 
 def in_model_order(batch: dict[str, jax.Array], key: str) -> jax.Array:
-    """``batch[key]`` (``[B, L]``) in the model's sequence order (as :func:`token_logps` returns its values)."""
+    """``batch[key]`` (``[B, L]``) in the model's sequence order (as :func:`token_logps` returns its values); in a
+    region manual over ``seq`` (a pipeline's head) the keys arrive as this device's shard, in that order already."""
+    if context.length_is_manual():
+        return batch[key]
     order = context.sequence_order(batch[key].shape[1])
     return batch[key] if order is None else batch[key][:, order]
 
@@ -69,7 +73,8 @@ def in_model_order(batch: dict[str, jax.Array], key: str) -> jax.Array:
 def pair_logps(logp_BL: jax.Array, batch: dict[str, jax.Array], *, pairs_per_row: int
                ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """``(chosen[B, P], rejected[B, P], chosen_tokens[B, P], rejected_tokens[B, P])``: each pair's summed
-    response log-probabilities and its response lengths (0 in a slot of the row that holds no pair)."""
+    response log-probabilities and its response lengths (0 in a slot of the row that holds no pair). In a
+    region manual over ``seq`` each device sums its shard of the rows and the sums are added over ``seq``."""
     seg_BL = in_model_order(batch, "segment_ids")
     resp_BL = in_model_order(batch, "response").astype(jnp.float32)
     # a slot per pair; padding (id L + 1) has no response, so whichever slot it lands in it adds nothing
@@ -78,7 +83,7 @@ def pair_logps(logp_BL: jax.Array, batch: dict[str, jax.Array], *, pairs_per_row
     rejected_BL = resp_BL - chosen_BL
 
     def sums(w_BL):
-        return jnp.einsum("bl,blp->bp", w_BL * logp_BL, onehot_BLP), jnp.einsum("bl,blp->bp", w_BL, onehot_BLP)
+        return tuple(context.sum_over_length(jnp.einsum("bl,blp->bp", a_BL, onehot_BLP)) for a_BL in (w_BL * logp_BL, w_BL))
 
     (c_BP, nc_BP), (r_BP, nr_BP) = sums(chosen_BL), sums(rejected_BL)
     return c_BP, r_BP, nc_BP, nr_BP

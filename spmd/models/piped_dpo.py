@@ -8,7 +8,8 @@ or, with LoRA, its own with every adapter's ``b`` zero (:func:`spmd.models.lora.
 last stage's head takes both per-token log-probabilities and gives ``objective`` the microbatch's pair keys,
 which travel with the targets (``[B, L, 4]`` int32: targets, segment ids, the response mask's and weights'
 f32 bits). The DPO loss and its metrics are sums over pairs divided by the rows' size, so the pipeline's
-mean over equal microbatches is the whole batch's value. See docs/pipelines.md.
+mean over equal microbatches is the whole batch's value. Under context parallelism each stage device holds
+its shard of the length and the head adds each pair's sums over ``seq``. See docs/post-training.md.
 """
 
 from __future__ import annotations
@@ -46,10 +47,6 @@ def _refuse(model, batch: dict[str, jax.Array], pipeline, reference: str) -> Non
     if missing:
         raise ValueError(f"{where} reads packed pair rows (trainers.data.pairs); the batch has no {missing}")
     length = batch["inputs"].shape[1]
-    if context.seq_shards() > 1:
-        raise ValueError(f"{where} with the length split {context.seq_shards()} ways over seq (context "
-                         "parallelism): a stage's head would see a part of each pair and the DPO loss is not a "
-                         "sum over positions; use a seq axis of size 1 (e.g. fold it into data or fsdp)")
     if max(length + 1, batch["inputs"].shape[0] - 1) >= DIGIT**2 - 1:
         raise ValueError(f"rows of length {length}, {batch['inputs'].shape[0]} of them, under a pipeline: "
                          f"positions, segment ids and row indices travel as two base-{DIGIT} digits, so the length "
@@ -87,6 +84,9 @@ def pipelined_dpo_loss(model, batch: dict[str, jax.Array], pipeline, objective: 
     from spmd.pipeline import pipelined_loss
 
     _refuse(model, batch, pipeline, reference)
+    order = context.sequence_order(batch["inputs"].shape[1])
+    if order is not None:  # context parallelism: rows in load-balanced order, each stage device holding its shard
+        batch = {k: batch[k][:, order] for k in PAIR_KEYS}
     cfg, d, copy = model.cfg, model.cfg.d_model, reference == "copy"
     ref_model = model.reference if copy else model
     tokens_BL = batch["inputs"]

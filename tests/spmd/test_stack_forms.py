@@ -55,7 +55,7 @@ def max_rel(a, b) -> float:
 
 @pytest.mark.parametrize("sizes,rules", [
     (None, "none"), ({"data": 2, "fsdp": 2, "tensor": 2}, "fsdp_tp"),
-    pytest.param({"seq": 2, "tensor": 4}, "dp_tp_sp", marks=pytest.mark.slow),  # context + sequence parallel
+    pytest.param({"seq": 2, "tensor": 4}, "dp_tp_sp", marks=pytest.mark.sweep),  # context + sequence parallel
 ], ids=["single", "dp2_fsdp2_tp2", "seq2_tp4_sp"])
 def test_unrolled_equals_scanned(sizes, rules):
     loss_s, grads_s, compiled_s = loss_and_grads("scanned", rules, sizes)

@@ -48,7 +48,7 @@ def test_accumulation_with_blockwise_attention_equals_one_device():
     assert rel_err(params, ref_params) < TOL
 
 
-@pytest.mark.slow
+@pytest.mark.sweep  # the slow tier: test_moe_accum, and MoE x accumulation under a pipeline here
 def test_accumulation_with_moe_over_expert_equals_one_device():
     """Used to crash: the MoE's own shard_map nested in the accumulation loop's. The router's losses are
     per-microbatch means, so the reference accumulates the same 2 microbatches on one device."""
@@ -77,8 +77,8 @@ REPRESENTATIVE = {  # a few cells of the design that cross the most loop-and-col
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", REPRESENTATIVE)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if n == "pipe_expert-moe-accum" else
+                                               pytest.mark.sweep) for n in REPRESENTATIVE])
 def test_representative_cells(name, tmp_path):
     from helpers import matrix
 
@@ -142,7 +142,8 @@ def test_eval_over_a_padded_last_batch_counts_real_rows_only(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sizes, rules", [((("data", 8),), "dp"), ((("fsdp", 2), ("expert", 2), ("tensor", 2)), "fsdp_tp_ep")])
+@pytest.mark.parametrize("sizes, rules", [pytest.param((("data", 8),), "dp", marks=pytest.mark.sweep),
+                                          ((("fsdp", 2), ("expert", 2), ("tensor", 2)), "fsdp_tp_ep")])
 def test_moe_in_bfloat16_compiles_on_sharded_layouts_and_equals_one_device(sizes, rules):
     """Used to abort XLA (CPU): the experts' weight gradient was summed over the token axes in bf16 by a
     psum_invariant whose combiner the bf16 all-reduce promotion cannot clone. bf16 tolerances."""

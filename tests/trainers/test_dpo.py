@@ -329,7 +329,7 @@ def test_a_start_from_hugging_face_weights_is_the_reference(pairs_file, tmp_path
     assert _rel_err(result.state.params, weights) > 100 * TOL
 
 
-@pytest.mark.slow
+@pytest.mark.sweep  # the slow tier: the reference-is-the-base test above
 def test_with_lora_only_the_adapters_move_against_the_base_and_no_copy_is_held(pairs_file, tmp_path):
     """``lora.rank=4`` from Hugging Face weights: the state holds the policy's parameters once (no reference
     copy in the model's variables), the first step's loss is log 2 (fresh adapters: the policy is the

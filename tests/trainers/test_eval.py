@@ -62,14 +62,17 @@ def test_pipelined_eval_equals_unpipelined_on_a_packed_prompt_masked_corpus(tmp)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sets", [
-    ("mesh.axes=data=2,pipe=2,tensor=2", "rules=dp", "pipeline.schedule=gpipe", "pipeline.microbatches=2"),
-    ("mesh.axes=data=2,pipe=2,tensor=2", "rules=dp", "pipeline.schedule=interleaved", "pipeline.microbatches=2",
-     "pipeline.virtual_stages=2"),
-    ("mesh.axes=data=2,pipe=2,fsdp=2", "rules=fsdp", "pipeline.schedule=zb-h1", "pipeline.microbatches=2"),
-    ("mesh.axes=data=2,pipe=2,tensor=2", "rules=dp", "pipeline.schedule=zb-h2", "pipeline.microbatches=4"),
-    ("mesh.axes=data=2,pipe=2,tensor=2", "rules=dp", "pipeline.schedule=zb-v", "pipeline.microbatches=2",
-     "pipeline.virtual_stages=2"),
+@pytest.mark.parametrize("sets", [  # every schedule in the sweep (1F1B: the fast test and the padded batch's below)
+    pytest.param(("mesh.axes=data=2,pipe=2,tensor=2", "rules=dp", "pipeline.schedule=gpipe",
+                  "pipeline.microbatches=2"), marks=pytest.mark.sweep),
+    pytest.param(("mesh.axes=data=2,pipe=2,tensor=2", "rules=dp", "pipeline.schedule=interleaved",
+                  "pipeline.microbatches=2", "pipeline.virtual_stages=2"), marks=pytest.mark.sweep),
+    pytest.param(("mesh.axes=data=2,pipe=2,fsdp=2", "rules=fsdp", "pipeline.schedule=zb-h1",
+                  "pipeline.microbatches=2"), marks=pytest.mark.sweep),
+    pytest.param(("mesh.axes=data=2,pipe=2,tensor=2", "rules=dp", "pipeline.schedule=zb-h2",
+                  "pipeline.microbatches=4"), marks=pytest.mark.sweep),
+    pytest.param(("mesh.axes=data=2,pipe=2,tensor=2", "rules=dp", "pipeline.schedule=zb-v",
+                  "pipeline.microbatches=2", "pipeline.virtual_stages=2"), marks=pytest.mark.sweep),
     ("mesh.axes=data=2,seq=2,tensor=2", "rules=dp_tp"),  # context parallelism
     ("mesh.axes=data=2,fsdp=2,tensor=2", "rules=fsdp_tp", "run.grad_accum=2"),
 ], ids=["gpipe", "interleaved", "zb-h1", "zb-h2", "zb-v", "context", "accumulation"])

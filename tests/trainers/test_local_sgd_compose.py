@@ -32,6 +32,15 @@ COMBOS = {
     # accumulation gathering the FSDP weights once per step, its loop manual over fsdp inside each group
     "per_step": ("fsdp", "fsdp", ["run.grad_accum=2", "run.fsdp_gather=per_step"], MODEL),
 }
+# the slow tier runs each combination once across the two tests below and the CLI run with seq; the sweep
+# runs the rest
+TIERED = {"h1": ("moe", "pipe_1f1b"), "groups": ("moe", "per_step")}
+
+
+def _tiered(test: str) -> list:
+    return [pytest.param(n, marks=pytest.mark.slow if n in TIERED[test] else pytest.mark.sweep) for n in COMBOS]
+
+
 # combinations check_local_sgd still refuses (docs/compose.md says why): asserted refused, not run
 REFUSED = {"moe": r"MoE blocks \(model.n_experts=4\)"}
 STEPS, ROWS, LENGTH = 2, 8, 16
@@ -77,8 +86,7 @@ def _refused(name):
         _config(name, True, *H1)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(COMBOS))
+@pytest.mark.parametrize("name", _tiered("h1"))
 def test_h1_equals_data_parallelism_and_the_inner_step_sends_nothing_over_data(name):
     if name in REFUSED:
         return _refused(name)
@@ -97,8 +105,7 @@ def test_h1_equals_data_parallelism_and_the_inner_step_sends_nothing_over_data(n
     assert _max_diff(dp_states[-2].params, dp.params) > 1e-3  # negative control: a step moves them further
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(COMBOS))
+@pytest.mark.parametrize("name", _tiered("groups"))
 def test_groups_equal_independent_runs_on_their_rows_then_the_average(name):
     """H = 2 inner steps, then one outer step of plain averaging: each group trained alone (the ordinary
     step on a one-group mesh, its half of every batch), then the mean of their params."""

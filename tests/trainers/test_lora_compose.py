@@ -9,9 +9,11 @@ from __future__ import annotations
 import pytest
 from helpers import matrix
 
+TIERED = ("seq_ring",)  # the slow tier's cell; the sweep runs the others
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", matrix.LORA_CELLS)
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if n in TIERED else pytest.mark.sweep)
+                                  for n in matrix.LORA_CELLS])
 def test_lora_cell(name, tmp_path):
     cell = matrix.lora_cell(name)
     reference = matrix.run_reference(cell, str(tmp_path / "ref"))
@@ -19,7 +21,7 @@ def test_lora_cell(name, tmp_path):
     assert outcome.ok, (outcome.status, outcome.detail)
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_dpo_with_lora_and_accumulation_equals_one_device(tmp_path):
     import jax
     import numpy as np

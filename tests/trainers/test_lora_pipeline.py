@@ -134,7 +134,7 @@ def test_keys_are_drawn_per_natural_layer_in_any_stored_order():
 
 
 # ----------------------------------------------------------------------------------- equal to one device
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_scanned_and_unrolled_stacks_draw_the_same_masks():
     """The stack's two forms slice the per-layer keys alike, and a pipeline config on a mesh without ``pipe``
     (the stack as one stage, the keys carried) draws them too: loss and adapter gradients equal (with dropout
@@ -158,7 +158,7 @@ CASES = {  # name -> (mesh sizes, rules, pipeline)
 }
 
 
-@pytest.mark.slow
+@pytest.mark.sweep  # the slow tier: interleaved in the 3-step run below, 1F1B in the negative control
 @pytest.mark.parametrize("name", CASES)
 def test_pipeline_equals_one_device(name):
     loss, grads = loss_and_grads(*CASES[name])

@@ -69,7 +69,7 @@ def test_the_base_is_frozen_and_has_no_optimizer_state(hf_folder, one_device):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", ["data=2,fsdp=2,tensor=2", "fsdp=4,tensor=2"])
+@pytest.mark.parametrize("mesh", [pytest.param(m, marks=pytest.mark.sweep) for m in ("data=2,fsdp=2,tensor=2", "fsdp=4,tensor=2")])
 def test_layouts_equal_one_device(hf_folder, one_device, other_alpha, tmp_path, mesh):
     result = lora_run(hf_folder, tmp_path, mesh)
     assert result.losses == pytest.approx(one_device.losses, abs=TOL, rel=0)

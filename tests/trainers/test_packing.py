@@ -188,9 +188,9 @@ def sharded_grad(sizes: dict, rules: str, exchange: str):
 
 @pytest.mark.parametrize("sizes, rules, exchange", [
     pytest.param({"data": 2, "seq": 2, "tensor": 2}, "dp_tp", "ring", marks=pytest.mark.slow),
-    pytest.param({"fsdp": 2, "seq": 4}, "fsdp", "allgather", marks=pytest.mark.slow),
-    pytest.param({"fsdp": 2, "seq": 4}, "fsdp", "ring", marks=pytest.mark.slow),
-    pytest.param({"data": 2, "seq": 2, "tensor": 2}, "dp_tp", "allgather", marks=pytest.mark.slow),
+    pytest.param({"fsdp": 2, "seq": 4}, "fsdp", "allgather", marks=pytest.mark.sweep),
+    pytest.param({"fsdp": 2, "seq": 4}, "fsdp", "ring", marks=pytest.mark.sweep),
+    pytest.param({"data": 2, "seq": 2, "tensor": 2}, "dp_tp", "allgather", marks=pytest.mark.sweep),
 ])
 def test_context_parallel_packed_rows_equal_each_document_alone(sizes, rules, exchange):
     ref_loss, ref_grads = reference()
@@ -200,7 +200,7 @@ def test_context_parallel_packed_rows_equal_each_document_alone(sizes, rules, ex
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule, accum", [("1f1b", 2), ("zb-h1", 1)])
+@pytest.mark.parametrize("schedule, accum", [("1f1b", 2), pytest.param("zb-h1", 1, marks=pytest.mark.sweep)])
 def test_pipelined_packed_rows_equal_each_document_alone(schedule, accum):
     """data=4 x pipe=2, 1F1B (with run.grad_accum=2 around it) or ZB-H1 over 2 microbatches: the packed
     train step's loss and gradient (SGD, lr 1) are the per-document reference's."""

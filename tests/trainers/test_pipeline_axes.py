@@ -76,7 +76,7 @@ def test_moe_under_1f1b_equals_one_device_accumulating_its_microbatches():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,schedule", [
-    ((("expert", 2), ("tensor", 2), ("pipe", 2)), "gpipe"),
+    pytest.param((("expert", 2), ("tensor", 2), ("pipe", 2)), "gpipe", marks=pytest.mark.sweep),
     ((("fsdp", 2), ("expert", 2), ("pipe", 2)), "interleaved"),
 ])
 def test_moe_under_more_schedules_and_layouts(layout, schedule):
@@ -93,8 +93,9 @@ def test_context_parallelism_under_1f1b_equals_one_device():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,schedule", [
-    ((("seq", 2), ("tensor", 2), ("pipe", 2)), "zb-h1"),
-    ((("expert", 2), ("seq", 2), ("pipe", 2)), "interleaved"),  # MoE and seq in one stage: all three axes
+    pytest.param((("seq", 2), ("tensor", 2), ("pipe", 2)), "zb-h1", marks=pytest.mark.sweep),
+    pytest.param((("expert", 2), ("seq", 2), ("pipe", 2)), "interleaved",  # MoE and seq in one stage (the CLI test too)
+                 marks=pytest.mark.sweep),
 ])
 def test_context_parallelism_under_more_schedules_with_tensor_and_experts(layout, schedule):
     cfg = MOE if dict(layout).get("expert") else DENSE

@@ -18,11 +18,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from spmd.models import context
 from spmd.models.dpo import dpo_losses, in_model_order, pair_logps, token_logps
 from spmd.models.lora import without_adapters
 from spmd.models.piped_dpo import pipelined_dpo_loss
 from spmd.pipeline import PipelineConfig
-from trainers.config import AUTO, Config
+from trainers.config import Config
 from trainers.data import pairs as pairs_lib
 from trainers.data.config import DOCUMENT_CORPORA
 from trainers.objectives.config import DPOConfig
@@ -87,7 +88,9 @@ def dpo_objective(policy_BL: jax.Array, ref_BL: jax.Array, batch: dict[str, jax.
                                               loss=cfg.loss, label_smoothing=cfg.label_smoothing,
                                               chosen_tokens=n_chosen, rejected_tokens=n_rejected)
     w_BP = pair_weights(batch, P)
-    n = batch["weights"].size  # B x L: what the normalised weights of the global batch sum to
+    # B x L: what the normalised weights of the global batch sum to (each device holds 1/seq of the length when
+    # a pipeline's head is manual over seq: every one of them then computes the rows' whole value)
+    n = batch["weights"].size * (context.seq_shards() if context.length_is_manual() else 1)
 
     def avg(x):
         return jnp.sum(w_BP * x) / n
@@ -105,7 +108,8 @@ def pair_weights(batch: dict[str, jax.Array], pairs_per_row: int) -> jax.Array:
     """Each pair slot's weight ``[B, P]``: the (normalised) weight its row carries on the pair's one weighted token."""
     seg_BL = in_model_order(batch, "segment_ids")
     w_BL = in_model_order(batch, "weights").astype(jnp.float32)
-    return jnp.einsum("bl,blp->bp", w_BL, jax.nn.one_hot((seg_BL - 1) // 2, pairs_per_row, dtype=jnp.float32))
+    return context.sum_over_length(
+        jnp.einsum("bl,blp->bp", w_BL, jax.nn.one_hot((seg_BL - 1) // 2, pairs_per_row, dtype=jnp.float32)))
 
 
 def pair_row_shapes(length: int) -> dict[str, jax.ShapeDtypeStruct]:
@@ -127,16 +131,6 @@ def check_dpo(cfg: Config) -> None:
         raise ValueError(f"run.objective=dpo reads preference pairs from a document corpus ({', '.join(DOCUMENT_CORPORA)}"
                          f"), got data.corpus={cfg.data.corpus!r}; set data.corpus and data.fields=prompt,chosen,rejected")
     pairs_lib.check_fields(cfg.data.field_names)
-    if not cfg.pipeline.enabled:
-        return
-    where = f"run.objective=dpo under pipeline.schedule={cfg.pipeline.schedule!r}"
-    if cfg.mesh.axes != AUTO:
-        spec = cfg.mesh.spec
-        seq = dict(spec.ici).get("seq", 1) * dict(spec.dcn).get("seq", 1)
-        if seq > 1:
-            raise ValueError(f"{where} on mesh.axes={cfg.mesh.axes!r} (seq={seq}): a pipeline's head would see a "
-                             "part of each pair under context parallelism and the DPO loss is not a sum over "
-                             "positions; give seq=1 (fold it into data or fsdp), or pipeline.schedule=none")
 
 
 def pair_data(cfg: Config, split: str) -> pairs_lib.PairStream:

@@ -107,14 +107,17 @@ def test_the_unanchored_collective_check_finds_one():
     assert not unanchored_collectives(lowered.compile().as_text())
 
 
-# every schedule on data x pipe x tensor; each also on one of the other two layouts (the slow tier's budget)
-SLOW_CASES = ([(DPT, schedule, 4) for schedule in SCHEDULES] + [(FPT, s, 4) for s in ("1f1b", "interleaved", "zb-h2")]
-              + [(DP, s, 4) for s in ("gpipe", "1f1b", "zb-h1")])
+# data x pipe x tensor: GPipe, interleaved and ZB-H2 in the slow tier (1F1B: the trainer step's test below), the
+# other schedules and layouts in the sweep
+TIERED = ("gpipe", "interleaved", "zb-h2")
+SLOW_CASES = [pytest.param(DPT, schedule, 4, marks=pytest.mark.slow if schedule in TIERED else pytest.mark.sweep,
+                           id=f"{RULES[DPT]}-{schedule}-M4") for schedule in SCHEDULES]
+SWEEP_CASES = [pytest.param(sizes, s, 4, marks=pytest.mark.sweep, id=f"{RULES[sizes]}-{s}-M4")
+               for sizes, schedules in ((FPT, ("1f1b", "interleaved", "zb-h2")), (DP, ("gpipe", "1f1b", "zb-h1")))
+               for s in schedules]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sizes, schedule, m", SLOW_CASES,
-                         ids=[f"{RULES[s]}-{sch}-M{m}" for s, sch, m in SLOW_CASES])
+@pytest.mark.parametrize("sizes, schedule, m", SLOW_CASES + SWEEP_CASES)
 def test_every_schedule_and_layout_is_deterministic(sizes, schedule, m):
     v = SCHEDULES[schedule]
     outs = repeat(gpt_grad(sizes, RULES[sizes], schedule, m * v if v > 1 else m, v, batch=4 * m * v), 20)
@@ -122,7 +125,7 @@ def test_every_schedule_and_layout_is_deterministic(sizes, schedule, m):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["dp4_pipe2", "dp2_pipe2_tp2"])
+@pytest.mark.parametrize("name", [pytest.param("dp4_pipe2", marks=pytest.mark.sweep), "dp2_pipe2_tp2"])
 def test_trainer_step_with_accumulation_and_a_pipeline_is_deterministic(name):
     step = accum_step(name, 2)
     batch = step.batch()
@@ -132,7 +135,7 @@ def test_trainer_step_with_accumulation_and_a_pipeline_is_deterministic(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("exchange", ["ring", "allgather"])
+@pytest.mark.parametrize("exchange", ["ring", pytest.param("allgather", marks=pytest.mark.sweep)])
 def test_context_parallelism_is_deterministic(exchange):
     cfg = GPTConfig(**{**CFG.__dict__, "context_exchange": exchange})
     outs = repeat(gpt_grad((("data", 2), ("seq", 2), ("tensor", 2)), "dp_tp", cfg=cfg, batch=4), 20)

@@ -88,14 +88,18 @@ SLOW = [(s, S, M, V) for s, V in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
         if (s, S, M, V) not in FAST] + [("zb-v", 2, 4, 2), ("zb-v", 4, 4, 2)]  # ZB-V: the stack converted to its V
 
 
-@pytest.mark.parametrize("schedule, S, M, V", FAST + [pytest.param(*c, marks=pytest.mark.slow) for c in SLOW])
+TIERED = [("1f1b", 4, 8, 1), ("interleaved", 4, 8, 2), ("zb-v", 4, 4, 2)]  # the slow tier's; the rest: the sweep
+
+
+@pytest.mark.parametrize("schedule, S, M, V", FAST + [
+    pytest.param(*c, marks=pytest.mark.slow if c in TIERED else pytest.mark.sweep) for c in SLOW])
 def test_pipeline_matches_single_device(schedule, S, M, V):
     loss, grads = case((("pipe", S),), "none", schedule, M, V)()
     assert_matches_reference(loss, grads)
 
 
-@pytest.mark.parametrize("schedule, V", [("1f1b", 1), pytest.param("gpipe", 1, marks=pytest.mark.slow),
-                                         pytest.param("interleaved", 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("schedule, V", [("1f1b", 1), pytest.param("gpipe", 1, marks=pytest.mark.sweep),
+                                         pytest.param("interleaved", 2, marks=pytest.mark.sweep)])
 def test_pipeline_composes_with_dp_and_tp(schedule, V):
     c = case((("data", 2), ("pipe", 2), ("tensor", 2)), "dp_tp", schedule, 4, V)
     # the stored layout really is sharded three ways: layers over pipe, mlp over tensor
@@ -106,7 +110,7 @@ def test_pipeline_composes_with_dp_and_tp(schedule, V):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", [pytest.param("gpipe", marks=pytest.mark.sweep), "1f1b"])
 def test_eight_stages_one_layer_each(schedule):
     """pipe=8: every device holds one layer; the first and last stage are 7 hops apart."""
     loss, grads = case((("pipe", 8),), "none", schedule, 8, 1)()
@@ -188,7 +192,7 @@ def test_data_parallel_gradient_is_reduced_once_per_step():
 
 
 FSDP_CASES = [((("fsdp", 2), ("pipe", 2), ("tensor", 2)), "fsdp_tp", "1f1b", ("pipe", "fsdp", None, "tensor")),
-              pytest.param((("fsdp", 2), ("pipe", 2)), "fsdp", "gpipe", ("pipe", "fsdp"), marks=pytest.mark.slow)]
+              pytest.param((("fsdp", 2), ("pipe", 2)), "fsdp", "gpipe", ("pipe", "fsdp"), marks=pytest.mark.sweep)]
 
 
 @pytest.mark.parametrize("sizes, rules, schedule, w_up_spec", FSDP_CASES)
@@ -219,7 +223,7 @@ def test_fsdp_weights_gathered_and_gradients_reduced_once_per_step():
     assert permutes and all(x.count == ticks > 1 and x.trip_count_known for x in permutes)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.slow)])  # one schedule in the fast tier
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.sweep)])  # one schedule in the tiers
 def test_fsdp_gathers_move_the_compute_dtype(schedule, monkeypatch):
     """bf16 compute, fsdp=2 x pipe=2 x tensor=2: the stage weight matrices are gathered over fsdp in bf16
     (half the bytes of f32), with the same loss and gradients as gathering them in f32 (the blocks cast
