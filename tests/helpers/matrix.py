@@ -328,6 +328,11 @@ The combinations refused today, and why:
 - a user task under a pipeline: its loss must run its `spmd.Stack` through
   `spmd.pipeline.pipelined_loss` and say so (`Task(pipelined=True)`), as the GPT's does.
 
+Outside the matrix's factors: DPO runs under every pipeline schedule (docs/post-training.md), with context
+parallelism too: each stage device holds its shard of every row's length, and the head adds each pair's summed
+log-probabilities over `seq` (a psum of `[B, P]` inside the engine's branches) before the loss, which every
+device of the `seq` group then computes whole.
+
 """
 
 

@@ -205,7 +205,7 @@ def test_other_device_counts_run_in_a_subprocess():
     assert {("tensor",), ("fsdp",)} <= {op.axes for op in report.collectives}
 
 
-@pytest.mark.slow
+@pytest.mark.sweep  # the tiers: the dry run on 8 and on other device counts
 def test_a_1b_parameter_gpt_on_256_devices():
     """~20 s and ~0.6 GB RSS on 2 cores: the abstract state of a 1.07B-parameter GPT, compiled for 256 devices."""
     cfg = override(recipe("gpt-350m"), ["model.d_model=2048", "model.n_layers=16", "model.n_heads=16",

@@ -100,3 +100,28 @@ def test_dpo_reference_is_state_and_its_forward_is_counted(lora, tmp_path):
     analytic = memory_estimate(cfg, {"data": 1})
     assert abs(analytic.state - state) <= 0.05 * state, (analytic.state, state)
     assert (analytic.other == 0) if lora else (analytic.other == analytic.params)
+
+
+def test_dpo_under_a_pipeline_sends_and_stashes_both_models(tmp_path):
+    """The pipeline carries the policy's and the reference's activations side by side: the planner's sends over
+    pipe are twice the LM loss's, as the compiled DPO step's are (its carried position and segment digits
+    aside: 4 channels beside 2 x 32), and its stash grows too."""
+    pairs = dpo_example.write_pairs(tmp_path / "pairs.jsonl", n=40)
+    sets = ["mesh.axes=data=2,pipe=2", "rules=dp", "run.spike_factor=0", "model.n_layers=2",
+            "pipeline.schedule=1f1b", "pipeline.microbatches=2"]
+    cfg = override(dpo_example.config(pairs, tmp_path / "run", steps=2, tiny=True), sets)
+    lm = override(cfg, ["run.objective=lm"])
+    sizes, hw = {"data": 2, "pipe": 2}, get_hardware("h100")
+
+    def sends(c):  # the busiest stage's bytes over pipe per step
+        return sum(t.bytes for t in comm_estimate(c, sizes, hw) if t.kind == "collective-permute")
+
+    assert sends(cfg) == 2 * sends(lm) > 0
+    assert memory_estimate(cfg, sizes).activations > memory_estimate(lm, sizes).activations
+    run = build(cfg, mesh=meshes.make_mesh(sizes, devices=jax.devices()[:4]), abstract=True)
+    compiled = run.train_step.lower(run.stepped.abstract, run.abstract_batch()).compile()
+    schedule = spmd.pipeline.get_schedule("1f1b", 2, 2)
+    per_stage = spmd.pipeline.hlo_sent_bytes(compiled, schedule, run.mesh)["executed"] / 2  # each stage sends M
+    d = cfg.model.d_model
+    assert per_stage == sends(cfg) * (2 * d + 4) / (2 * d), (per_stage, sends(cfg))
+    assert per_stage > 1.9 * sends(lm)  # negative control: the LM loss's count is caught

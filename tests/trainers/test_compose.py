@@ -143,7 +143,8 @@ def test_eval_over_a_padded_last_batch_counts_real_rows_only(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sizes, rules", [pytest.param((("data", 8),), "dp", marks=pytest.mark.sweep),
-                                          ((("fsdp", 2), ("expert", 2), ("tensor", 2)), "fsdp_tp_ep")])
+                                          pytest.param((("fsdp", 2), ("expert", 2), ("tensor", 2)), "fsdp_tp_ep",
+                                                       marks=pytest.mark.sweep)])
 def test_moe_in_bfloat16_compiles_on_sharded_layouts_and_equals_one_device(sizes, rules):
     """Used to abort XLA (CPU): the experts' weight gradient was summed over the token axes in bf16 by a
     psum_invariant whose combiner the bf16 all-reduce promotion cannot clone. bf16 tolerances."""

@@ -139,8 +139,8 @@ def assert_equal_to_one_device(got, lora: bool, moe: bool = False, dropout: bool
 DP_PIPE = (("data", 2), ("pipe", 2))
 FSDP_TP_PIPE = (("fsdp", 2), ("pipe", 2), ("tensor", 2))
 FAST = [(DP_PIPE, "dp", "1f1b", 4, 1, False)]
-# the tiers: 1F1B with the copy here; in the slow tier 1F1B with LoRA on data x seq x pipe and a 3-step run with
-# the copy on data x seq x pipe; the sweep: every schedule, both layouts, the copy and LoRA, dropout
+# the tiers: 1F1B with the copy here, 1F1B with LoRA on data x seq x pipe in the slow tier; the sweep: every
+# schedule, both layouts, the copy and LoRA, dropout, the 3-step runs
 SLOW = [(FSDP_TP_PIPE, "fsdp_tp", "zb-h1", 4, 1, True), (FSDP_TP_PIPE, "fsdp_tp", "interleaved", 4, 2, False),
         (DP_PIPE, "dp", "gpipe", 4, 1, False), (DP_PIPE, "dp", "zb-h2", 4, 1, True),
         ((("pipe", 2),), "none", "zb-v", 4, 2, False)]
@@ -226,9 +226,8 @@ def _run_rel_err(a, b) -> float:
     return max(_rel_errs(jax.tree.map(np.asarray, a), jax.tree.map(np.asarray, b)).values())
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("piped_axes, plain_axes, rules, pipeline, lora", [
-    ("data=2,seq=2,pipe=2", "data=2,seq=2", "dp", ("1f1b", 2, 1), False),
+@pytest.mark.parametrize("piped_axes, plain_axes, rules, pipeline, lora", [  # the sweep's (the tiers: one device)
+    pytest.param("data=2,seq=2,pipe=2", "data=2,seq=2", "dp", ("1f1b", 2, 1), False, marks=pytest.mark.sweep),
     pytest.param("data=2,pipe=2", "data=2", "dp", ("1f1b", 2, 1), False, marks=pytest.mark.sweep),
     pytest.param("fsdp=2,pipe=2,tensor=2", "fsdp=2,tensor=2", "fsdp_tp", ("interleaved", 4, 2), True,
                  marks=pytest.mark.sweep),

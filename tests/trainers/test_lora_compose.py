@@ -9,11 +9,9 @@ from __future__ import annotations
 import pytest
 from helpers import matrix
 
-TIERED = ("seq_ring",)  # the slow tier's cell; the sweep runs the others
 
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if n in TIERED else pytest.mark.sweep)
-                                  for n in matrix.LORA_CELLS])
+@pytest.mark.sweep  # the tiers: LoRA under a pipeline, with DPO under seq x pipe (test_dpo_pipeline)
+@pytest.mark.parametrize("name", matrix.LORA_CELLS)
 def test_lora_cell(name, tmp_path):
     cell = matrix.lora_cell(name)
     reference = matrix.run_reference(cell, str(tmp_path / "ref"))

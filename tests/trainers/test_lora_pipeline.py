@@ -158,7 +158,7 @@ CASES = {  # name -> (mesh sizes, rules, pipeline)
 }
 
 
-@pytest.mark.sweep  # the slow tier: interleaved in the 3-step run below, 1F1B in the negative control
+@pytest.mark.sweep  # the slow tier: interleaved in the 3-step run below
 @pytest.mark.parametrize("name", CASES)
 def test_pipeline_equals_one_device(name):
     loss, grads = loss_and_grads(*CASES[name])
@@ -168,7 +168,7 @@ def test_pipeline_equals_one_device(name):
     assert not bad, f"adapter gradients differ from one device's: {bad}"
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_a_stage_drawing_by_its_own_row_index_is_caught(monkeypatch):
     """Negative control: stages that fold the keys with the row's index in the microbatch (every microbatch
     then draws the same masks, what a stage drew without the carried row index) differ from one device."""

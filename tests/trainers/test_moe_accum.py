@@ -75,6 +75,6 @@ def test_the_note_names_why_per_microbatch_stays_under_gspmd():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scan", [pytest.param("unrolled", marks=pytest.mark.sweep), "scanned"])
+@pytest.mark.parametrize("scan", [pytest.param(s, marks=pytest.mark.sweep) for s in ("unrolled", "scanned")])
 def test_moe_accumulates_once_per_step_under_fsdp_tp_ep(scan):
     check(dataclasses.replace(MOE, scan_layers=scan), *FSDP_TP_EP)

@@ -31,6 +31,7 @@ from trainers.config import Config
 from trainers.faults.guard import window_bytes
 from trainers.model_variables import ParamInfo, shard_divisors
 from trainers.optim import make_optimizer
+from trainers.planning import pipeline_costs
 from trainers.planning.hardware import Hardware
 from trainers.planning.perf import Work, step_time
 from trainers.planning.pipeline_costs import pipeline_bubble, pipeline_schedule, stash_sizes, weight_stash_size
@@ -130,8 +131,8 @@ def memory_estimate(cfg: Config, sizes: dict[str, int]) -> MemoryEstimate:
         return 2 * rows * positions * V / vt * 4 + 2 * rows * L * D * dt + in_flight
 
     S, pipe = sizes.get("pipe", 1), cfg.pipeline
-    if S > 1 and pipe.enabled:
-        M, x_in = pipe.microbatches, b / pipe.microbatches * L * D * dt  # one stage input x[B/M, L, D]
+    if S > 1 and pipe.enabled:  # one stage input x[B/M, L, D]; DPO's carries the policy's and the reference's
+        M, x_in = pipe.microbatches, b / pipe.microbatches * L * D * dt * pipeline_costs.carried_models(cfg)
         if pipe.schedule == "gpipe":  # autodiff through the tick scan: every microbatch's residuals
             layers = M * x_in + kept(b / M, m.n_layers // S) if pipe.remat else kept(b, m.n_layers // S)
             acts = layers + 2 * M * x_in + logits(b)

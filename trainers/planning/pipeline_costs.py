@@ -24,6 +24,12 @@ def _schedule(name: str, pipe: int, microbatches: int, virtual_stages: int) -> S
     return get_schedule(name, pipe, microbatches, virtual_stages)
 
 
+def carried_models(cfg: Config) -> int:
+    """Models whose activations one pipeline carries side by side: 2 under DPO (the policy's and the
+    reference's, ``spmd.models.piped_dpo``), so its sends, stash and slots are twice the LM loss's; else 1."""
+    return 2 if cfg.run.objective == "dpo" else 1
+
+
 def pipeline_sends(cfg: Config, pipe: int) -> int:
     """Activations ``x[B/M, L, D]`` the busiest stage sends over ``pipe`` per pipeline run: the table
     engine's sends (:meth:`spmd.pipeline.Schedule.sent_bytes` per stage); GPipe: ``2 (M + S - 1)``, what

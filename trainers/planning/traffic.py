@@ -26,7 +26,7 @@ from trainers.checks import batch_axes
 from trainers.config import Config
 from trainers.model_variables import ParamInfo, param_infos, shard_divisors
 from trainers.planning.hardware import Hardware, axis_levels, collective_seconds, networks
-from trainers.planning.pipeline_costs import pipeline_sends
+from trainers.planning.pipeline_costs import carried_models, pipeline_sends
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 RECOMPUTES_BLOCK = ("full", "save_block_input")  # spmd.remat policies that run each block's forward twice
@@ -177,7 +177,7 @@ def comm_estimate(cfg: Config, sizes: dict[str, int], hw: Hardware, dcn_axes: tu
         if t > m.kv_heads:  # w_kv replicated over tensor (copied per shard): its gradient summed over tensor
             add("all-reduce", ("tensor",), 1, n_layers * D * 2 * m.kv_heads * K * 4 // sizes.get("fsdp", 1))
     if piped:
-        x_in = b // pipe.microbatches * L * D * dt  # a stage input x[B/M, L/seq, D]
+        x_in = b // pipe.microbatches * L * D * dt * carried_models(cfg)  # a stage input x[B/M, L/seq, D] (DPO: 2)
         add("collective-permute", ("pipe",), pipeline_sends(cfg, S) * k, x_in)
     if s > 1:  # context parallelism: K/V [2, B, L/seq, G, K] per attention layer
         kv = 2 * b * L * max(m.kv_heads // t, 1) * K

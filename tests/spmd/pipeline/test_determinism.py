@@ -135,7 +135,7 @@ def test_trainer_step_with_accumulation_and_a_pipeline_is_deterministic(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("exchange", ["ring", pytest.param("allgather", marks=pytest.mark.sweep)])
+@pytest.mark.parametrize("exchange", [pytest.param(x, marks=pytest.mark.sweep) for x in ("ring", "allgather")])
 def test_context_parallelism_is_deterministic(exchange):
     cfg = GPTConfig(**{**CFG.__dict__, "context_exchange": exchange})
     outs = repeat(gpt_grad((("data", 2), ("seq", 2), ("tensor", 2)), "dp_tp", cfg=cfg, batch=4), 20)
