@@ -77,8 +77,7 @@ REPRESENTATIVE = {  # a few cells of the design that cross the most loop-and-col
 }
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if n == "pipe_expert-moe-accum" else
-                                               pytest.mark.sweep) for n in REPRESENTATIVE])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.sweep) for n in REPRESENTATIVE])
 def test_representative_cells(name, tmp_path):
     from helpers import matrix
 

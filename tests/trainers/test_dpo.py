@@ -309,7 +309,7 @@ def test_a_rule_that_picks_the_chosen_answer_is_learned(tmp_path):
     assert result.losses[steps] < 0.5 * result.losses[1]
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_a_start_from_hugging_face_weights_is_the_reference(pairs_file, tmp_path):
     """``checkpoint.init_from=hf:DIR``: the weights load into the parameters as for any run (the model's
     own tree) and the reference is a copy of them, unchanged by training."""

@@ -170,6 +170,17 @@ def test_with_context_parallelism(sizes, rules, schedule, m, v, lora):
 
 
 @pytest.mark.sweep
+def test_pair_sums_left_per_length_shard_are_caught(monkeypatch):
+    """Negative control: heads that skip the sum over seq (each device's pairs from its shard of the length
+    alone) differ from one device."""
+    from spmd.models import context
+
+    monkeypatch.setattr(context, "sum_over_length", lambda x, axis="seq": x)
+    loss, _, _ = Case((("data", 2), ("seq", 2), ("pipe", 2)), "dp", PipelineConfig("1f1b", 4, 1), True)()
+    assert abs(loss - case((), "none", "none", 1, 1, True)[0]) > 1e3 * TOL * abs(loss)
+
+
+@pytest.mark.sweep
 @pytest.mark.parametrize("sizes, rules, schedule, m, v", [(FSDP_TP_PIPE, "fsdp_tp", "interleaved", 4, 2)])
 def test_with_lora_dropout(sizes, rules, schedule, m, v):
     """LoRA dropout: the policy's masks are the whole batch's (each row's index rides into the stages)."""

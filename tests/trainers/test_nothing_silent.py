@@ -183,7 +183,7 @@ def test_a_destructive_learning_rate_stops_within_3_steps_and_the_last_checkpoin
 
 # ----------------------------------------------------------------------------- crash-consistent logs
 @pytest.mark.slow
-@pytest.mark.parametrize("kill_at", [3, 5])
+@pytest.mark.parametrize("kill_at", [pytest.param(3, marks=pytest.mark.sweep), 5])
 def test_sigkill_then_resume_logs_every_step_once(tmp_path, kill_at):
     run_dir = str(tmp_path / "run")
     sets = ["--set", "run.tensorboard=true", "--set", "checkpoint.every_steps=3"]
@@ -202,7 +202,7 @@ def test_sigkill_then_resume_logs_every_step_once(tmp_path, kill_at):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tiny", [[], ["--tiny"]], ids=["main-job", "tiny-2-steps"])
+@pytest.mark.parametrize("tiny", [[], pytest.param(["--tiny"], marks=pytest.mark.sweep)], ids=["main-job", "tiny-2-steps"])
 def test_the_main_job_with_a_destructive_learning_rate_stops_naming_the_cause(tmp_path, tiny):
     cmd = [sys.executable, "-m", "trainers.launch.cli", "gpt-small", *tiny, "--simulate-devices", "8", "--run-dir",
            str(tmp_path / "run"), "--set", "lr.peak_lr=1e30", "--set", "run.progress=false"]
