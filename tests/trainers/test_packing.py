@@ -200,7 +200,7 @@ def test_context_parallel_packed_rows_equal_each_document_alone(sizes, rules, ex
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule, accum", [("1f1b", 2), pytest.param("zb-h1", 1, marks=pytest.mark.sweep)])
+@pytest.mark.parametrize("schedule, accum", [pytest.param(*c, marks=pytest.mark.sweep) for c in (("1f1b", 2), ("zb-h1", 1))])
 def test_pipelined_packed_rows_equal_each_document_alone(schedule, accum):
     """data=4 x pipe=2, 1F1B (with run.grad_accum=2 around it) or ZB-H1 over 2 microbatches: the packed
     train step's loss and gradient (SGD, lr 1) are the per-document reference's."""
