@@ -2,7 +2,7 @@
 
 Each cell is a tiny training run (``trainers.train`` through the same config keys a user sets) on 8
 simulated devices. It passes when it equals the same run on one device (the loss of every step and the
-final parameters, relative to the update they took: 1e-5 in f32, 1e-3 / 5e-3 in bf16), or when it is
+final parameters, relative to the update they took: 1e-5 in f32, 1e-3 / 2e-2 in bf16), or when it is
 refused before compiling with a message that names both features. ``python tests/helpers/matrix.py``
 runs every cell and writes the table in docs/compose.md; tests/trainers/test_compose.py checks the design's
 coverage and runs the cells.
@@ -286,8 +286,10 @@ def run_cell(cell: dict, reference, workdir: str) -> Outcome:
 
 def reference_key(cell: dict) -> tuple:
     """What the one-device run depends on: remat and the loss chunk change no number beyond rounding, and
-    accumulation changes none for the plain GPT (the MoE's router losses and BatchNorm are per microbatch)."""
-    return (cell["model"], cell["length"], cell["dtype"], accumulated(cell) if cell["model"] != "gpt" else 1,
+    accumulation changes none for the plain GPT (the MoE's router losses, BatchNorm and LoRA dropout's masks are
+    per microbatch)."""
+    per_microbatch = cell["model"] != "gpt" or cell.get("lora_dropout", 0.0) > 0
+    return (cell["model"], cell["length"], cell["dtype"], accumulated(cell) if per_microbatch else 1,
             cell.get("lora", 0), cell.get("lora_dropout", 0.0))
 
 
@@ -311,7 +313,7 @@ tests/trainers/test_compose.py checks the coverage; the sweep, `pytest -m sweep`
 training run on 8 simulated CPU devices, two steps (or one, then one more resumed on
 `data=2 x fsdp=2 x tensor=2`), compared with the same run on one device. `equal`: the losses of both steps
 and the final parameters agree (the detail gives the loss error and the parameter error relative to the
-update the parameters took; tolerances 1e-5 in f32, 1e-3 / 5e-3 in bf16). `refused`: the run stopped
+update the parameters took; tolerances 1e-5 in f32, 1e-3 / 2e-2 in bf16, 1e-1 for the update of bf16 MoE). `refused`: the run stopped
 before compiling with the message shown.
 
 The combinations refused today, and why:
