@@ -15,7 +15,7 @@ from trainers.launch import cli
 from trainers.planning.auto import choose_layout, detect_hardware, resolve_auto
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_mesh_auto_trains_with_the_planners_pick_and_resume_keeps_it(tmp_path, capsys):
     run_dir = str(tmp_path / "run")
     # a checkpoint at each run's last step only (tiny saves every step): the resume reads step 2's

@@ -9,6 +9,8 @@ uses); the negative control is the same plan without the failure, which confirms
 import dataclasses
 import json
 
+import pytest
+
 import spmd
 from trainers import override, recipe
 from trainers.launch.plan import main
@@ -74,6 +76,7 @@ def test_accumulation_holds_one_gradient_copy_and_the_published_30b_run_fits():
     assert result.ranked and any(e.layout.rules == "fsdp" and e.layout.sizes.get("fsdp") == 8 for e in result.ranked)
 
 
+@pytest.mark.sweep  # compiles a pipelined step: the sweep
 def test_pipelined_tensor_all_reduces_count_the_ticks_each_stage_runs(monkeypatch):
     """pipe=2 x tensor=4, 1F1B: the compiled step's tensor all-reduces sit in the tick loop's switch; weighed by
     the ticks the busiest stage runs each branch they match the analytic count (bytes within 10%).

@@ -63,8 +63,8 @@ def test_logits_equal_transformers_on_dp2_fsdp2_tp2():
     check_parity("qwen2", "dp2_fsdp2_tp2")  # biases and tied head sharded
 
 
-@pytest.mark.parametrize("family, layout", [  # the slow tier: mixtral on fsdp x tensor; the sweep: the rest
-    pytest.param(f, layout, marks=pytest.mark.slow if (f, layout) == ("mixtral", "fsdp4_tp2") else pytest.mark.sweep)
+@pytest.mark.parametrize("family, layout", [  # the sweep (the fast tier: qwen2 on dp2_fsdp2_tp2)
+    pytest.param(f, layout, marks=pytest.mark.sweep)
     for f in FAMILIES for layout in ("dp2_fsdp2_tp2", "fsdp4_tp2")])
 def test_logits_equal_transformers_sharded(family, layout):
     check_parity(family, layout)
@@ -103,8 +103,7 @@ def test_greedy_generation_equals_transformers(family, loop):
     np.testing.assert_array_equal(np.asarray(generate(model, ref["prompt"], 32, loop=loop)), ref["generated"])
 
 
-@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow if f == "mixtral" else pytest.mark.sweep)
-                                    for f in FAMILIES])
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.sweep) for f in FAMILIES])
 def test_generation_sharded_equals_transformers_and_sampling_is_layout_free(family):
     ref = reference(family)
     prompt = np.tile(ref["prompt"], (2, 1))

@@ -77,7 +77,8 @@ def layer_result(name, cf=0.0):
     return float(loss), np.asarray(y), {k: float(v) for k, v in stats.items()}, jax.tree.map(np.asarray, grads)
 
 
-@pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "single"])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.sweep) if n in ("expert8", "fsdp4_expert2") else n
+                                  for n in LAYOUTS if n != "single"])  # those two: the sweep
 def test_layer_matches_single_device(name):
     ref_loss, ref_y, ref_stats, ref_grads = layer_result("single")
     loss, y, stats, grads = layer_result(name)

@@ -8,7 +8,11 @@ TOL = 1e-5
 SHARDED = [n for n in LAYOUTS if n != "single"]
 
 
-@pytest.mark.parametrize("name", SHARDED)
+# the fast tier: one layout with seq (dp2_seq2_tp2; test_context checks the exchanges); the sweep: the others
+SWEEP = ("fsdp2_seq4", "seq2_tp4_sp")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.sweep) if n in SWEEP else n for n in SHARDED])
 def test_layout_matches_single_device(name):
     ref_losses, ref_params = run("single")
     losses, params = run(name)

@@ -54,7 +54,7 @@ def max_rel(a, b) -> float:
 
 
 @pytest.mark.parametrize("sizes,rules", [
-    (None, "none"), ({"data": 2, "fsdp": 2, "tensor": 2}, "fsdp_tp"),
+    pytest.param(None, "none", marks=pytest.mark.sweep), ({"data": 2, "fsdp": 2, "tensor": 2}, "fsdp_tp"),
     pytest.param({"seq": 2, "tensor": 4}, "dp_tp_sp", marks=pytest.mark.sweep),  # context + sequence parallel
 ], ids=["single", "dp2_fsdp2_tp2", "seq2_tp4_sp"])
 def test_unrolled_equals_scanned(sizes, rules):
@@ -150,7 +150,7 @@ def test_stack_helper_unrolls_any_block():
     np.testing.assert_array_equal(outs["scanned"][1], np.ones(5))
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_a_run_resumes_across_the_form(tmp_path):
     """A checkpoint written by the scanned stack resumes unrolled and continues as the uninterrupted run."""
     from trainers import train

@@ -266,7 +266,7 @@ def _run(pairs_file, run_dir, layout, *sets, **kwargs):
     return train(cfg, mesh=mesh, **kwargs)
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_layout_equals_one_device_and_resumes_onto_another_mesh(pairs_file, tmp_path):
     single = _run(pairs_file, tmp_path / "single", "single", keep_state=True)
     straight = _run(pairs_file, tmp_path / "straight", "dp2_fsdp2_tp2", keep_state=True)

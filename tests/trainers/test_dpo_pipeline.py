@@ -160,7 +160,7 @@ def test_with_moe_blocks(sizes, rules):
 
 
 @pytest.mark.parametrize("sizes, rules, schedule, m, v, lora", [
-    pytest.param((("data", 2), ("seq", 2), ("pipe", 2)), "dp", "1f1b", 4, 1, True, marks=pytest.mark.slow),
+    pytest.param((("data", 2), ("seq", 2), ("pipe", 2)), "dp", "1f1b", 4, 1, True, marks=pytest.mark.sweep),
     pytest.param((("seq", 2), ("pipe", 2), ("tensor", 2)), "dp_tp", "interleaved", 4, 2, False, marks=pytest.mark.sweep),
 ])
 def test_with_context_parallelism(sizes, rules, schedule, m, v, lora):

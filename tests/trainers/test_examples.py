@@ -96,7 +96,7 @@ def runs(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("example", TASKS)
+@pytest.mark.parametrize("example", ["digits", pytest.param("decoder", marks=pytest.mark.sweep)])  # the decoder's keys: below
 def test_dropout_is_on_in_training_and_off_in_eval(example):
     with nnx.use_eager_sharding(False):
         model = TASKS[example].model(nnx.Rngs(0))
@@ -137,7 +137,8 @@ PAIRS = [("digits", "dp2_tp4"), ("decoder", "dp8"), *((e, layout) for e in TASKS
 assert {layout for _, layout in PAIRS} == set(SHARDED)
 
 
-@pytest.mark.parametrize(("example", "layout"), PAIRS)
+@pytest.mark.parametrize(("example", "layout"), [pytest.param(*p, marks=pytest.mark.sweep) if p == ("decoder", "dp8") else p
+                                                 for p in PAIRS])  # decoder on dp8: the sweep
 def test_layout_matches_single_device(runs, example, layout):
     ref, ref_records = runs(example, "single")
     got, records = runs(example, layout)

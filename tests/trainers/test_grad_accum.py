@@ -21,7 +21,10 @@ CASES = [("dp8", "per_microbatch"), ("dp2_fsdp2_tp2", "per_microbatch"), ("dp2_f
          ("fsdp8", "per_step"), ("dp4_pipe2", "per_microbatch")]
 
 
-@pytest.mark.parametrize("name, mode", CASES)
+SWEEP = [("dp2_fsdp2_tp2", "per_microbatch"), ("fsdp8", "per_step")]  # the sweep; the fast tier runs the other three
+
+
+@pytest.mark.parametrize("name, mode", [pytest.param(*c, marks=pytest.mark.sweep) if c in SWEEP else c for c in CASES])
 def test_accumulated_step_equals_one_device_full_batch(name, mode):
     ref_params, ref_metrics = reference()
     k = 2 if name == "dp4_pipe2" else K

@@ -181,7 +181,7 @@ def test_a_stage_drawing_by_its_own_row_index_is_caught(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------- a run
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_a_pipelined_run_equals_the_run_on_one_device(tmp_path):
     """Three steps of ``spmd-train gpt-small`` (tiny) with ``lora.dropout=0.1`` and ``run.grad_accum=2``:
     interleaved over ``fsdp=2 x tensor=2 x pipe=2`` (the stack stored in chunk order) equals one device

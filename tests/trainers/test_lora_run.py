@@ -80,7 +80,7 @@ def test_layouts_equal_one_device(hf_folder, one_device, other_alpha, tmp_path, 
     assert abs(other_alpha.losses[2] - one_device.losses[2]) > 100 * TOL
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_resume_onto_another_mesh_is_exact(hf_folder, tmp_path):
     first = lora_run(hf_folder, tmp_path, "data=2,fsdp=2,tensor=2", steps=2)
     resumed = lora_run(hf_folder, tmp_path, "fsdp=4,tensor=2", steps=3)

@@ -187,7 +187,7 @@ def sharded_grad(sizes: dict, rules: str, exchange: str):
 
 
 @pytest.mark.parametrize("sizes, rules, exchange", [
-    pytest.param({"data": 2, "seq": 2, "tensor": 2}, "dp_tp", "ring", marks=pytest.mark.slow),
+    pytest.param({"data": 2, "seq": 2, "tensor": 2}, "dp_tp", "ring", marks=pytest.mark.sweep),
     pytest.param({"fsdp": 2, "seq": 4}, "fsdp", "allgather", marks=pytest.mark.sweep),
     pytest.param({"fsdp": 2, "seq": 4}, "fsdp", "ring", marks=pytest.mark.sweep),
     pytest.param({"data": 2, "seq": 2, "tensor": 2}, "dp_tp", "allgather", marks=pytest.mark.sweep),

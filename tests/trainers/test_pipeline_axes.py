@@ -77,7 +77,7 @@ def test_moe_under_1f1b_equals_one_device_accumulating_its_microbatches():
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,schedule", [
     pytest.param((("expert", 2), ("tensor", 2), ("pipe", 2)), "gpipe", marks=pytest.mark.sweep),
-    ((("fsdp", 2), ("expert", 2), ("pipe", 2)), "interleaved"),
+    pytest.param((("fsdp", 2), ("expert", 2), ("pipe", 2)), "interleaved", marks=pytest.mark.sweep),
 ])
 def test_moe_under_more_schedules_and_layouts(layout, schedule):
     """GPipe with the scanned stack; interleaved with the ragged exchange (the routed rows only, as on GPU and
@@ -102,7 +102,7 @@ def test_context_parallelism_under_more_schedules_with_tensor_and_experts(layout
     check(layout, "dp_ep" if cfg.n_experts else "dp_tp", schedule, cfg)
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_through_the_cli_a_pipeline_with_moe_and_seq_equals_the_run_without_it(tmp_path):
     """gpt-moe on expert=2 x seq=2 x pipe=2 (1f1b, 4 microbatches) against expert=2 x seq=2 x data=2
     accumulating 4 microbatches: the same losses, step by step, over 3 steps."""

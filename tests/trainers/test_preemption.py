@@ -153,7 +153,7 @@ def _run_worker(run_dir, *args, send=None, at_step=None):
     return proc.returncode, out, results[0] if results else None
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.sweep)], ids=["SIGTERM", "SIGINT"])
 def test_signal_to_a_subprocess_exits_zero_with_a_checkpoint(tmp_path, reference, sig):
     run_dir = str(tmp_path / "run")
     at = {signal.SIGTERM: 4, signal.SIGINT: 7}[sig]

@@ -276,7 +276,7 @@ def temp_bytes(schedule: str, m: int) -> int:
     return c.compiled.memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_1f1b_memory_flat_in_microbatches_gpipe_grows():
     one = temp_bytes("1f1b", 4), temp_bytes("1f1b", 8)
     gp = temp_bytes("gpipe", 4), temp_bytes("gpipe", 8)
