@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 import spmd
 from meshes import axis_sizes
-from spmd.pipeline import PipelineConfig
+from spmd.pipeline import LayerOrder, PipelineConfig
 from spmd.sharding import abstract_module
 from spmd.stack import reorder_stacks, stack_orders
 from spmd.variables import ModelVars, PathRules, init_model
@@ -102,7 +102,8 @@ def sharded_state(
 
     With a ``pipeline`` whose schedule reads a chunk order on this mesh's ``pipe`` axis (interleaved,
     V > 1) every ``spmd.Stack`` of the model is stored in that order (``Stack.reorder``), each
-    natural layer with the values it has without it; ``layer_orders`` lists them for checkpoints."""
+    natural layer with the values it has without it, bit for bit: the model is created in natural order
+    on its natural shards, then moved (:func:`_chunk_ordered`); ``layer_orders`` lists them for checkpoints."""
     order = pipeline.layer_order(axis_sizes(mesh).get("pipe", 1)) if pipeline is not None else None
     if order is not None and not order.natural:
         make_natural = make_model
@@ -110,7 +111,9 @@ def sharded_state(
         def make_model():
             return reorder_stacks(make_natural(), order)
 
-    model = init_model(make_model, rules, mesh, path_rules=path_rules, abstract=abstract)
+        model = _chunk_ordered(make_natural, order, rules, mesh, path_rules=path_rules, abstract=abstract)
+    else:
+        model = init_model(make_model, rules, mesh, path_rules=path_rules, abstract=abstract)
     opt_shardings = spmd.optimizer_shardings(tx, jax.eval_shape(tx.init, model.params), model.shardings["params"], mesh)
     rep = spmd.sharding.replicated(mesh)
 
@@ -129,3 +132,23 @@ def sharded_state(
                            model_state=model.shardings["other"] if stateful else None)
     orders = stack_orders(abstract_module(make_model)) if order is not None and not order.natural else ()
     return ShardedState(model, state, shardings, orders)
+
+
+def _chunk_ordered(make_natural: Callable[[], nnx.Module], order: LayerOrder, rules: spmd.Rules | str, mesh: Mesh, *,
+                   path_rules: PathRules, abstract: bool) -> ModelVars:
+    """``make_natural()``'s variables with every Stack in ``order``: created in natural order on their
+    natural shards, then permuted in a jit of its own (data movement only; the natural arrays donated).
+    Created in the chunk order's sharding at once, each device would compute the random init of layers it
+    does not keep, which XLA may fuse and round differently (1 ulp at ``--xla_backend_optimization_level=0``):
+    an interleaved pipeline would start from other numbers than one device."""
+    ordered = init_model(lambda: reorder_stacks(make_natural(), order), rules, mesh, path_rules=path_rules, abstract=True)
+    if abstract:
+        return ordered
+    natural = init_model(make_natural, rules, mesh, path_rules=path_rules)
+
+    def permute(params: Any, other: Any) -> tuple[Any, Any]:
+        return ordered.split(reorder_stacks(natural.merge(params, other), order))
+
+    params, other = jax.jit(permute, out_shardings=(ordered.shardings["params"], ordered.shardings["other"]),
+                            donate_argnums=(0, 1))(natural.params, natural.other)
+    return dataclasses.replace(ordered, params=params, other=other)
