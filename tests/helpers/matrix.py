@@ -316,19 +316,30 @@ and the final parameters agree (the detail gives the loss error and the paramete
 update the parameters took; tolerances 1e-5 in f32, 1e-3 / 2e-2 in bf16, 1e-1 for the update of bf16 MoE). `refused`: the run stopped
 before compiling with the message shown.
 
-The combinations refused today, and why:
+The combinations refused today, and why (the first, third and fifth cannot equal one device or cannot be
+built from what the toolkit is given; the second and fourth could be built and are not yet):
 
 - local SGD on a mesh without a `data` axis of size >= 2 (`fsdp=8`, `expert=2 x seq=2 x pipe=2`, `expert=2 x
-  seq=2 x tensor=2`): there are no replica groups;
-- a local-SGD checkpoint resumed on a mesh with another `data` size: the groups' states do not regroup;
-- local SGD with a model that has non-parameter state (the user task's BatchNorm statistics): what
-  averaging them across groups should mean is not decided, and no choice equals one device;
+  seq=2 x tensor=2`): the replica groups are the shards of `data`; with one there is one group, which is
+  ordinary training (`local_sgd.every=0`);
+- a local-SGD checkpoint resumed on a mesh with another `data` size: it holds G groups' inner states (their
+  params since the last synchronisation, inner optimizer moments, RNG streams), and a run with G' groups
+  would compute another function (each group's inner step sees B/G' rows), so no G'-group state continues
+  the saved run. Possible in principle: G groups kept on a `data` axis of another size (groups decoupled from
+  the axis); not built. A new run starts from the outer params with `checkpoint.init_from`;
+- local SGD with a model that has non-parameter state (the user task's BatchNorm statistics): one device
+  (and data parallelism) normalises each row with the statistics of the whole global batch, a replica group
+  with those of its own B/G rows, so the forward pass differs from one device's at every step, for every H
+  (H = 1 included): no averaging rule for the statistics can make it equal;
 - MoE blocks with local SGD: mapped over replica groups (`jax.vmap`), the expert all-to-alls and the router's
   top-k are partitioned over `data`. The numbers equal data parallelism, but every inner step would all-gather
   the groups' tokens over `data` (about 260 KiB per step on the tiny model, more than its parameters), the
-  traffic local SGD exists to remove;
-- a user task under a pipeline: its loss must run its `spmd.Stack` through
-  `spmd.pipeline.pipelined_loss` and say so (`Task(pipelined=True)`), as the GPT's does.
+  traffic local SGD exists to remove. Lifting it needs the inner step manual over `data` (a `shard_map` per
+  group instead of `jax.vmap`) with the MoE layer's per-shard body inside it; not built;
+- a user task under a pipeline without an `spmd.Stack`: a pipeline splits the model into S x V stages of one
+  structure, and an arbitrary module declares no sequence of layers to split. With its repeated blocks in a
+  `spmd.Stack` run through `spmd.pipeline.pipelined_loss` (`Task(pipelined=True)`, as the GPT's loss does) a
+  user task runs pipelined (tests/trainers/test_task.py, GPipe on `data=4 x pipe=2`).
 
 Outside the matrix's factors: DPO runs under every pipeline schedule (docs/post-training.md), with context
 parallelism too: each stage device holds its shard of every row's length, and the head adds each pair's summed
