@@ -92,7 +92,7 @@ def chunked_case(sizes: tuple, rules: str, S: int, V: int) -> ChunkedCase:
 CASES = [((("pipe", 2),), "none", 2, 2), ((("fsdp", 2), ("pipe", 2)), "fsdp", 2, 2)]
 
 
-@pytest.mark.parametrize("sizes, rules, S, V", [CASES[0], pytest.param(*CASES[1], marks=pytest.mark.sweep)])
+@pytest.mark.parametrize("sizes, rules, S, V", CASES)
 def test_chunk_ordered_interleaved_matches_single_device(sizes, rules, S, V):
     c = chunked_case(sizes, rules, S, V)
     loss, grads = c()
