@@ -376,10 +376,12 @@ class Costs:
     roofline: Roofline | None = None
 
 
-def layout_costs(cfg: Config, sizes: dict[str, int], hw: Hardware, *, profile: TaskProfile | None = None, dcn_axes: tuple[str, ...] = ()) -> Costs:
-    """``cfg`` on a mesh of these axis sizes: the static checks (the layout stage of :func:`trainers.checks.check`), then memory,
-    collectives and roofline, from the built-in GPT's formulas or from a task's ``profile``."""
-    issues = tuple(check(cfg, stages=("layout",), mesh_shape=sizes, model=None if profile is None else profile.variables))
+def layout_costs(cfg: Config, sizes: dict[str, int], hw: Hardware, *, profile: TaskProfile | None = None, dcn_axes: tuple[str, ...] = (),
+                 issues: tuple[Issue, ...] | None = None) -> Costs:
+    """``cfg`` on a mesh of these axis sizes: the static checks (the layout stage of :func:`trainers.checks.check`; ``issues``: their
+    result for this mesh and rule set, already known), then memory, collectives and roofline, from the built-in GPT's formulas or from a task's ``profile``."""
+    if issues is None:
+        issues = tuple(check(cfg, stages=("layout",), mesh_shape=sizes, model=None if profile is None else profile.variables))
     if any(i.fatal for i in issues):
         return Costs(issues)
     if profile is None:

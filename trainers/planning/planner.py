@@ -161,14 +161,15 @@ class Estimate:
 
 
 def estimate_layout(cfg: Config, layout: Layout, hardware: str | Hardware, *, headroom: float | None = None,
-                    task: Task | TaskProfile | None = None) -> Estimate:
+                    task: Task | TaskProfile | None = None, issues: tuple[Issue, ...] | None = None) -> Estimate:
     """The analytic estimate of ``cfg`` run with ``layout`` on ``hardware``: the built-in GPT's
-    formulas, or with ``task`` (a Task or its :class:`~trainers.planning.profile.TaskProfile`) any model's."""
+    formulas, or with ``task`` (a Task or its :class:`~trainers.planning.profile.TaskProfile`) any model's.
+    ``issues``: the layout checks' result for this mesh and rule set, when known (they do not read remat)."""
     hw = get_hardware(hardware)
     headroom = hw.headroom if headroom is None else headroom
     sizes = {a: layout.sizes.get(a, 1) for a in ("data", "pipe", "fsdp", "seq", "expert", "tensor")}
     budget = headroom * hw.hbm_bytes
-    if layout.pipe > 1:  # the pipeline's own checks, as Issues (the config refuses to build on the first)
+    if layout.pipe > 1 and issues is None:  # the pipeline's own checks, as Issues (the config refuses to build on the first)
         piped = [i for i in check(cfg, stages=("layout",), mesh_shape=sizes, rules=layout.rules,
                                   pipeline=layout.pipeline, select=("pipeline",)) if i.fatal]
         if piped:
@@ -179,7 +180,7 @@ def estimate_layout(cfg: Config, layout: Layout, hardware: str | Hardware, *, he
         return Estimate(layout, None, (), None, budget, (Issue("config", "config", None, str(e), "", fatal=True,
                                                                 stage="config"),))
     profile = task if task is None or isinstance(task, TaskProfile) else profile_task(task, cfg)
-    costs = layout_costs(run, sizes, hw, profile=profile)
+    costs = layout_costs(run, sizes, hw, profile=profile, issues=issues)
     return Estimate(layout, costs.memory, costs.traffic, costs.roofline, budget, costs.issues)
 
 
@@ -361,9 +362,10 @@ def remat_ladder(cfg: Config, layout: Layout, hw: Hardware, headroom: float) -> 
     is the layout's fastest (each later policy recomputes more); the ones before it are rejected by
     the memory model, and the ones after it are not estimated. A layout that cannot be built at all
     is estimated once."""
-    out = []
-    for remat in REMAT_LADDER:
-        e = estimate_layout(cfg, dataclasses.replace(layout, remat=remat), hw, headroom=headroom)
+    out: list[Estimate] = []
+    for remat in REMAT_LADDER:  # the layout checks run once: the policy changes none of them
+        e = estimate_layout(cfg, dataclasses.replace(layout, remat=remat), hw, headroom=headroom,
+                            issues=out[0].issues if out else None)
         out.append(e)
         if e.fits or not e.buildable:
             break
