@@ -111,7 +111,7 @@ def sharded_state(
         def make_model():
             return reorder_stacks(make_natural(), order)
 
-        model = _chunk_ordered(make_natural, order, rules, mesh, path_rules=path_rules, abstract=abstract)
+        model = _chunk_ordered(make_natural, make_model, order, rules, mesh, path_rules=path_rules, abstract=abstract)
     else:
         model = init_model(make_model, rules, mesh, path_rules=path_rules, abstract=abstract)
     opt_shardings = spmd.optimizer_shardings(tx, jax.eval_shape(tx.init, model.params), model.shardings["params"], mesh)
@@ -134,14 +134,14 @@ def sharded_state(
     return ShardedState(model, state, shardings, orders)
 
 
-def _chunk_ordered(make_natural: Callable[[], nnx.Module], order: LayerOrder, rules: spmd.Rules | str, mesh: Mesh, *,
-                   path_rules: PathRules, abstract: bool) -> ModelVars:
-    """``make_natural()``'s variables with every Stack in ``order``: created in natural order on their
+def _chunk_ordered(make_natural: Callable[[], nnx.Module], make_ordered: Callable[[], nnx.Module], order: LayerOrder,
+                   rules: spmd.Rules | str, mesh: Mesh, *, path_rules: PathRules, abstract: bool) -> ModelVars:
+    """``make_ordered()``'s variables (``make_natural()``'s with every Stack in ``order``): created in natural order on their
     natural shards, then permuted in a jit of its own (data movement only; the natural arrays donated).
     Created in the chunk order's sharding at once, each device would compute the random init of layers it
     does not keep, which XLA may fuse and round differently (1 ulp at ``--xla_backend_optimization_level=0``):
     an interleaved pipeline would start from other numbers than one device."""
-    ordered = init_model(lambda: reorder_stacks(make_natural(), order), rules, mesh, path_rules=path_rules, abstract=True)
+    ordered = init_model(make_ordered, rules, mesh, path_rules=path_rules, abstract=True)
     if abstract:
         return ordered
     natural = init_model(make_natural, rules, mesh, path_rules=path_rules)
