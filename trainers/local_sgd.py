@@ -1,8 +1,9 @@
 """Local SGD / DiLoCo: replica groups over ``data`` that train alone and synchronise every H steps.
 
-The ``data`` axis (size G, the slow DCN axis) holds G replica groups. Every leaf of the ordinary train
-state gains a leading group dim, ``X[G_data, ...]``: params, inner optimizer state, counters, RNG and
-guard window per group. The inner step is the ordinary step (:mod:`trainers.step`) mapped over groups
+The ``data`` axis (size D, the slow DCN axis) holds G replica groups (``local_sgd.groups``; default G = D),
+G/D on each data shard. Every leaf of the ordinary train state gains a leading group dim, ``X[G_data, ...]``:
+params, inner optimizer state, counters, RNG and guard window per group. The inner step is the ordinary
+step (:mod:`trainers.step`) mapped over groups
 (``jax.vmap``, the group dim placed on ``data`` by its shardings) under the rule set without ``data``: group
 g trains on rows ``[g*B/G, (g+1)*B/G)`` of the global batch; nothing in it communicates over ``data``. Every
 H steps (and at the run's last step) the outer step all-reduces the params over ``data`` once (one variadic
@@ -47,9 +48,12 @@ class LocalSGDConfig:
     DiLoCo's Nesterov from there on. ``outer_lr`` / ``outer_momentum`` None: the chosen optimizer's.
     ``outer_dtype``: what the outer all-reduce moves; ``"float32"`` the params, ``"bfloat16"`` each
     group's pseudo-gradient in bf16 (half the bytes), ``"int8"`` it quantized with a scale per
-    chunk (a quarter); summed in f32 (:func:`compressed_mean`)."""
+    chunk (a quarter); summed in f32 (:func:`compressed_mean`). ``groups``: G, the number of replica
+    groups, a multiple of the ``data`` size; 0: the ``data`` size. Fixed for a run: a checkpoint of G
+    groups resumes on any mesh whose ``data`` size divides G."""
 
     every: int = 0
+    groups: int = 0
     outer_optimizer: str = "auto"
     outer_lr: float | None = None
     outer_momentum: float | None = None
@@ -59,6 +63,9 @@ class LocalSGDConfig:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 0:
             raise ValueError(f"local_sgd.every={self.every!r} must be an integer >= 0 (0: off; H >= 1 inner steps "
                              "between synchronisations)")
+        if isinstance(self.groups, bool) or not isinstance(self.groups, int) or self.groups < 0 or self.groups == 1:
+            raise ValueError(f"local_sgd.groups={self.groups!r} must be 0 (the data axis's size) or an integer >= 2 "
+                             "(replica groups, a multiple of the data size)")
         if self.outer_dtype not in OUTER_DTYPES:
             raise ValueError(f"local_sgd.outer_dtype={self.outer_dtype!r}; valid: {', '.join(OUTER_DTYPES)}")
         if self.outer_optimizer not in OUTER_OPTIMIZERS:
@@ -116,12 +123,16 @@ def inner_rules(rules: Rules) -> Rules:
 
 
 def groups_of(mesh: Mesh, cfg: LocalSGDConfig) -> int:
-    """G, the size of ``data``; ValueError when it cannot hold replica groups."""
-    groups = dict(mesh.shape).get(AXIS, 1)
+    """G: ``cfg.groups``, or the size of ``data``; ValueError when the mesh cannot hold them."""
+    data = dict(mesh.shape).get(AXIS, 1)
+    groups = cfg.groups or data
     if groups < 2:
         raise ValueError(f"local_sgd.every={cfg.every} needs replica groups over the {AXIS!r} axis, but this mesh has "
-                         f"{AXIS}={groups} ({dict(mesh.shape)}); give {AXIS} >= 2 (e.g. mesh.axes=data=2,fsdp=4) or "
-                         "set local_sgd.every=0")
+                         f"{AXIS}={data} ({dict(mesh.shape)}); give {AXIS} >= 2 (e.g. mesh.axes=data=2,fsdp=4), "
+                         "local_sgd.groups >= 2, or set local_sgd.every=0")
+    if groups % data:
+        raise ValueError(f"local_sgd.groups={groups} does not divide over {AXIS}={data} ({dict(mesh.shape)}): give a "
+                         f"multiple of {data} (each {AXIS} shard runs groups/{data} of them)")
     return groups
 
 
@@ -137,8 +148,9 @@ def check_resume(stored: Any, groups: int | None, step: int) -> None:
     if written is None:
         raise ValueError(f"checkpoint step {step} was written without local SGD; local_sgd.every={groups and 'H'} "
                          "cannot resume it: start from its params with checkpoint.init_from and a new run.run_dir")
-    raise ValueError(f"checkpoint step {step} holds {written} replica groups but this mesh has data={groups}: "
-                     f"restoring onto another number of groups is not supported; use data={written}")
+    raise ValueError(f"checkpoint step {step} holds {written} replica groups but this run has {groups} "
+                     f"(local_sgd.groups, 0: the data size): set local_sgd.groups={written} to resume them, on any "
+                     f"mesh whose data size divides {written}")
 
 
 def data_bytes(compiled: Any, mesh: Mesh) -> int:
@@ -273,26 +285,38 @@ class LocalSGD:
 
 def group_mean(params_G: Any, mesh: Mesh, groups: int) -> Any:
     """``mean_g params[g]``: ``X[G_data, ...] -> X[...]``, one all-reduce over ``data`` of every leaf
-    together (a variadic psum in a ``shard_map`` manual over ``data`` only; other axes stay automatic)."""
-    def local(x_1):
-        return jax.tree.map(lambda s: s / groups, jax.lax.psum(jax.tree.map(lambda x: x[0], x_1), AXIS))
+    together (a variadic psum in a ``shard_map`` manual over ``data`` only; other axes stay automatic)
+    of each shard's sum over its G/D groups."""
+    def local(x_l):
+        return jax.tree.map(lambda s: s / groups, jax.lax.psum(jax.tree.map(_local_sum, x_l), AXIS))
 
     specs = jax.tree.map(lambda _: P(AXIS), params_G)
     return jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=jax.tree.map(lambda _: P(), params_G),
                          axis_names=frozenset({AXIS}))(params_G)
 
 
+def _local_sum(x_l: jax.Array) -> jax.Array:
+    """``x[G/D, ...]`` summed over its groups in order (one group: itself, unrounded)."""
+    total = x_l[0]
+    for i in range(1, x_l.shape[0]):
+        total = total + x_l[i]
+    return total
+
+
 def compressed_mean(outer: Any, params_G: Any, group_shardings: Any, shardings: Any, mesh: Mesh, groups: int,
                     dtype: str) -> Any:
-    """``mean_g (outer - params[g])``, the pseudo-gradient, moved over ``data`` in ``dtype``: each device's
-    shard is flattened into G chunks, encoded (bf16; int8 with one f32 scale per chunk); an all-to-all
-    gives each group every group's copy of one chunk, summed in f32 and encoded again; an all-gather
-    the whole. The ring all-reduce's bytes at ``dtype``'s width (bf16 travels as its uint16 bits: no
-    reduction runs in it). Manual over every mesh axis: the bytes are the shards'."""
-    def one(o, p_1):
-        d = (o - p_1[0]).astype(jnp.float32)
+    """``mean_g (outer - params[g])``, the pseudo-gradient, moved over ``data`` (size D) in ``dtype``: each
+    device's sum over its G/D groups is flattened into D chunks, encoded (bf16; int8 with one f32 scale
+    per chunk); an all-to-all gives each data shard every shard's copy of one chunk, summed in f32 and
+    encoded again; an all-gather the whole. The ring all-reduce's bytes at ``dtype``'s width (bf16
+    travels as its uint16 bits: no reduction runs in it). Manual over every mesh axis: the bytes are the
+    shards'."""
+    shards = dict(mesh.shape)[AXIS]
+
+    def one(o, p_l):
+        d = _local_sum(o.astype(jnp.float32) - p_l.astype(jnp.float32))
         n = d.size
-        flat = jnp.pad(d.reshape(-1), (0, -n % groups)).reshape(groups, -1)
+        flat = jnp.pad(d.reshape(-1), (0, -n % shards)).reshape(shards, -1)
         recv = [jax.lax.all_to_all(a, AXIS, 0, 0) for a in _encode(flat, dtype)]
         mean = jnp.sum(_decode(recv, dtype), axis=0) / groups
         full = _decode([jax.lax.all_gather(a[0], AXIS) for a in _encode(mean[None], dtype)], dtype)

@@ -140,7 +140,7 @@ def test_resume_mid_interval_is_exact(runs):
 def test_restores_onto_another_group_count_or_mode_are_refused(runs, tmp_path):
     source = runs["root"] / "h2"
     for name, sets, match in [
-        ("g4", ["mesh.axes=data=4,fsdp=2", *H2], r"holds 2 replica groups but this mesh has data=4"),
+        ("g4", ["mesh.axes=data=4,fsdp=2", *H2], r"holds 2 replica groups but this run has 4 .*local_sgd.groups=2"),
         ("dp", [], r"written by local SGD with 2 replica groups; resume it with local_sgd.every >= 1"),
     ]:
         shutil.copytree(source / "checkpoints", tmp_path / name / "checkpoints")
@@ -149,6 +149,29 @@ def test_restores_onto_another_group_count_or_mode_are_refused(runs, tmp_path):
     shutil.copytree(runs["root"] / "dp" / "checkpoints", tmp_path / "to-local" / "checkpoints")
     with pytest.raises(ValueError, match=r"written without local SGD; .*checkpoint.init_from"):
         train(tiny(tmp_path / "to-local", *runs["common"], "local_sgd.every=2"))
+
+
+def test_groups_beyond_the_data_size_equal_data_parallelism_and_resume_onto_another_data_size(runs, tmp_path):
+    """``local_sgd.groups=4`` on data=2 (two groups per data shard): H = 1 with plain averaging equals
+    data parallelism; an H = 2 run's mid-interval checkpoint (groups apart) resumes on data=4 as the
+    run that was not stopped; without the key a resume onto data=8 is refused, naming it."""
+    g4, common = ["local_sgd.groups=4"], runs["common"]
+    h1 = train(tiny(tmp_path / "h1", *common, *H1, *g4), keep_state=True)
+    dp = runs["dp"]
+    assert all(abs(h1.losses[s] - dp.losses[s]) <= 1e-5 * abs(dp.losses[s]) for s in dp.losses), (h1.losses, dp.losses)
+    assert _close(jax.device_get(h1.state.outer_params), jax.device_get(dp.state.params))
+    assert jax.tree.leaves(h1.state.params)[0].shape[0] == 4
+    straight = train(tiny(tmp_path / "h2", *common, *H2, *g4), keep_state=True)
+    shutil.copytree(tmp_path / "h2" / "checkpoints" / "3", tmp_path / "moved" / "checkpoints" / "3")
+    resumed = train(tiny(tmp_path / "moved", *common, *H2, *g4, "mesh.axes=data=4,fsdp=2"), keep_state=True)
+    assert resumed.start_step == 3
+    assert all(abs(resumed.losses[s] - straight.losses[s]) <= 1e-5 * straight.losses[s] for s in (4, 5))
+    assert _close(jax.device_get(resumed.state.params), jax.device_get(straight.state.params))
+    # negative control: H = 2 had moved the groups apart by the checkpoint (H = 1 keeps them together)
+    assert abs(straight.losses[4] - h1.losses[4]) > 1e-4 * h1.losses[4]
+    shutil.copytree(tmp_path / "h2" / "checkpoints" / "3", tmp_path / "d8" / "checkpoints" / "3")
+    with pytest.raises(ValueError, match=r"holds 4 replica groups but this run has 8 .* set local_sgd.groups=4"):
+        train(tiny(tmp_path / "d8", *common, *H2, "mesh.axes=data=8"))
 
 
 @pytest.mark.parametrize("sets, match", [
@@ -161,10 +184,24 @@ def test_restores_onto_another_group_count_or_mode_are_refused(runs, tmp_path):
     (["local_sgd.every=2", "local_sgd.outer_momentum=1"], r"outer_momentum=1.0 must be a number in \[0, 1\)"),
     (["local_sgd.every=2", "local_sgd.outer_dtype=fp8"], r"outer_dtype='fp8'; valid: float32, bfloat16, int8"),
     (["local_sgd.every=2", "mesh.axes=fsdp=4,tensor=2"], r"needs replica groups over the data axis, .* gives data=1"),
+    (["local_sgd.every=2", "local_sgd.groups=1"], r"local_sgd.groups=1 must be 0 \(the data axis's size\) or an integer >= 2"),
+    (["local_sgd.every=2", "local_sgd.groups=3"], r"local_sgd.groups=3 does not divide over data=2 .* a multiple of 2"),
 ])
 def test_bad_configs_are_refused(sets, match):
     with pytest.raises(ValueError, match=match):
         override(recipe("gpt-small", tiny=True), sets)
+
+
+def test_groups_split_the_batch_as_data_would():
+    """The layout check splits each microbatch over G groups in place of data: 8 rows into 8 groups on
+    fsdp=2 is refused, naming local_sgd.groups; into 4 groups it passes (control)."""
+    from trainers import checks
+
+    cfg = override(recipe("gpt-small", tiny=True), [MESH, "local_sgd.every=2", "local_sgd.groups=8"])
+    (issue,) = [i for i in checks.check(cfg, stages=("layout",), mesh_shape=cfg.mesh.build().shape) if i.fatal]
+    assert "batch of 8 per microbatch" in str(issue) and "local_sgd.groups=8 x fsdp=2" in str(issue), str(issue)
+    ok = override(cfg, ["local_sgd.groups=4"])
+    assert not [i for i in checks.check(ok, stages=("layout",), mesh_shape=ok.mesh.build().shape) if i.fatal]
 
 
 def test_auto_outer_optimizer_depends_on_h():
@@ -228,15 +265,17 @@ def test_compressed_outer_all_reduce_against_a_host_mean(runs, dtype, tol, share
     local, state = runs["h2_local"], runs["h2"].state
     rng = np.random.default_rng(1)
     outer = jax.device_get(state.outer_params)
-    group_params = jax.tree.map(lambda x: np.stack([x + rng.normal(0, 0.01, x.shape).astype(x.dtype) for _ in range(2)]),
-                                outer)
     sh = local.shardings
-    fn = jax.jit(lambda o, p: compressed_mean(o, p, sh.params, sh.outer_params, local.mesh, 2, dtype))
-    args = jax.device_put(outer, sh.outer_params), jax.device_put(group_params, sh.params)
-    got = jax.device_get(fn(*args))
-    for g, o, p in zip(jax.tree.leaves(got), jax.tree.leaves(outer), jax.tree.leaves(group_params)):
-        want = o - p.mean(0)
-        assert np.abs(g - want).max() <= tol * np.abs(want).max() and np.abs(want).max() > 0
+    for groups in (2, 4):  # one group per data shard, and two (local_sgd.groups=4 on data=2)
+        group_params = jax.tree.map(
+            lambda x: np.stack([x + rng.normal(0, 0.01, x.shape).astype(x.dtype) for _ in range(groups)]), outer)
+        fn = jax.jit(lambda o, p, G=groups: compressed_mean(o, p, sh.params, sh.outer_params, local.mesh, G, dtype))
+        args = jax.device_put(outer, sh.outer_params), jax.device_put(group_params, sh.params)
+        got = jax.device_get(fn(*args))
+        for g, o, p in zip(jax.tree.leaves(got), jax.tree.leaves(outer), jax.tree.leaves(group_params)):
+            want = o - p.mean(0)
+            assert np.abs(g - want).max() <= tol * np.abs(want).max() and np.abs(want).max() > 0
+
     def wire(compiled):  # bytes one device sends over data (ring algorithms)
         return sum(op.count * op.wire_bytes for op in spmd.hlo.collectives(compiled, local.mesh) if "data" in op.axes)
 

@@ -33,7 +33,8 @@ def _config(path: str, message: str, fix: str, key: str) -> Issue:
 
 def check_local_sgd(cfg: Any) -> list[Issue]:
     """What local SGD (``local_sgd.every`` >= 1) cannot combine with: MoE blocks (:data:`MOE_UNMAPPED`), a
-    data axis under 2. The first found only (the last reads the mesh spec). A pipeline, context parallelism
+    data axis under 2 without ``local_sgd.groups``, groups that do not divide over data. The first found
+    only (the last two read the mesh spec). A pipeline, context parallelism
     and accumulation with ``run.fsdp_gather=per_step`` compose (tests/trainers/test_local_sgd_compose.py)."""
     every = cfg.local_sgd.every
     if not cfg.local_sgd.enabled:
@@ -42,13 +43,21 @@ def check_local_sgd(cfg: Any) -> list[Issue]:
         return [_config("local_sgd", f"local_sgd.every={every} cannot run with MoE blocks (model.n_experts="
                         f"{cfg.model.n_experts}): {MOE_UNMAPPED}", "set model.n_experts=0 or local_sgd.every=0",
                         "model.n_experts")]
-    spec = cfg.mesh.spec
+    if cfg.mesh.axes == _AUTO:
+        return []
+    spec, groups = cfg.mesh.spec, cfg.local_sgd.groups
     ici, dcn = dict(spec.ici).get("data", 1), dict(spec.dcn).get("data", 1)
     data = ici * dcn
-    if ici > 0 and dcn > 0 and data < 2:  # an inferred (-1) size is checked on the mesh
+    if ici <= 0 or dcn <= 0:  # an inferred (-1) size is checked on the mesh
+        return []
+    if not groups and data < 2:
         return [_config("local_sgd", f"local_sgd.every={every} needs replica groups over the data axis, but mesh.axes="
-                        f"{cfg.mesh.axes!r} gives data={data}; give data >= 2 (e.g. data=2,fsdp=4) or set "
-                        "local_sgd.every=0", "", "mesh.axes")]
+                        f"{cfg.mesh.axes!r} gives data={data}; give data >= 2 (e.g. data=2,fsdp=4), "
+                        "local_sgd.groups >= 2, or set local_sgd.every=0", "", "mesh.axes")]
+    if groups % data:
+        return [_config("local_sgd", f"local_sgd.groups={groups} does not divide over data={data} (mesh.axes="
+                        f"{cfg.mesh.axes!r}): give a multiple of {data} (each data shard runs groups/{data} of them)",
+                        "", "local_sgd.groups")]
     return []
 
 

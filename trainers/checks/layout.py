@@ -73,13 +73,16 @@ def check_pipeline(model: GPTConfig, pipeline: PipelineConfig, rules: spmd.Rules
     return issues
 
 
-def check_batch(global_batch: int, grad_accum: int, rules: spmd.Rules | str, sizes: Mapping[str, int]) -> list[Issue]:
-    """The per-microbatch batch must split evenly over the batch axes of the activation rules."""
+def check_batch(global_batch: int, grad_accum: int, rules: spmd.Rules | str, sizes: Mapping[str, int],
+                groups: int = 0) -> list[Issue]:
+    """The per-microbatch batch must split evenly over the batch axes of the activation rules; under
+    local SGD with ``groups`` (G) replica groups, over G in place of ``data`` (each group its rows)."""
+    sizes = {**sizes, "data": groups} if groups else sizes
     axes = batch_axes(rules, sizes)
     n = math.prod(sizes[a] for a in axes)
     micro = global_batch // max(grad_accum, 1)
     if n > 1 and micro % n:
-        where = " x ".join(f"{a}={sizes[a]}" for a in axes)
+        where = " x ".join(f"local_sgd.groups={groups}" if groups and a == "data" else f"{a}={sizes[a]}" for a in axes)
         return [Issue("batch", "batch", "batch",
                       f"batch of {micro} per microbatch (data.global_batch={global_batch} / run.grad_accum={grad_accum}) "
                       f"does not divide by {where}",

@@ -59,7 +59,9 @@ def divisibility(ctx: Context) -> list[Issue]:
 
 @rule("layout", needs=("sizes", "rules", "global_batch"))
 def batch(ctx: Context) -> list[Issue]:
-    return layout.check_batch(ctx.global_batch, ctx.grad_accum, ctx.rules, ctx.sizes)
+    local = ctx.cfg.local_sgd if ctx.cfg is not None else None  # G replica groups split the batch as data would
+    groups = local.groups if local is not None and local.enabled else 0
+    return layout.check_batch(ctx.global_batch, ctx.grad_accum, ctx.rules, ctx.sizes, groups=groups)
 
 
 @rule("layout", needs=("sizes", "rules", "pipeline", "global_batch"))
