@@ -290,6 +290,9 @@ def group_mean(params_G: Any, mesh: Mesh, groups: int) -> Any:
     def local(x_l):
         return jax.tree.map(lambda s: s / groups, jax.lax.psum(jax.tree.map(_local_sum, x_l), AXIS))
 
+    if dict(mesh.shape).get(AXIS, 1) == 1:  # every group on every device: nothing to reduce over data
+        return jax.tree.map(lambda x: _local_sum(x) / groups, params_G)
+
     specs = jax.tree.map(lambda _: P(AXIS), params_G)
     return jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=jax.tree.map(lambda _: P(), params_G),
                          axis_names=frozenset({AXIS}))(params_G)
@@ -311,7 +314,9 @@ def compressed_mean(outer: Any, params_G: Any, group_shardings: Any, shardings: 
     encoded again; an all-gather the whole. The ring all-reduce's bytes at ``dtype``'s width (bf16
     travels as its uint16 bits: no reduction runs in it). Manual over every mesh axis: the bytes are the
     shards'."""
-    shards = dict(mesh.shape)[AXIS]
+    shards = dict(mesh.shape).get(AXIS, 1)
+    if shards == 1:  # nothing moves over data: the f32 mean
+        return jax.tree.map(lambda o, m: o - m.astype(o.dtype), outer, group_mean(params_G, mesh, groups))
 
     def one(o, p_l):
         d = _local_sum(o.astype(jnp.float32) - p_l.astype(jnp.float32))

@@ -101,7 +101,8 @@ def refused(cell: dict) -> bool:
 
 
 def regroups(cell: dict) -> bool:
-    """Local SGD resumed on a mesh with another ``data`` size: another number of replica groups, refused."""
+    """Local SGD resumed on a mesh with another ``data`` size, ``local_sgd.groups`` at its default (the data
+    size): another number of replica groups, refused naming the key to set."""
     data = dict(a.split("=") for a in LAYOUTS[cell["layout"]][0].removeprefix("mesh.axes=").split(",")).get("data", "1")
     return cell["local_sgd"] == 1 and cell["resume"] == "other_mesh" and data != RESUME_MESH[0].split("data=")[1][0]
 
@@ -316,26 +317,27 @@ and the final parameters agree (the detail gives the loss error and the paramete
 update the parameters took; tolerances 1e-5 in f32, 1e-3 / 2e-2 in bf16, 1e-1 for the update of bf16 MoE). `refused`: the run stopped
 before compiling with the message shown.
 
-The combinations refused today, and why (the first, third and fifth cannot equal one device or cannot be
-built from what the toolkit is given; the second and fourth could be built and are not yet):
+The combinations refused today, and why (the first, second and fourth cannot equal one device or cannot be
+built from what the toolkit is given; the third could be built and is not yet):
 
 - local SGD on a mesh without a `data` axis of size >= 2 (`fsdp=8`, `expert=2 x seq=2 x pipe=2`, `expert=2 x
-  seq=2 x tensor=2`): the replica groups are the shards of `data`; with one there is one group, which is
-  ordinary training (`local_sgd.every=0`);
-- a local-SGD checkpoint resumed on a mesh with another `data` size: it holds G groups' inner states (their
-  params since the last synchronisation, inner optimizer moments, RNG streams), and a run with G' groups
-  would compute another function (each group's inner step sees B/G' rows), so no G'-group state continues
-  the saved run. Possible in principle: G groups kept on a `data` axis of another size (groups decoupled from
-  the axis); not built. A new run starts from the outer params with `checkpoint.init_from`;
+  seq=2 x tensor=2`) and `local_sgd.groups` at its default (the `data` size): one group is ordinary training
+  (`local_sgd.every=0`). With `local_sgd.groups=G >= 2` such a mesh runs G groups on every device;
+- (no longer refused: a local-SGD checkpoint of G groups resumes on a mesh with another `data` size that
+  divides G, with `local_sgd.groups=G`, each data shard running G/D groups: tests/trainers/test_local_sgd.py.
+  The matrix leaves `local_sgd.groups` at its default, under which such a resume is refused naming the key;
+  no cell of the design is one);
 - local SGD with a model that has non-parameter state (the user task's BatchNorm statistics): one device
   (and data parallelism) normalises each row with the statistics of the whole global batch, a replica group
   with those of its own B/G rows, so the forward pass differs from one device's at every step, for every H
   (H = 1 included): no averaging rule for the statistics can make it equal;
 - MoE blocks with local SGD: mapped over replica groups (`jax.vmap`), the expert all-to-alls and the router's
-  top-k are partitioned over `data`. The numbers equal data parallelism, but every inner step would all-gather
-  the groups' tokens over `data` (about 260 KiB per step on the tiny model, more than its parameters), the
-  traffic local SGD exists to remove. Lifting it needs the inner step manual over `data` (a `shard_map` per
-  group instead of `jax.vmap`) with the MoE layer's per-shard body inside it; not built;
+  top-k are partitioned over `data`. The numbers equal data parallelism (2.4e-7 on `data=2 x expert=2`, the
+  refusal lifted by hand), but every inner step all-gathers the groups' tokens over `data` (12 all-gathers,
+  262 KiB per device per step on the tiny model, more than its parameters), the traffic local SGD exists to
+  remove. Lifting it needs every manual region inside the step (the MoE layer's, context attention's, the
+  pipeline's, accumulation's) manual over `data` too, so that the groups' map can name `data`
+  (`jax.vmap(spmd_axis_name="data")`, whose batching of a `shard_map` does not make the axis manual itself); not built;
 - a user task under a pipeline without an `spmd.Stack`: a pipeline splits the model into S x V stages of one
   structure, and an arbitrary module declares no sequence of layers to split. With its repeated blocks in a
   `spmd.Stack` run through `spmd.pipeline.pipelined_loss` (`Task(pipelined=True)`, as the GPT's loss does) a

@@ -152,8 +152,8 @@ def test_restores_onto_another_group_count_or_mode_are_refused(runs, tmp_path):
 
 
 def test_groups_beyond_the_data_size_equal_data_parallelism_and_resume_onto_another_data_size(runs, tmp_path):
-    """``local_sgd.groups=4`` on data=2 (two groups per data shard): H = 1 with plain averaging equals
-    data parallelism; an H = 2 run's mid-interval checkpoint (groups apart) resumes on data=4 as the
+    """``local_sgd.groups=4`` on data=2 (two groups per data shard), and 2 on a mesh without data: H = 1
+    with plain averaging equals data parallelism; an H = 2 run's mid-interval checkpoint (groups apart) resumes on data=4 as the
     run that was not stopped; without the key a resume onto data=8 is refused, naming it."""
     g4, common = ["local_sgd.groups=4"], runs["common"]
     h1 = train(tiny(tmp_path / "h1", *common, *H1, *g4), keep_state=True)
@@ -161,6 +161,9 @@ def test_groups_beyond_the_data_size_equal_data_parallelism_and_resume_onto_anot
     assert all(abs(h1.losses[s] - dp.losses[s]) <= 1e-5 * abs(dp.losses[s]) for s in dp.losses), (h1.losses, dp.losses)
     assert _close(jax.device_get(h1.state.outer_params), jax.device_get(dp.state.params))
     assert jax.tree.leaves(h1.state.params)[0].shape[0] == 4
+    flat = train(tiny(tmp_path / "flat", *common, *H1, "local_sgd.groups=2", "mesh.axes=fsdp=4,tensor=2"), keep_state=True)
+    assert all(abs(flat.losses[s] - dp.losses[s]) <= 1e-5 * abs(dp.losses[s]) for s in dp.losses)  # no data axis
+    assert _close(jax.device_get(flat.state.outer_params), jax.device_get(dp.state.params))
     straight = train(tiny(tmp_path / "h2", *common, *H2, *g4), keep_state=True)
     shutil.copytree(tmp_path / "h2" / "checkpoints" / "3", tmp_path / "moved" / "checkpoints" / "3")
     resumed = train(tiny(tmp_path / "moved", *common, *H2, *g4, "mesh.axes=data=4,fsdp=2"), keep_state=True)
