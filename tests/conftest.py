@@ -16,6 +16,7 @@ os.environ["XLA_FLAGS"] = " ".join([*_flags, "--xla_force_host_platform_device_c
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 # Compilation dominates test time; a persistent cache makes re-runs cheap.
 # one directory per jax version: entries written by another jax/jaxlib are never read back
@@ -33,3 +34,27 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.get_closest_marker("sweep") is not None:
             item.add_marker("slow")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--first-variant", action="store_true",
+                     help="run each test function once: its first parameter set of those selected (CI runs the "
+                          "newest jax this way; every variant runs on the lowest)")
+
+
+class _FirstVariant:
+    @pytest.hookimpl(trylast=True)  # after -m and -k have selected
+    def pytest_collection_modifyitems(self, config, items):
+        seen, kept, dropped = set(), [], []
+        for item in items:
+            function = item.nodeid.split("[")[0]
+            (dropped if function in seen else kept).append(item)
+            seen.add(function)
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = kept
+
+
+def pytest_configure(config):
+    if config.getoption("--first-variant"):
+        config.pluginmanager.register(_FirstVariant(), "first-variant")

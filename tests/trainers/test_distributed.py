@@ -311,3 +311,22 @@ def test_losses_and_checkpoints_match_across_process_counts(tmp_path):
     assert code == 0, out[-3000:]
     assert "[p0] resumed from step 2" in out and "[p0] Mesh: 8 device(s) = data=2 x tensor=4" in out
     assert _close(_train_losses(one_to_four), {k: ref[k] for k in (3, 4)})
+
+
+@pytest.mark.sweep
+def test_an_interleaved_pipeline_on_two_processes_matches_one_process(tmp_path):
+    """An interleaved schedule (its stacks stored in chunk order, created in natural order and permuted:
+    trainers.state) on 2 processes x 4 devices, each process one data row of pipe=2 x tensor=2: the losses
+    of one process; its checkpoint resumed on one process continues them."""
+    args = ["gpt-small", "--tiny", "--mesh", "data=2,pipe=2,tensor=2", "--rules", "dp_tp", "--steps", "3",
+            "--set", "model.n_layers=4", "--set", "pipeline.schedule=interleaved", "--set", "pipeline.virtual_stages=2",
+            "--set", "pipeline.microbatches=2", "--set", "checkpoint.every_steps=2", "--set", "run.eval_batches=0",
+            "--set", "run.progress=false"]
+    one, two, back = (str(tmp_path / n) for n in ("1x8", "2x4", "2x4-to-1x8"))
+    reference = train(command.build_config(cli.parse_args([*args, "--run-dir", one])))
+    code, out, _ = _launch([sys.executable, "-m", "trainers", *args, "--run-dir", two], 2, 4)
+    assert code == 0, out[-3000:]
+    assert _close(_train_losses(two), reference.losses), (_train_losses(two), reference.losses)
+    _copy_step(two, back, 2)
+    resumed = train(command.build_config(cli.parse_args([*args, "--run-dir", back])))
+    assert resumed.start_step == 2 and _close(_train_losses(back), {3: reference.losses[3]})

@@ -158,8 +158,8 @@ def test_dropout_is_on_the_adapter_input_with_the_mask_of_its_key():
     a0, b0 = adapter.a.get_value(), adapter.b.get_value()
     got = jax.grad(ours, argnums=(0, 1))(a0, b0, True)
     want = jax.grad(reference, argnums=(0, 1))(a0, b0, keep / (1 - p))
-    for g, r in zip(got, want):
-        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+    for g, r in zip(got, want):  # f32 sums in two orders: their rounding scales with the largest entries
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6 * np.abs(r).max())
     plain = jax.grad(ours, argnums=(0, 1))(a0, b0, False)
     np.testing.assert_allclose(plain[1], jax.grad(reference, argnums=1)(a0, b0, 1.0), rtol=1e-5, atol=1e-6)
     assert np.abs(np.asarray(plain[1]) - np.asarray(got[1])).max() > 1e-2  # negative control: the mask matters
