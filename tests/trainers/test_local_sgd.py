@@ -238,18 +238,20 @@ TRAIN_ARGS = ["gpt-small", "--tiny", "--mesh", "data=2,fsdp=2,tensor=2", "--step
               "--set", "run.log_every=1"]
 
 
-@pytest.mark.slow
-def test_two_processes_one_group_each_match_one_process(tmp_path):
-    """spmd-launch: 2 processes x 4 devices, data=2 across them (one replica group per process)."""
+@pytest.mark.parametrize("groups", [pytest.param(0, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.sweep)])
+def test_two_processes_one_group_each_match_one_process(tmp_path, groups):
+    """spmd-launch: 2 processes x 4 devices, data=2 across them (one replica group per process; with
+    local_sgd.groups=4, two)."""
     one, two = str(tmp_path / "1x8"), str(tmp_path / "2x4")
-    reference = train(command.build_config(cli.parse_args([*TRAIN_ARGS, "--run-dir", one])))
+    args = [*TRAIN_ARGS, "--set", f"local_sgd.groups={groups}"]
+    reference = train(command.build_config(cli.parse_args([*args, "--run-dir", one])))
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cache = jax.config.jax_compilation_cache_dir
     if cache:
         env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     out = io.StringIO()
-    code = launch([sys.executable, "-m", "trainers", *TRAIN_ARGS, "--run-dir", two], processes=2,
+    code = launch([sys.executable, "-m", "trainers", *args, "--run-dir", two], processes=2,
                   devices_per_process=4, env=env, out=out)
     assert code == 0, out.getvalue()[-3000:]
     losses = {r["step"]: r["loss"] for r in read_metrics(two) if r["split"] == "train"}

@@ -139,3 +139,18 @@ def test_a_cli_run_with_context_parallelism_resumes(tmp_path):
     same = jax.tree.map(lambda a, b: np.array_equal(a, b, equal_nan=True), jax.device_get(resumed.state),
                         jax.device_get(straight.state))
     assert all(jax.tree.leaves(same))
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("name", ["seq", "pipe_1f1b"])
+def test_two_groups_per_data_shard_equal_data_parallelism(name):
+    """``local_sgd.groups=4`` on data=2 (each data shard maps two groups) with context parallelism or a
+    pipeline: H = 1 with plain averaging equals data parallelism, and the inner step sends nothing over data."""
+    dp_losses, dp_states = _steps(_build(_config(name, True)), _batches(STEPS), 0)
+    run = _build(_config(name, True, *H1, "local_sgd.groups=4"))
+    losses, states = _steps(run, _batches(STEPS), 1)
+    assert run.strategy.local.groups == 4
+    assert np.allclose(losses, dp_losses, rtol=1e-5, atol=0), (losses, dp_losses)
+    assert _max_diff(states[-1].outer_params, dp_states[-1].params) <= 1e-5
+    ops = spmd.hlo.collectives(run.strategy.local.compiled["inner"], run.mesh)
+    assert ops and not [op for op in ops if "data" in op.axes], spmd.hlo.format_collectives(ops)
