@@ -337,7 +337,9 @@ built from what the toolkit is given; the third could be built and is not yet):
   262 KiB per device per step on the tiny model, more than its parameters), the traffic local SGD exists to
   remove. Lifting it needs every manual region inside the step (the MoE layer's, context attention's, the
   pipeline's, accumulation's) manual over `data` too, so that the groups' map can name `data`
-  (`jax.vmap(spmd_axis_name="data")`, whose batching of a `shard_map` does not make the axis manual itself); not built;
+  (`jax.vmap(spmd_axis_name="data")`, whose batching of a `shard_map` does not make the axis manual itself). Tried
+  with the MoE layer's region manual over `data` as well: jax 0.10.2's batching of a `jit` inside that region
+  fails on its own assertion (a value typed varying over `data` where its mesh has no manual axis); not built;
 - a user task under a pipeline without an `spmd.Stack`: a pipeline splits the model into S x V stages of one
   structure, and an arbitrary module declares no sequence of layers to split. With its repeated blocks in a
   `spmd.Stack` run through `spmd.pipeline.pipelined_loss` (`Task(pipelined=True)`, as the GPT's loss does) a
