@@ -339,7 +339,11 @@ built from what the toolkit is given; the third could be built and is not yet):
   pipeline's, accumulation's) manual over `data` too, so that the groups' map can name `data`
   (`jax.vmap(spmd_axis_name="data")`, whose batching of a `shard_map` does not make the axis manual itself). Tried
   with the MoE layer's region manual over `data` as well: jax 0.10.2's batching of a `jit` inside that region
-  fails on its own assertion (a value typed varying over `data` where its mesh has no manual axis); not built;
+  fails on its own assertion (a value typed varying over `data` where its mesh has no manual axis). Tried the
+  other way, the groups' map inside a `shard_map` manual over `data`: the MoE layer's region opens there once it
+  takes the context mesh, and the step then stops at its own sharding constraints (gradients, optimizer), which
+  name the mesh with `data` automatic: the inner step would have to be built on the mesh with `data` typed
+  Manual, its state's shardings with it; not built;
 - a user task under a pipeline without an `spmd.Stack`: a pipeline splits the model into S x V stages of one
   structure, and an arbitrary module declares no sequence of layers to split. With its repeated blocks in a
   `spmd.Stack` run through `spmd.pipeline.pipelined_loss` (`Task(pipelined=True)`, as the GPT's loss does) a
