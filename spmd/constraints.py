@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding
@@ -20,6 +20,26 @@ from spmd.rules import Rules, axes_of, get_rules
 from spmd.sharding import fit_spec
 
 _CURRENT: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar("spmd_rules", default=None)
+
+
+_GROUPS: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("spmd_group_axes", default=frozenset())
+
+
+@contextlib.contextmanager
+def replica_groups(axes: Iterable[str]) -> Iterator[None]:
+    """Mark ``axes``, manual around the model, as splitting independent replica groups (local SGD's over
+    ``data``) rather than one model's tokens: a layer with its own ``shard_map`` (MoE) then keeps its
+    token statistics within a group and opens its region nested in theirs (:func:`group_axes`)."""
+    token = _GROUPS.set(frozenset(axes))
+    try:
+        yield
+    finally:
+        _GROUPS.reset(token)
+
+
+def group_axes() -> frozenset[str]:
+    """The axes :func:`replica_groups` marked around the code being traced (empty outside)."""
+    return _GROUPS.get()
 
 
 @contextlib.contextmanager

@@ -52,8 +52,8 @@ def manual_length_axes(mesh: Mesh, rules: Rules | None, axis: str = "pipe") -> t
     return tuple(a for a in axes_of(dict(rules.activations).get("length")) if a != axis and sizes.get(a, 1) > 1)
 
 
-def _manual_mesh(mesh: Mesh, axes: frozenset[str]) -> Mesh:
-    """The same devices with ``axes`` typed Manual: the context mesh inside the shard_map."""
+def manual_mesh(mesh: Mesh, axes: frozenset[str]) -> Mesh:
+    """The same devices with ``axes`` typed Manual: the context mesh inside a shard_map over them."""
     types = tuple(AxisType.Manual if n in axes else t for n, t in zip(mesh.axis_names, mesh.axis_types))
     return Mesh(mesh.devices, mesh.axis_names, axis_types=types)
 
@@ -77,7 +77,7 @@ def with_inner_rules(fn: Callable, mesh: Mesh, rules: Rules | None, axis: str,
     inside the shard_map; without rules ``fn`` runs as plain code."""
     if rules is None:
         return fn
-    inner = _manual_mesh(mesh, frozenset((axis, *batch_axes)))
+    inner = manual_mesh(mesh, frozenset((axis, *batch_axes)))
     inner_rules = _strip_axes(rules, batch_axes)
 
     def wrapped(*args):

@@ -26,6 +26,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
+from spmd.constraints import replica_groups
+from spmd.manual import manual_mesh
 from spmd.rules import Rules, axes_of
 from trainers.state import ShardedState, TrainState
 
@@ -122,6 +124,18 @@ def inner_rules(rules: Rules) -> Rules:
     return Rules(f"{rules.name}/local", strip(rules.params), strip(rules.activations))
 
 
+def step_layout(mesh: Mesh, template: ShardedState) -> tuple[Mesh, ShardedState]:
+    """The mesh and state template the groups' inner step is built on: with ``data`` > 1 the step runs
+    inside the groups' region manual over ``data``, so on the mesh with ``data`` typed Manual, every
+    sharding of the template re-targeted at its abstract mesh (which the groups' vmap can batch); the
+    specs under :func:`inner_rules` never name ``data``."""
+    if dict(mesh.shape).get(AXIS, 1) == 1:
+        return mesh, template
+    inner = manual_mesh(mesh, frozenset({AXIS}))
+    shardings = jax.tree.map(lambda s: NamedSharding(inner.abstract_mesh, s.spec), template.shardings)
+    return inner, dataclasses.replace(template, shardings=shardings)
+
+
 def groups_of(mesh: Mesh, cfg: LocalSGDConfig) -> int:
     """G: ``cfg.groups``, or the size of ``data``; ValueError when the mesh cannot hold them."""
     data = dict(mesh.shape).get(AXIS, 1)
@@ -197,10 +211,18 @@ class LocalSGD:
             return groups.replace(rng=rngs, outer_params=one.params, outer_opt_state=self.tx.init(one.params))
 
         self._start = jax.jit(start, out_shardings=self.shardings)
-        # no spmd_axis_name: it would put data in the specs of a shard_map inside the step (context attention)
-        # without making data manual there, which does not lower (jax 0.10.2, 0.12); the in/out shardings keep
-        # the group dim on data, and the tests assert the compiled step sends nothing over it
-        grouped = jax.vmap(step_fn)
+        # each data shard maps its G/D groups inside a region manual over data (unchecked typing: see
+        # spmd.models.moe, whose region nests in it), under replica_groups: nothing in it names data
+        mapped = jax.vmap(step_fn)
+
+        def shard_groups(groups: TrainState, split: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+            with replica_groups((AXIS,)):
+                return mapped(groups, split)
+
+        grouped = mapped
+        if dict(mesh.shape).get(AXIS, 1) > 1:
+            grouped = jax.shard_map(shard_groups, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS), axis_names={AXIS},
+                                    check_vma=False)
 
         def inner(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
             groups = state.replace(outer_params=None, outer_opt_state=None)

@@ -24,7 +24,7 @@ from trainers import pretrained, startup
 from trainers.checkpoint import Checkpointer
 from trainers.config import Config
 from trainers.faults import guard as guard_lib
-from trainers.local_sgd import LocalSGD, groups_of, inner_rules
+from trainers.local_sgd import LocalSGD, groups_of, inner_rules, step_layout
 from trainers.lora import freeze_base, frozen_base_loss
 from trainers.lr import make_lr_schedule
 from trainers.objectives.dpo import pair_row_shapes
@@ -119,7 +119,8 @@ def build(cfg: Config, task: Task | None = None, mesh: Mesh | None = None, *, ab
         raise RulesError(task.explain(e) if task.explain is not None else str(e)) from None
     stepped = guard_lib.add_window(sharded, run.spike_window, mesh)
     batch_sharding = spmd.batch_sharding(rules, mesh, dims=("batch",))
-    train_step = train_step_fn(stepped, tx, state_rules, mesh, batch_sharding, schedule=schedule,
+    step_mesh, step_state = step_layout(mesh, stepped) if grouped else (mesh, stepped)
+    train_step = train_step_fn(step_state, tx, state_rules, step_mesh, batch_sharding, schedule=schedule,
                                grad_accum=run.grad_accum, loss_fn=loss_fn, spike_factor=run.spike_factor,
                                fsdp_gather=run.fsdp_gather, jit=not grouped, donate=donate,
                                max_update_ratio=run.max_update_ratio, max_param_growth=run.max_param_growth)

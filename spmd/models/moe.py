@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshes import axis_sizes
 from spmd import collectives
-from spmd.constraints import active_layout, constrain
+from spmd.constraints import active_layout, constrain, group_axes
 from spmd.models import grouped
 from spmd.models import router as router_lib
 from spmd.models.layers import GatedMLP, fan_in_init, param, weight
@@ -332,15 +332,18 @@ class MoE(nnx.Module):
                              f"{' x '.join(outer)} only: {NESTED_REGION}")
         w_spec = P("expert") if ep > 1 else P()
         tok = P(spec[0], spec[1])
+        # nested in replica groups' region (typed unchecked, as this one must then be): checked typing would
+        # give the residuals of its linearization the groups' axes too, which Shardy refuses in a nested region
         return jax.shard_map(local, mesh=layout[0], in_specs=(tok, tok, tok, w_spec, w_spec),
-                             out_specs=(tok, tok, P(manual)),
-                             axis_names=set(manual))(x_BLD, experts_BLK, gates_BLK, w_gate_up, w_down)
+                             out_specs=(tok, tok, P(manual)), axis_names=set(manual),
+                             check_vma=not group_axes())(x_BLD, experts_BLK, gates_BLK, w_gate_up, w_down)
 
 
 def enclosing_token_axes(x_BLD: jax.Array) -> tuple[str, ...]:
     """The mesh axes already manual around the layer that split its tokens: those ``x`` varies over
     (``data`` inside gradient accumulation's loop) or that the active layout's mesh types Manual (a
-    pipeline's region, whose values carry no such types), less ``pipe`` (pipeline stages, not tokens)."""
+    pipeline's region, whose values carry no such types), less ``pipe`` (pipeline stages, not tokens)
+    and the axes of replica groups (:func:`spmd.constraints.replica_groups`: local SGD's ``data``)."""
     layout = active_layout()
     manual = set() if layout is None else set(layout[0].abstract_mesh.manual_axes)
-    return tuple(sorted((manual | collectives.varying_axes(jax.typeof(x_BLD))) - {"pipe"}))
+    return tuple(sorted((manual | collectives.varying_axes(jax.typeof(x_BLD))) - {"pipe", *group_axes()}))

@@ -63,8 +63,7 @@ MICROBATCHES = 2  # a pipe layout's pipeline.microbatches: its one-device refere
 # pairs the toolkit refuses before compiling (docs/compose.md says why): each is one refusal cell of its own;
 # every other cell avoids them, so a refusal never hides the pairs a cell was meant to cover
 REFUSED = ({(("layout", p), ("local_sgd", 1)) for p in ("fsdp", "pipe_expert", "expert_seq")}  # no data axis
-           | {(("layout", p), ("model", "user")) for p in PIPES}
-           | {(("local_sgd", 1), ("model", "moe"))})
+           | {(("layout", p), ("model", "user")) for p in PIPES})
 # triples most large runs use, each forced into the design as a cell of its own (all-pairs covers only pairs)
 TRIPLES = (dict(layout="pipe_expert", model="moe", grad_accum=2),  # pipeline x MoE x accumulation (x seq x expert)
            dict(layout="pipe_seq", dtype="bfloat16"),  # pipeline x seq x bf16
@@ -100,11 +99,16 @@ def refused(cell: dict) -> bool:
     return bool(pairs_of(cell) & REFUSED)
 
 
+def data_size(overrides: list[str]) -> int:
+    """The ``data`` size of a layout's (or the resume mesh's) ``mesh.axes`` override."""
+    return int(dict(a.split("=") for a in overrides[0].removeprefix("mesh.axes=").split(",")).get("data", 1))
+
+
 def regroups(cell: dict) -> bool:
     """Local SGD resumed on a mesh with another ``data`` size, ``local_sgd.groups`` at its default (the data
     size): another number of replica groups, refused naming the key to set."""
-    data = dict(a.split("=") for a in LAYOUTS[cell["layout"]][0].removeprefix("mesh.axes=").split(",")).get("data", "1")
-    return cell["local_sgd"] == 1 and cell["resume"] == "other_mesh" and data != RESUME_MESH[0].split("data=")[1][0]
+    return (cell["local_sgd"] == 1 and cell["resume"] == "other_mesh"
+            and data_size(LAYOUTS[cell["layout"]]) != data_size(RESUME_MESH))
 
 
 def pairs_of(cell: dict) -> set:
@@ -196,9 +200,12 @@ def overrides(cell: dict, *, one_device: bool = False) -> list[str]:
 
 
 def accumulated(cell: dict) -> int:
-    """The microbatches one device accumulates to equal ``cell``: its ``grad_accum``, times a pipeline's
-    microbatches for the MoE (the router's losses are means per microbatch)."""
-    return cell["grad_accum"] * (MICROBATCHES if cell["model"] == "moe" and cell["layout"] in PIPES else 1)
+    """The microbatches one device accumulates to equal ``cell``: its ``grad_accum``, times, for the MoE (the
+    router's losses are means per microbatch), a pipeline's microbatches and local SGD's replica groups (each
+    a mean over its own rows: ``data``'s size of them)."""
+    moe = cell["model"] == "moe"
+    groups = data_size(LAYOUTS[cell["layout"]]) if moe and cell["local_sgd"] else 1
+    return cell["grad_accum"] * (MICROBATCHES if moe and cell["layout"] in PIPES else 1) * groups
 
 
 def _config_and_task(cell: dict, sets: list[str]):
@@ -317,8 +324,8 @@ and the final parameters agree (the detail gives the loss error and the paramete
 update the parameters took; tolerances 1e-5 in f32, 1e-3 / 2e-2 in bf16, 1e-1 for the update of bf16 MoE). `refused`: the run stopped
 before compiling with the message shown.
 
-The combinations refused today, and why (the first, second and fourth cannot equal one device or cannot be
-built from what the toolkit is given; the third could be built and is not yet):
+The combinations refused today, and why (each has nothing to run, cannot equal one device, or cannot be built
+from what the toolkit is given):
 
 - local SGD on a mesh without a `data` axis of size >= 2 (`fsdp=8`, `expert=2 x seq=2 x pipe=2`, `expert=2 x
   seq=2 x tensor=2`) and `local_sgd.groups` at its default (the `data` size): one group is ordinary training
@@ -331,19 +338,10 @@ built from what the toolkit is given; the third could be built and is not yet):
   (and data parallelism) normalises each row with the statistics of the whole global batch, a replica group
   with those of its own B/G rows, so the forward pass differs from one device's at every step, for every H
   (H = 1 included): no averaging rule for the statistics can make it equal;
-- MoE blocks with local SGD: mapped over replica groups (`jax.vmap`), the expert all-to-alls and the router's
-  top-k are partitioned over `data`. The numbers equal data parallelism (2.4e-7 on `data=2 x expert=2`, the
-  refusal lifted by hand), but every inner step all-gathers the groups' tokens over `data` (12 all-gathers,
-  262 KiB per device per step on the tiny model, more than its parameters), the traffic local SGD exists to
-  remove. Lifting it needs every manual region inside the step (the MoE layer's, context attention's, the
-  pipeline's, accumulation's) manual over `data` too, so that the groups' map can name `data`
-  (`jax.vmap(spmd_axis_name="data")`, whose batching of a `shard_map` does not make the axis manual itself). Tried
-  with the MoE layer's region manual over `data` as well: jax 0.10.2's batching of a `jit` inside that region
-  fails on its own assertion (a value typed varying over `data` where its mesh has no manual axis). Tried the
-  other way, the groups' map inside a `shard_map` manual over `data`: the MoE layer's region opens there once it
-  takes the context mesh, and the step then stops at its own sharding constraints (gradients, optimizer), which
-  name the mesh with `data` automatic: the inner step would have to be built on the mesh with `data` typed
-  Manual, its state's shardings with it; not built;
+- (no longer refused: MoE blocks with local SGD. The MoE layer's region opens nested in the replica groups'
+  region manual over `data`, both typed unchecked, so the inner step sends nothing over `data`; the router's
+  statistics are each group's, so a MoE cell with local SGD compares with one device accumulating `data`-size
+  microbatches, as a pipelined MoE cell does with the pipeline's: docs/training.md, "Local SGD");
 - a user task under a pipeline without an `spmd.Stack`: a pipeline splits the model into S x V stages of one
   structure, and an arbitrary module declares no sequence of layers to split. With its repeated blocks in a
   `spmd.Stack` run through `spmd.pipeline.pipelined_loss` (`Task(pipelined=True)`, as the GPT's loss does) a

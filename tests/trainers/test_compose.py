@@ -152,15 +152,3 @@ def test_moe_in_bfloat16_compiles_on_sharded_layouts_and_equals_one_device(sizes
     ref_params, ref_loss = one_step(cfg)
     assert loss == pytest.approx(ref_loss, rel=1e-3)
     assert rel_err(params, ref_params) < 2e-2
-
-
-@pytest.mark.parametrize("sets, match", [
-    (["mesh.axes=data=2,expert=2,tensor=2", "rules=fsdp_tp_ep", "model.n_experts=4"],
-     r"local_sgd.every=2 cannot run with MoE blocks \(model.n_experts=4\)"),
-])
-def test_local_sgd_refuses_what_it_cannot_map_over_replica_groups_before_compiling(sets, match):
-    from trainers.config import override
-    from trainers.recipes import recipe
-
-    with pytest.raises(ValueError, match=match):
-        override(recipe("gpt-small", tiny=True), ["local_sgd.every=2", *sets])

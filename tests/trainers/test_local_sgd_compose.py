@@ -1,5 +1,5 @@
 """Local SGD with layouts that run their own shard_map in the step: context parallelism (``seq``), pipelines,
-accumulation manual over ``fsdp`` (``per_step``); MoE blocks are refused (asserted here). On 4 devices (``data=2`` x 2): H = 1 with plain
+accumulation manual over ``fsdp`` (``per_step``), MoE blocks (their region nested in the groups'). On 4 devices (``data=2`` x 2): H = 1 with plain
 averaging equals data parallelism; 2 inner steps then one outer step equal each group's rows trained
 alone on 2 devices, averaged; the inner step sends nothing over ``data``. Then a resumed CLI run."""
 
@@ -41,8 +41,6 @@ def _tiered(test: str) -> list:
     return [pytest.param(n, marks=pytest.mark.slow if n in TIERED[test] else pytest.mark.sweep) for n in COMBOS]
 
 
-# combinations check_local_sgd still refuses (docs/compose.md says why): asserted refused, not run
-REFUSED = {"moe": r"MoE blocks \(model.n_experts=4\)"}
 STEPS, ROWS, LENGTH = 2, 8, 16
 
 
@@ -81,15 +79,8 @@ def _max_diff(a, b):
     return max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def _refused(name):
-    with pytest.raises(ValueError, match=rf"local_sgd.every=1 cannot run with {REFUSED[name]}"):
-        _config(name, True, *H1)
-
-
 @pytest.mark.parametrize("name", _tiered("h1"))
 def test_h1_equals_data_parallelism_and_the_inner_step_sends_nothing_over_data(name):
-    if name in REFUSED:
-        return _refused(name)
     model = dataclasses.replace(MOE, aux_loss_weight=0.0) if name == "moe" else None
     dp_losses, dp_states = _steps(_build(_config(name, True, model=model)), _batches(STEPS), 0)
     local_run = _build(_config(name, True, *H1, model=model))
@@ -109,8 +100,6 @@ def test_h1_equals_data_parallelism_and_the_inner_step_sends_nothing_over_data(n
 def test_groups_equal_independent_runs_on_their_rows_then_the_average(name):
     """H = 2 inner steps, then one outer step of plain averaging: each group trained alone (the ordinary
     step on a one-group mesh, its half of every batch), then the mean of their params."""
-    if name in REFUSED:
-        return _refused(name)
     data = _batches(STEPS)
     losses, local_states = _steps(_build(_config(name, True, *H1)), data, STEPS)
     local = local_states[-1]
@@ -142,12 +131,13 @@ def test_a_cli_run_with_context_parallelism_resumes(tmp_path):
 
 
 @pytest.mark.sweep
-@pytest.mark.parametrize("name", ["seq", "pipe_1f1b"])
+@pytest.mark.parametrize("name", ["seq", "pipe_1f1b", "moe"])
 def test_two_groups_per_data_shard_equal_data_parallelism(name):
-    """``local_sgd.groups=4`` on data=2 (each data shard maps two groups) with context parallelism or a
-    pipeline: H = 1 with plain averaging equals data parallelism, and the inner step sends nothing over data."""
-    dp_losses, dp_states = _steps(_build(_config(name, True)), _batches(STEPS), 0)
-    run = _build(_config(name, True, *H1, "local_sgd.groups=4"))
+    """``local_sgd.groups=4`` on data=2 (each data shard maps two groups) with context parallelism, a
+    pipeline or MoE blocks: H = 1 with plain averaging equals data parallelism, and the inner step sends nothing over data."""
+    model = dataclasses.replace(MOE, aux_loss_weight=0.0) if name == "moe" else None
+    dp_losses, dp_states = _steps(_build(_config(name, True, model=model)), _batches(STEPS), 0)
+    run = _build(_config(name, True, *H1, "local_sgd.groups=4", model=model))
     losses, states = _steps(run, _batches(STEPS), 1)
     assert run.strategy.local.groups == 4
     assert np.allclose(losses, dp_losses, rtol=1e-5, atol=0), (losses, dp_losses)

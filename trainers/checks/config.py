@@ -15,9 +15,6 @@ from trainers.checks.layout import check_pipeline
 
 FSDP_GATHER = ("per_microbatch", "per_step")  # run.fsdp_gather: when gradient accumulation gathers FSDP weights
 _AUTO = "auto"  # mesh.axes: the planner picks the layout (trainers.config.AUTO)
-# why local SGD refuses MoE blocks (jax 0.10.2 and 0.12; tests/trainers/test_local_sgd_compose.py)
-MOE_UNMAPPED = ("mapped over replica groups (jax.vmap), the expert all-to-alls and the router's top-k are partitioned "
-                "over data: every inner step would all-gather the groups' tokens over data")
 
 
 def check_fsdp_gather(value: str) -> None:
@@ -32,17 +29,13 @@ def _config(path: str, message: str, fix: str, key: str) -> Issue:
 
 
 def check_local_sgd(cfg: Any) -> list[Issue]:
-    """What local SGD (``local_sgd.every`` >= 1) cannot combine with: MoE blocks (:data:`MOE_UNMAPPED`), a
-    data axis under 2 without ``local_sgd.groups``, groups that do not divide over data. The first found
-    only (the last two read the mesh spec). A pipeline, context parallelism
-    and accumulation with ``run.fsdp_gather=per_step`` compose (tests/trainers/test_local_sgd_compose.py)."""
+    """What local SGD (``local_sgd.every`` >= 1) cannot run on: a data axis under 2 without
+    ``local_sgd.groups``, groups that do not divide over data (the first found; both read the mesh spec).
+    MoE blocks, a pipeline, context parallelism and accumulation with ``run.fsdp_gather=per_step``
+    compose (tests/trainers/test_local_sgd_compose.py)."""
     every = cfg.local_sgd.every
     if not cfg.local_sgd.enabled:
         return []
-    if cfg.model.n_experts:
-        return [_config("local_sgd", f"local_sgd.every={every} cannot run with MoE blocks (model.n_experts="
-                        f"{cfg.model.n_experts}): {MOE_UNMAPPED}", "set model.n_experts=0 or local_sgd.every=0",
-                        "model.n_experts")]
     if cfg.mesh.axes == _AUTO:
         return []
     spec, groups = cfg.mesh.spec, cfg.local_sgd.groups
