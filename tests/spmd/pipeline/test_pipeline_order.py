@@ -42,6 +42,25 @@ def test_layer_order_permutation():
         LayerOrder(2, 2).check(6)
 
 
+def test_a_local_sgd_state_converts_each_group_along_its_layers_dim():
+    """Local SGD's leaves ``X[G, L, ...]`` (every leaf but the outer ones): the layers dim is second."""
+    from trainers.checkpoint import layer_order
+
+    order, stacks = LayerOrder(2, 2), ((("blocks",), 8, LayerOrder(2, 2)),)
+    natural = np.arange(16.0).reshape(8, 2)
+    groups = np.stack([natural, natural + 100])  # G = 2 groups
+    stored = {"params": {"blocks": np.stack([order.to_stored(g) for g in groups])},
+              "outer_params": {"blocks": order.to_stored(natural)}}
+    out = jax.device_get(layer_order.to_natural(stored, stacks))
+    assert np.array_equal(out["params"]["blocks"], groups) and np.array_equal(out["outer_params"]["blocks"], natural)
+    back = jax.device_get(layer_order.from_natural(out, stacks))
+    assert np.array_equal(back["params"]["blocks"], stored["params"]["blocks"])
+    # negative control: without the outer keys (an ordinary state) a leaf [8, ...] along its first dim
+    plain = jax.device_get(layer_order.to_natural({"params": {"blocks": stored["outer_params"]["blocks"]}}, stacks))
+    assert np.array_equal(plain["params"]["blocks"], natural)
+    assert not np.array_equal(stored["params"]["blocks"], groups)
+
+
 def chunked_gpt(order: LayerOrder):
     return reorder_stacks(GPT(CFG, rngs=nnx.Rngs(0)), order)
 
