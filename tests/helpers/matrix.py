@@ -190,7 +190,7 @@ def overrides(cell: dict, *, one_device: bool = False) -> list[str]:
     if cell.get("lora"):
         sets += [f"lora.rank={cell['lora']}", "lora.alpha=8", f"lora.dropout={cell.get('lora_dropout', 0.0)}"]
     if cell["model"] == "moe":  # dropless: capacity groups are per device, so a capacity drops differently per layout
-        sets += ["model.capacity_factor=0"]
+        sets += ["model.capacity_factor=0"] + (["model.aux_loss_weight=0"] if group_balanced(cell) else [])
     if one_device:
         return sets + ["mesh.axes=data=1", "rules=none"]
     sets += LAYOUTS[cell["layout"]]
@@ -200,12 +200,17 @@ def overrides(cell: dict, *, one_device: bool = False) -> list[str]:
 
 
 def accumulated(cell: dict) -> int:
-    """The microbatches one device accumulates to equal ``cell``: its ``grad_accum``, times, for the MoE (the
-    router's losses are means per microbatch), a pipeline's microbatches and local SGD's replica groups (each
-    a mean over its own rows: ``data``'s size of them)."""
-    moe = cell["model"] == "moe"
-    groups = data_size(LAYOUTS[cell["layout"]]) if moe and cell["local_sgd"] else 1
-    return cell["grad_accum"] * (MICROBATCHES if moe and cell["layout"] in PIPES else 1) * groups
+    """The microbatches one device accumulates to equal ``cell``: its ``grad_accum``, times a pipeline's
+    microbatches for the MoE (the router's losses are means per microbatch)."""
+    return cell["grad_accum"] * (MICROBATCHES if cell["model"] == "moe" and cell["layout"] in PIPES else 1)
+
+
+def group_balanced(cell: dict) -> bool:
+    """A MoE cell with local SGD: each replica group's load-balancing loss is a product of means over its own
+    contiguous rows, which no one-device accumulation (microbatches of strided rows) reproduces, so it runs
+    with ``model.aux_loss_weight=0``, and so does its reference (tests/trainers/test_local_sgd_compose.py
+    checks the groups' own losses against independent runs on their rows)."""
+    return cell["model"] == "moe" and bool(cell["local_sgd"])
 
 
 def _config_and_task(cell: dict, sets: list[str]):
@@ -298,7 +303,7 @@ def reference_key(cell: dict) -> tuple:
     per microbatch)."""
     per_microbatch = cell["model"] != "gpt" or cell.get("lora_dropout", 0.0) > 0
     return (cell["model"], cell["length"], cell["dtype"], accumulated(cell) if per_microbatch else 1,
-            cell.get("lora", 0), cell.get("lora_dropout", 0.0))
+            cell.get("lora", 0), cell.get("lora_dropout", 0.0), group_balanced(cell))
 
 
 def run_reference(cell: dict, workdir: str):
@@ -339,9 +344,10 @@ from what the toolkit is given):
   with those of its own B/G rows, so the forward pass differs from one device's at every step, for every H
   (H = 1 included): no averaging rule for the statistics can make it equal;
 - (no longer refused: MoE blocks with local SGD. The MoE layer's region opens nested in the replica groups'
-  region manual over `data`, both typed unchecked, so the inner step sends nothing over `data`; the router's
-  statistics are each group's, so a MoE cell with local SGD compares with one device accumulating `data`-size
-  microbatches, as a pipelined MoE cell does with the pipeline's: docs/training.md, "Local SGD");
+  region manual over `data`, both typed unchecked, so the inner step sends nothing over `data`. A group's
+  load-balancing loss is a product of means over its own rows, which one device does not compute, so a MoE
+  cell with local SGD and its reference run with `model.aux_loss_weight=0`; the groups' own losses are checked
+  against independent runs on their rows: docs/training.md, "Local SGD");
 - a user task under a pipeline without an `spmd.Stack`: a pipeline splits the model into S x V stages of one
   structure, and an arbitrary module declares no sequence of layers to split. With its repeated blocks in a
   `spmd.Stack` run through `spmd.pipeline.pipelined_loss` (`Task(pipelined=True)`, as the GPT's loss does) a
