@@ -87,7 +87,7 @@ def without_axes(sharding: NamedSharding, axes: tuple[str, ...]) -> NamedShardin
 
 
 def accumulate(grad_fn: Callable, params: Any, batch: Any, key: jax.Array, *, grad_accum: int, mesh: Mesh,
-               rules: Rules, param_shardings: Any, axes: tuple[str, ...]):
+               rules: Rules, param_shardings: Any, axes: tuple[str, ...], checked: bool = True):
     """``(grads, loss, aux)``: the mean over ``grad_accum`` microbatches of ``grad_fn(params, {}, mb, key_j)``
     (``(loss, (aux, other)), grads``), reduced once over ``axes``, which are manual in the loop.
 
@@ -97,7 +97,8 @@ def accumulate(grad_fn: Callable, params: Any, batch: Any, key: jax.Array, *, gr
     parameter shardings, reduces them: a reduce-scatter over gathered axes, an all-reduce over the
     rest. Each device's loss is the mean over its rows; loss and aux are averaged over ``axes``
     (rows split evenly: the global mean). Random draws of the loss use ``key_j`` folded with the
-    device's index over ``axes``: independent per device, not the single-device draws.
+    device's index over ``axes``: independent per device, not the single-device draws. ``checked=False``:
+    the region's typing unchecked, for a layer's region nested in it (``spmd.models.moe``).
     """
     n = math.prod(axis_sizes(mesh)[a] for a in axes)
     micro = jax.tree.map(lambda x: split_microbatches(x, grad_accum), batch)  # [k, B/k, ...], rows stay put
@@ -105,8 +106,9 @@ def accumulate(grad_fn: Callable, params: Any, batch: Any, key: jax.Array, *, gr
 
     def local(params, micro, key):
         # differentiate a per-device (varying) copy: its gradient stays a local partial sum, where the
-        # gradient of an invariant input would be psum-ed at every microbatch
-        params = jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), params)
+        # gradient of an invariant input would be psum-ed at every microbatch (unchecked: always local)
+        if checked:
+            params = jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), params)
         device_key = jax.random.fold_in(key, jax.lax.axis_index(axes))
 
         def body(acc, xs):
@@ -120,7 +122,7 @@ def accumulate(grad_fn: Callable, params: Any, batch: Any, key: jax.Array, *, gr
 
     inner = with_inner_rules(local, mesh, rules, axes[0], axes)  # constraints name automatic axes only
     loop = jax.shard_map(inner, mesh=mesh, in_specs=(P(), batch_spec, P()), out_specs=(P(axes), P(), P()),
-                         axis_names=frozenset(axes))
+                         axis_names=frozenset(axes), check_vma=checked)
     found = manual_gathers(loop, params, micro, key) if GATHER_ABORTS else {}
     if found:  # at trace time: once per compiled step
         log.warning("gradient accumulation reduces the gradients every microbatch, not once per step: the loss "

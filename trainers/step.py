@@ -20,7 +20,6 @@ from jax.sharding import Mesh, NamedSharding
 
 import spmd
 from spmd.models import lm_loss
-from spmd.models.moe import NESTED_REGION
 from spmd.models.packed import PACKED_KEYS
 from spmd.pipeline import PipelineConfig
 from trainers import accumulate
@@ -172,9 +171,10 @@ def train_step_fn(
                 (loss, (aux, new_other)), grads = grad_fn(params, other, batch, step_key)
             elif axes and why is None:
                 # one reduction per step (trainers/accumulate.py)
+                nests = _nests_region(model_vars, params, other, _layer_axes(mesh, rules), axes)
                 grads, loss, aux = accumulate.accumulate(grad_fn, params, batch, step_key, grad_accum=grad_accum,
                                                          mesh=mesh, rules=rules, param_shardings=param_shardings,
-                                                         axes=axes)
+                                                         axes=axes, checked=not nests)
                 new_other = other
             else:  # batch statistics, RNG streams, a pipeline or a layer with its own shard_map (MoE): the loop
                 # under GSPMD reduces every microbatch
@@ -244,20 +244,20 @@ def _layer_axes(mesh: Mesh, rules: spmd.Rules) -> tuple[str, ...]:
 def _loop_under_gspmd(model_vars: Any, params: Any, other: Any, pipelined: bool, loss_fn: Any = None,
                       layer_axes: tuple[str, ...] = (), axes: tuple[str, ...] = ()) -> str | None:
     """Why the accumulation loop must stay under GSPMD (None: it need not). A loss says so itself with a
-    ``manual_unsafe`` attribute naming why (e.g. the DPO loss). A layer with its own ``shard_map`` over
-    ``layer_axes`` (MoE) runs inside the loop's region only when the loop is manual over all of them (``axes``)."""
+    ``manual_unsafe`` attribute naming why (e.g. the DPO loss)."""
     if getattr(loss_fn, "manual_unsafe", None):
         return str(loss_fn.manual_unsafe)
     if jax.tree.leaves(other):
         return "the model carries state besides its parameters (batch statistics, RNG streams)"
     if pipelined:
         return "the loss runs a pipeline (its own shard_map over the batch axes)"
-    missing = [a for a in layer_axes if a not in axes]
-    if missing and _opens_manual_region(model_vars, params, other):
-        return (f"a layer runs its own shard_map (e.g. MoE) over {' x '.join(layer_axes)}, and the loop's region is "
-                f"manual over {' x '.join(axes) or 'none of them'}: {NESTED_REGION} (run.fsdp_gather=per_step makes "
-                f"every batch axis manual)")
     return None
+
+
+def _nests_region(model_vars: Any, params: Any, other: Any, layer_axes: tuple[str, ...], axes: tuple[str, ...]) -> bool:
+    """Whether a layer's own ``shard_map`` over ``layer_axes`` (MoE) opens nested in the loop's region manual
+    over ``axes`` (some of them automatic there): both regions then run with unchecked typing."""
+    return any(a not in axes for a in layer_axes) and _opens_manual_region(model_vars, params, other)
 
 
 def _opens_manual_region(model_vars: Any, params: Any, other: Any) -> bool:

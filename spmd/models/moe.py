@@ -327,16 +327,12 @@ class MoE(nnx.Module):
 
         if not inner:
             return local(x_BLD, experts_BLK, gates_BLK, w_gate_up, w_down)
-        if outer:
-            raise ValueError(f"the MoE layer needs {' x '.join(inner)} manual, but an enclosing region is manual over "
-                             f"{' x '.join(outer)} only: {NESTED_REGION}")
-        w_spec = P("expert") if ep > 1 else P()
+        w_spec = P("expert") if "expert" in inner else P()
         tok = P(spec[0], spec[1])
-        # nested in replica groups' region (typed unchecked, as this one must then be): checked typing would
-        # give the residuals of its linearization the groups' axes too, which Shardy refuses in a nested region
+        nested = bool(layout[0].abstract_mesh.manual_axes)  # in accumulation's loop, replica groups' region
         return jax.shard_map(local, mesh=layout[0], in_specs=(tok, tok, tok, w_spec, w_spec),
-                             out_specs=(tok, tok, P(manual)), axis_names=set(manual),
-                             check_vma=not group_axes())(x_BLD, experts_BLK, gates_BLK, w_gate_up, w_down)
+                             out_specs=(tok, tok, P(inner)), axis_names=set(inner),
+                             check_vma=not nested)(x_BLD, experts_BLK, gates_BLK, w_gate_up, w_down)
 
 
 def enclosing_token_axes(x_BLD: jax.Array) -> tuple[str, ...]:

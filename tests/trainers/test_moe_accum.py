@@ -1,7 +1,8 @@
 """MoE under gradient accumulation with ``fsdp_gather=per_step``: the loop's region is manual over every batch
 axis, ``expert`` included, so the MoE layer runs its per-shard body there (no shard_map of its own) and the
 gradient is reduced once per step; it equals one device accumulating the same 2 microbatches (the router's
-losses are per-microbatch means). With ``per_microbatch`` the loop stays under GSPMD, with the reason named.
+losses are per-microbatch means). With ``per_microbatch`` the loop is manual over ``data`` and the layer's
+region over ``expert`` opens nested in it (both typed unchecked): reduced once over ``data`` as well.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from test_compose import LENGTH, ROWS, TOL, TX, one_step
 import meshes
 import spmd
 from spmd.models import GPTConfig
-from spmd.models.moe import NESTED_REGION
 from trainers.setup import build
 from trainers.step import accumulation_note
 
@@ -59,19 +59,24 @@ def test_moe_accumulates_once_per_step_equal_to_one_device():
     check(MOE, *DP_EP)
     ref_params, _ = one_step(MOE, k=2)
     assert rel_err(accum_step(MOE, *DP_EP, PER_STEP)[0], one_step(MOE)[0]) > TOL  # control: the whole batch at once
-    # per_microbatch: expert stays automatic in the loop's region, the layer's shard_map would nest: under GSPMD
+    # per_microbatch: expert (it shards the experts) stays automatic in the loop's region, manual over data; the
+    # layer's region over expert nests in it. Over data: once per step; over expert alone: every microbatch
     params, _, ops, _ = accum_step(MOE, *DP_EP)
     assert rel_err(params, ref_params) < TOL
-    assert any(o.count == 2 and o.kind in ("all-reduce", "reduce-scatter") and o.bytes > 1000 for o in ops)
+    reductions = [o for o in ops if o.kind in ("all-reduce", "reduce-scatter") and o.bytes > 1000]
+    assert [o for o in reductions if o.count == 1 and "data" in o.axes], spmd.hlo.format_collectives(ops)
+    assert not [o for o in reductions if o.count > 1 and "data" in o.axes], spmd.hlo.format_collectives(ops)
+    assert [o for o in reductions if o.count == 2 and o.axes == ("expert",)], spmd.hlo.format_collectives(ops)
 
 
-def test_the_note_names_why_per_microbatch_stays_under_gspmd():
+def test_no_note_under_either_fsdp_gather():
     sizes, rules = DP_EP
     sharded = accum_step(MOE, sizes, rules, PER_STEP)[3].sharded
     mesh = meshes.make_mesh(dict(sizes))
     assert accumulation_note(sharded, rules, mesh, ROWS, grad_accum=2, fsdp_gather="per_step") is None
-    note = accumulation_note(sharded, rules, mesh, ROWS, grad_accum=2)
-    assert "over data=4 every microbatch" in note and NESTED_REGION in note and "per_step" in note
+    assert accumulation_note(sharded, rules, mesh, ROWS, grad_accum=2) is None
+    # negative control: a microbatch that does not divide over data is named
+    assert "over data=4 every microbatch" in accumulation_note(sharded, rules, mesh, 4, grad_accum=2)
 
 
 @pytest.mark.slow
