@@ -42,11 +42,8 @@ GATHERS = ("gather", "scatter", "scatter-add", "scatter_add", "scatter-mul", "sc
 def reduction_axes(mesh: Mesh, rules: Rules, batch: Any, grad_accum: int, fsdp_gather: str) -> tuple[str, ...]:
     """The batch axes the loop runs manual over: those the rules split ``batch`` over (size > 1, rows
     per microbatch dividing), less the axes that shard parameters under ``"per_microbatch"``; none on
-    a mesh with Explicit axes, or under context parallelism (length over a seq axis of size > 1: its
-    attention's custom VJP is not typed for an enclosing manual region yet); the loop then stays under GSPMD."""
+    a mesh with Explicit axes (the loop then stays under GSPMD)."""
     if any(t == AxisType.Explicit for t in mesh.axis_types):
-        return ()
-    if dict(mesh.shape).get("seq", 1) > 1 and "seq" in axes_of(dict(rules.activations).get("length")):
         return ()
     rows = jax.tree.leaves(batch)[0].shape[0] // grad_accum
     return manual_batch_axes(mesh, rules, rows, axis="", shard_params=fsdp_gather == "per_step")
@@ -56,7 +53,7 @@ def per_microbatch_note(mesh: Mesh, rules: Rules, rows: int, grad_accum: int, fs
                         why: str | None = None) -> str | None:
     """Why the loop cannot reduce once per step over the batch axes it could (None when it does, or
     nothing is reduced): ``why`` (a reason the caller found, e.g. batch statistics), a mesh with
-    Explicit axes, context parallelism, or a microbatch of ``rows / grad_accum`` rows that does not
+    Explicit axes, or a microbatch of ``rows / grad_accum`` rows that does not
     divide over the batch axes; names the rows, the axes and their sizes."""
     if grad_accum <= 1:
         return None
@@ -71,8 +68,6 @@ def per_microbatch_note(mesh: Mesh, rules: Rules, rows: int, grad_accum: int, fs
     where = " x ".join(f"{a}={sizes[a]}" for a in missing)
     if why is None and any(t == AxisType.Explicit for t in mesh.axis_types):
         why = "the mesh has Explicit axes"
-    elif why is None and sizes.get("seq", 1) > 1 and "seq" in axes_of(dict(rules.activations).get("length")):
-        why = "context parallelism over seq (its attention is not typed for an enclosing manual region)"
     elif why is None:
         why = (f"a microbatch of {micro} rows ({rows} rows / grad_accum={grad_accum}) does not divide over the batch "
                f"axes {' x '.join(f'{a}={sizes[a]}' for a in wanted)}; a batch of rows a multiple of {n * grad_accum} "

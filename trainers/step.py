@@ -255,15 +255,18 @@ def _loop_under_gspmd(model_vars: Any, params: Any, other: Any, pipelined: bool,
 
 
 def _nests_region(model_vars: Any, params: Any, other: Any, layer_axes: tuple[str, ...], axes: tuple[str, ...]) -> bool:
-    """Whether a layer's own ``shard_map`` over ``layer_axes`` (MoE) opens nested in the loop's region manual
-    over ``axes`` (some of them automatic there): both regions then run with unchecked typing."""
-    return any(a not in axes for a in layer_axes) and _opens_manual_region(model_vars, params, other)
+    """Whether a layer's own ``shard_map`` opens nested in the loop's region manual over ``axes``: context
+    attention's over ``seq`` (in ``layer_axes``), or one over ``layer_axes`` (MoE) some of which are automatic
+    there. Both regions then run with unchecked typing: checked, the residuals of the layer scan's
+    linearization would name the loop's axes in the nested region, which Shardy refuses."""
+    context = "seq" in layer_axes
+    return context or any(a not in axes for a in layer_axes) and _opens_manual_region(model_vars, params, other)
 
 
 def _opens_manual_region(model_vars: Any, params: Any, other: Any) -> bool:
     """Whether a module of the model runs its own ``shard_map`` (class attribute ``opens_manual_region``,
-    e.g. :class:`spmd.models.MoE`): nested inside the accumulation loop's manual region it does not
-    lower (``spmd.models.moe.NESTED_REGION``); in a region manual over all its axes it runs without one."""
+    e.g. :class:`spmd.models.MoE`): nested inside the accumulation loop's manual region it needs both
+    unchecked (:func:`_nests_region`); in a region manual over all its axes it runs without one."""
     return any(getattr(node, "opens_manual_region", False) for _, node in nnx.iter_graph(model_vars.merge(params, other)))
 
 

@@ -28,9 +28,6 @@ from spmd.rules import Rules, axes_of
 EP_PRESETS = "dp_ep, fsdp_ep, fsdp_tp_ep"
 EXCHANGES = ("padded", "ragged")  # dropless dispatch under expert parallelism: static [ep, R, D] buffers, routed rows
 STATS = (*router_lib.STATS, "dropped")  # the statistics a MoE layer returns (without report_rows)
-# why the layer's shard_map cannot open inside another manual region (jax 0.10.2 and 0.12, Shardy)
-NESTED_REGION = ("a shard_map nested in a manual region inside the layer scan does not lower under jax.grad (the "
-                 "scan's linearization gives its residuals the enclosing manual axes too)")
 
 
 def experts_mlp(x_SECD: jax.Array, w_gate_up_EDTF: jax.Array, w_down_EFD: jax.Array) -> jax.Array:
@@ -297,7 +294,10 @@ class MoE(nnx.Module):
         Inside an enclosing region manual over every token axis (gradient accumulation's loop with
         ``fsdp_gather="per_step"``) the per-shard body runs as it is, no ``shard_map``: the weights arrive
         whole (gathered once per step), each device slices its E/ep experts (gradient ``G[E]`` zero outside
-        that slice). An enclosing region manual over some token axes only is refused (:data:`NESTED_REGION`)."""
+        that slice). Inside a region manual over some of them only (accumulation's loop over ``data``, replica
+        groups' region) its ``shard_map`` over the rest opens nested, typed unchecked, as the enclosing region
+        must then be: checked, jax would name the enclosing axes in its linearization's residuals, which
+        Shardy refuses in a nested region."""
         layout = active_layout()
         outer = enclosing_token_axes(x_BLD)
         ep, spec, manual = 1, P(), ()

@@ -84,6 +84,19 @@ def test_hybrid_reduces_over_data_once_in_both_modes():
     assert scatters("dp2_fsdp2_tp2", K)["bytes"] > (K - 1) * once["bytes"]
 
 
+@pytest.mark.parametrize("name, mode, axis", [("dp2_seq2_tp2", "per_microbatch", "data"), ("fsdp2_seq4", "per_step", "fsdp")])
+def test_context_parallelism_reduces_once_over_the_batch_axes(name, mode, axis):
+    """Context attention's region (manual over seq) opens nested in the loop's (manual over the batch axes),
+    both typed unchecked: one gradient reduction over the batch axis per step, equal to one device."""
+    ref_params, ref_metrics = reference()
+    step = accum_step(name, 2, mode)
+    params, metrics = step.run()
+    assert float(metrics["loss"]) == pytest.approx(float(ref_metrics["loss"]), rel=1e-5)
+    assert rel_err(params, ref_params) < 1e-5
+    reduced = [o for o in step.ops if o.kind in ("all-reduce", "reduce-scatter") and axis in o.axes and o.bytes > 1000]
+    assert reduced and all(o.count == 1 for o in reduced), spmd.hlo.format_collectives(step.ops)
+
+
 def test_per_step_holds_full_weights_and_accumulator():
     """The trade-off in memory: per_step keeps every gathered weight and a full-size accumulator."""
     temp = {m: accum_step("fsdp8", K, m).compiled.memory_analysis().temp_size_in_bytes for m in ("per_microbatch", "per_step")}
