@@ -57,7 +57,7 @@ def config(steps: int, quick: bool, run_dir: str, every: int) -> Config:
 
 def dp_bytes_per_step(cfg: Config) -> int:
     """Bytes per device the ordinary train step sends over ``data`` (its compiled HLO; one compile)."""
-    run = build(cfg, abstract=True)  # abstract: the ordinary (data-parallel) step, also with local_sgd.every set
+    run = build(override(cfg, ["local_sgd.every=0"]), abstract=True)  # the ordinary (data-parallel) step
     mesh, step, batch = run.mesh, run.train_step, run.abstract_batch()
     return data_bytes(step.lower(run.stepped.abstract, batch).compile(), mesh)
 

@@ -271,6 +271,12 @@ class LocalSGD:
         self.bytes_sent += self.bytes_per_call[name]
         return self.compiled[name](*args)
 
+    def compile_steps(self, batch: Any) -> dict[str, Any]:
+        """The inner and outer steps compiled for :attr:`abstract` and ``batch`` (shapes only): what a
+        dry run reads (``{"inner": ..., "outer": ...}``)."""
+        return {"inner": self._inner.lower(self.abstract, batch).compile(),
+                "outer": self._outer.lower(self.abstract).compile()}
+
     def start(self, one: TrainState) -> TrainState:
         """The local-SGD state from one group's state (fresh, or ``init_from`` params)."""
         return self._start(one)

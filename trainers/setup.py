@@ -107,7 +107,7 @@ def build(cfg: Config, task: Task | None = None, mesh: Mesh | None = None, *, ab
     loss_fn = task.loss
     if cfg.lora.enabled:  # the base frozen: no gradient, no optimizer state (trainers.lora)
         tx, loss_fn = freeze_base(tx), frozen_base_loss(task.loss)
-    grouped = cfg.local_sgd.enabled and not abstract
+    grouped = cfg.local_sgd.enabled
     state_rules = inner_rules(rules) if grouped else rules
     if grouped:
         groups_of(mesh, cfg.local_sgd)

@@ -295,3 +295,26 @@ def test_context_and_expert_parallel_dry_run_matches_the_analytic_exchange():
     assert not [i for i in report.issues if i.kind == "all-to-all"], report.issues
     text = report.format()
     assert re.search(r"collective-permute\s+seq\s", text) and re.search(r"all-to-all\s+expert\s", text)
+
+
+def test_a_local_sgd_dry_run_costs_every_group_and_the_outer_state():
+    """Local SGD (4 replica groups on data=2, DiLoCo's Nesterov): the dry run compiles the inner step on every
+    group's state. Its state bytes equal the real run's fresh state on the devices (two groups per device plus
+    the outer params and momentum), it sends nothing over data, and its note gives the outer step's bytes, as
+    the outer step compiled on the real state sends them."""
+    from trainers.local_sgd import data_bytes
+
+    sets = ["mesh.axes=data=2,fsdp=2,tensor=2", "rules=fsdp_tp", "local_sgd.every=4", "local_sgd.groups=4",
+            "local_sgd.outer_optimizer=nesterov"]
+    cfg = override(recipe("gpt-small", tiny=True), sets)
+    report = dry_run(cfg, devices=8, hardware="h100")
+    setup = build(cfg, mesh=meshes.make_mesh(meshes.MeshSpec.of(cfg.mesh.axes)))
+    state = setup.strategy.fresh()
+    assert report.state_bytes == spmd.inspection.tree_bytes_per_device(state)
+    assert not [o for o in report.collectives if "data" in o.axes], report.collectives
+    outer = data_bytes(setup.strategy.local._outer.lower(state).compile(), setup.mesh)
+    note = [str(i) for i in report.issues if i.kind == "local_sgd"]
+    assert outer > 0 and note and f"every 4 steps, {outer} " in note[0] and "2 group(s) per device" in note[0], note
+    # negative control: the same layout without local SGD holds one state and reduces gradients over data
+    dp = dry_run(override(recipe("gpt-small", tiny=True), sets[:2]), devices=8, hardware="h100")
+    assert report.state_bytes > 2 * dp.state_bytes and [o for o in dp.collectives if "data" in o.axes]

@@ -149,12 +149,12 @@ def test_blockers_read_the_tensor_sizes_from_the_pass(cfg):
 
 
 def test_config_stage_runs_when_the_config_is_built(cfg):
-    every4 = dataclasses.replace(cfg.local_sgd, every=4)
-    moe = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_experts=4))
-    (i,) = check_local_sgd(_unchecked(moe, local_sgd=every4))
-    assert (i.stage, i.key, i.fatal) == ("config", "model.n_experts", True)
+    three = dataclasses.replace(cfg.local_sgd, every=4, groups=3)
+    two = override(cfg, ["mesh.axes=data=2,fsdp=4"])
+    (i,) = check_local_sgd(_unchecked(two, local_sgd=three))
+    assert (i.stage, i.key, i.fatal) == ("config", "local_sgd.groups", True)
     with pytest.raises(ValueError) as e:
-        dataclasses.replace(moe, local_sgd=every4)
+        dataclasses.replace(two, local_sgd=three)
     assert str(e.value) == str(i)  # raise_first_fatal: the message and fix, as before
     with pytest.raises(ValueError, match=r"batch of 8 .* does not split into pipeline.microbatches=3"):
         override(cfg, ["pipeline.schedule=1f1b", "pipeline.microbatches=3"])  # at --set time, as before

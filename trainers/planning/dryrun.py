@@ -20,6 +20,7 @@ import spmd
 from spmd.models import param_count
 from trainers.checks import Compiled, Issue, batch_axes, check
 from trainers.config import Config
+from trainers.local_sgd import data_bytes
 from trainers.planning.costs import Traffic, layout_costs, layout_roofline, model_flops, rows_per_device
 from trainers.planning.diagnose import capture_stderr
 from trainers.planning.fresh_process import call_with_devices, check_simulated, import_root
@@ -107,10 +108,17 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
         batch = setup.abstract_batch()
     else:
         batch = batch_shapes(profile.example, cfg.data.global_batch, setup.batch_sharding)
+    local = getattr(setup.strategy, "local", None)  # local SGD: its inner step on every group's state
     t0 = time.perf_counter()
     with capture_stderr() as log:
-        compiled = step.lower(state, batch).compile()
+        if local is None:
+            compiled = step.lower(state, batch).compile()
+        else:
+            steps = local.compile_steps(batch)
+            compiled, state = steps["inner"], setup.strategy.abstract
     compile_s = time.perf_counter() - t0
+    if local is not None:
+        issues.append(local_sgd_note(local, steps, mesh))
 
     ops = spmd.hlo.collectives(compiled, mesh)
     if piped:  # a stage's own collectives (tensor all-reduces, ...) run only on the ticks it runs their op
@@ -134,12 +142,23 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
         rows_per_device(cfg, sizes), batch_axes(rules, sizes))
     issues += check(cfg, stages=("compiled",), compiled=Compiled(ops, log[0] if log else "", split))
     state_bytes, batch_bytes = compiled_arg_bytes(compiled, (state, batch))
+    per_shard = 1 if local is None else local.groups // sizes.get("data", 1)  # groups mapped on each device
     return DryRunReport(
         **common, analytic=analytic, compiled=spmd.inspection.memory(compiled), state_bytes=state_bytes,
-        batch_bytes=batch_bytes, model_bytes=state_bytes + batch_bytes + analytic.grads + analytic.activations,
+        batch_bytes=batch_bytes, model_bytes=state_bytes + batch_bytes + per_shard * (analytic.grads + analytic.activations),
         verdict="compiled" if is_cpu_target(hw) else "accelerator", collectives=tuple(ops), traffic=tuple(traffic),
         analytic_traffic=costs.traffic, roofline=layout_roofline(cfg, sizes, hw, analytic, traffic, profile=profile),
         issues=tuple(issues), compile_s=compile_s, backend=backend, pipe_sent=sent.get("pipeline", 0))
+
+
+def local_sgd_note(local: Any, steps: dict[str, Any], mesh: Any) -> Issue:
+    """What local SGD sends over ``data``: nothing per inner step, the outer all-reduce every H steps."""
+    inner, outer = (data_bytes(steps[k], mesh) for k in ("inner", "outer"))
+    h, g = local.cfg.every, local.groups
+    return Issue("local_sgd", "params", None, f"local SGD ({g} replica groups, H={h}): the inner step sends {inner} bytes "
+                 f"per device over data; the outer step, every {h} steps, {outer} ({outer / h:.0f} per step); the "
+                 f"state holds {g // dict(mesh.shape).get('data', 1)} group(s) per device plus the outer params and "
+                 "optimizer state", "", stage="compiled")
 
 
 def branch_weighted(ops: list[spmd.hlo.Collective], compiled, schedule) -> list[spmd.hlo.Collective]:
