@@ -117,8 +117,9 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
             steps = local.compile_steps(batch)
             compiled, state = steps["inner"], setup.strategy.abstract
     compile_s = time.perf_counter() - t0
+    per_shard = 1 if local is None else local.groups // sizes.get("data", 1)  # groups mapped on each device
     if local is not None:
-        issues.append(local_sgd_note(local, steps, mesh))
+        issues.append(local_sgd_note(local, steps, mesh, per_shard))
 
     ops = spmd.hlo.collectives(compiled, mesh)
     if piped:  # a stage's own collectives (tensor all-reduces, ...) run only on the ticks it runs their op
@@ -142,7 +143,6 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
         rows_per_device(cfg, sizes), batch_axes(rules, sizes))
     issues += check(cfg, stages=("compiled",), compiled=Compiled(ops, log[0] if log else "", split))
     state_bytes, batch_bytes = compiled_arg_bytes(compiled, (state, batch))
-    per_shard = 1 if local is None else local.groups // sizes.get("data", 1)  # groups mapped on each device
     return DryRunReport(
         **common, analytic=analytic, compiled=spmd.inspection.memory(compiled), state_bytes=state_bytes,
         batch_bytes=batch_bytes, model_bytes=state_bytes + batch_bytes + per_shard * (analytic.grads + analytic.activations),
@@ -151,13 +151,13 @@ def _dry_run_here(cfg: Config, task: Task | None, devices: int, hw: Hardware, he
         issues=tuple(issues), compile_s=compile_s, backend=backend, pipe_sent=sent.get("pipeline", 0))
 
 
-def local_sgd_note(local: Any, steps: dict[str, Any], mesh: Any) -> Issue:
+def local_sgd_note(local: Any, steps: dict[str, Any], mesh: Any, per_shard: int) -> Issue:
     """What local SGD sends over ``data``: nothing per inner step, the outer all-reduce every H steps."""
     inner, outer = (data_bytes(steps[k], mesh) for k in ("inner", "outer"))
     h, g = local.cfg.every, local.groups
     return Issue("local_sgd", "params", None, f"local SGD ({g} replica groups, H={h}): the inner step sends {inner} bytes "
                  f"per device over data; the outer step, every {h} steps, {outer} ({outer / h:.0f} per step); the "
-                 f"state holds {g // dict(mesh.shape).get('data', 1)} group(s) per device plus the outer params and "
+                 f"state holds {per_shard} group(s) per device plus the outer params and "
                  "optimizer state", "", stage="compiled")
 
 
